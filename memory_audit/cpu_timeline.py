@@ -1,0 +1,100 @@
+"""CPU: turn the profiler's memory timeline into the CUDA snapshot schema.
+
+Like torch.cuda._memory_viz._profile_to_snapshot, but it keeps the time of every event and
+cuts the trace at a phase marker, so one profile gives the three phase snapshots. CPU memory
+has no caching allocator: each live allocation becomes its own segment with one active block
+(size == requested_size), so reserved == allocated and there are no gaps.
+"""
+
+import re
+
+_FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<name>.*)$")
+
+
+def _frame(name):
+    m = _FRAME.match(name)
+    if m:
+        return {"filename": m["file"], "line": int(m["line"]), "name": m["name"]}
+    return {"filename": "??", "line": 0, "name": name}
+
+
+def _name(event):
+    try:
+        return event.name
+    except UnicodeDecodeError:  # the profiler sometimes hands back undecodable names
+        return "<undecodable>"
+
+
+def timeline_events(prof, markers):
+    """Allocation events of a finished profile and the times of the named markers.
+
+    Returns (events, marker_times): events is a time-ordered list of
+    (t_ns, "alloc"|"free", addr, size, frames, category); marker_times maps marker -> t_ns.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler._memory_profiler import Action, TensorKey
+
+    mp = prof._memory_profile()
+    stacks, marker_times = {}, {}
+    for event in mp._op_tree.sorted_nodes:
+        if event.tag == _EventType.TorchOp:
+            name = _name(event)
+            if name in markers and name not in marker_times:
+                marker_times[name] = event.start_time_ns
+        if event.tag == _EventType.Allocation:
+            key = TensorKey.from_allocation(event.extra_fields)
+            if key and event.extra_fields.alloc_size > 0:
+                frames, parent = [], event.parent
+                while parent:
+                    if parent.tag in (_EventType.PyCall, _EventType.PyCCall):
+                        frames.append(_frame(_name(parent)))
+                    parent = parent.parent
+                stacks[key] = frames
+
+    events, live = [], {}
+    t_first = None
+    for t, action, (key, version), size in mp.timeline:
+        if not isinstance(key, TensorKey) or key.device.type != "cpu":
+            continue
+        if t_first is None and t >= 0:
+            t_first = t
+        if action in (Action.CREATE, Action.PREEXISTING):
+            category = mp._categories.get(key, version)
+            category = category.name.lower() if category is not None else "unknown"
+            t_alloc = t if action == Action.CREATE else -1
+            live[key] = (key.storage.ptr, size)
+            events.append((t_alloc, "alloc", key.storage.ptr, size, stacks.get(key, []), category))
+        elif action == Action.DESTROY and key in live:
+            addr, size0 = live.pop(key)
+            events.append((t, "free", addr, size0, stacks.get(key, []), None))
+        # INCREMENT_VERSION: an in-place write, the same bytes stay allocated
+    events.sort(key=lambda e: (e[0], 0 if e[1] == "free" else 1))
+    return events, marker_times
+
+
+def snapshot_at(events, t_cut):
+    """The snapshot dict of the allocations live at time t_cut (ns), with the trace up to it."""
+    trace, live = [], {}
+    for t, action, addr, size, frames, category in events:
+        if t > t_cut:
+            break
+        time_us = max(t, 0) // 1000
+        if action == "alloc":
+            live[addr] = (size, frames)
+            trace.append({"action": "alloc", "addr": addr, "size": size, "stream": 0,
+                          "frames": frames, "time_us": time_us, "category": category})
+        else:
+            live.pop(addr, None)
+            for a in ("free_requested", "free_completed"):
+                trace.append({"action": a, "addr": addr, "size": size, "stream": 0,
+                              "frames": frames, "time_us": time_us})
+    segments = []
+    for addr, (size, frames) in sorted(live.items()):
+        block = {"address": addr, "size": size, "requested_size": size,
+                 "state": "active_allocated", "frames": frames}
+        segments.append({"device": 0, "address": addr, "total_size": size, "allocated_size": size,
+                         "active_size": size, "requested_size": size, "stream": 0,
+                         "segment_type": "large", "segment_pool_id": [0, 0], "is_expandable": False,
+                         "frames": frames, "blocks": [block]})
+    return {"segments": segments, "device_traces": [trace],
+            "allocator_settings": {"cpu_profiler_timeline": True}}

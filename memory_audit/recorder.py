@@ -1,0 +1,355 @@
+"""The live side of the audit: the only module that touches tensors, CUDA and the profiler.
+
+train.py opens an AuditRecording before it builds the model and calls `phase()` at three
+moments of the audited step; everything after that reads the files written here:
+
+  snapshots/<run>/step2_start.pickle            steady state
+  snapshots/<run>/step2_before_backward.pickle  activations live
+  snapshots/<run>/step2_end.pickle              whole step, so the peak is in the trace
+  snapshots/<run>/meta.json                     config, device, stats, address registry,
+                                                saved-tensor ledger
+
+On CUDA the pickles are torch.cuda.memory._snapshot() as torch writes them. On CPU the
+profiler's memory timeline is turned into the same schema (one segment per live allocation,
+since CPU memory has no caching allocator).
+"""
+
+import json
+import os
+import pickle
+import re
+import time
+import traceback
+from contextlib import contextmanager
+
+import torch
+
+from .schema import META_SCHEMA_VERSION
+
+MEMORY_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
+                   "CUBLASLT_WORKSPACE_SIZE", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+MARKER_PREFIX = "memory_audit::"
+
+
+class AuditError(RuntimeError):
+    """A problem the user can fix; train.py prints it as one line."""
+
+
+def _write_pickle(obj, path):
+    try:
+        with open(path, "wb") as f:
+            pickle.dump(obj, f, protocol=4)
+    except OSError as e:  # a full disk, a read-only folder: say which file and why
+        raise AuditError(f"could not write {path}: {e.strerror or e}") from None
+
+
+def _tensor_entry(name, t):
+    st = t.untyped_storage()
+    return {"name": name, "data_ptr": st.data_ptr(), "nbytes": st.nbytes(),
+            "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+
+
+def build_registry(model, optimizer=None, scaler=None, tensors=None):
+    """Name every long-lived tensor by its storage address.
+
+    Returns a list of RegistryEntry dicts: weights, buffers, grads, optimizer state
+    (exp_avg, exp_avg_sq, step) and the GradScaler's state, plus `tensors` (name -> tensor).
+    """
+    entries = []
+    names = {}
+    for name, p in model.named_parameters():  # tied weights appear once, under their first name
+        names[p] = name
+        entries.append(_tensor_entry(f"weights/{name}", p))
+    for name, b in model.named_buffers():
+        entries.append(_tensor_entry(f"buffers/{name}", b))
+    for p, name in names.items():
+        if p.grad is not None:
+            entries.append(_tensor_entry(f"grads/{name}", p.grad))
+    if optimizer is not None:
+        for p, state in optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device == p.device:
+                    entries.append(_tensor_entry(f"optimizer/{key}/{names.get(p, '?')}", value))
+    if scaler is not None and scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
+        entries.append(_tensor_entry("optimizer/grad_scaler/scale", scaler._scale))
+        entries.append(_tensor_entry("optimizer/grad_scaler/growth_tracker", scaler._growth_tracker))
+    for name, t in (tensors or {}).items():
+        if torch.is_tensor(t):
+            entries.append(_tensor_entry(name, t))
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------
+# saved-tensor ledger
+
+def _op_name(grad_fn_name, attr):
+    """'NativeLayerNormBackward0', '_saved_mean' -> 'native_layer_norm.mean'."""
+    base = re.sub(r"Backward\d*$", "", grad_fn_name)
+    base = re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
+    return f"{base}.{attr[len('_saved_'):]}"
+
+
+def _short_module(path):
+    return path[len("transformer."):] if path.startswith("transformer.") else (path or "gpt")
+
+
+@contextmanager
+def saved_tensor_ledger(model, out):
+    """Record every tensor autograd saves for backward in this forward, deduplicated by storage.
+
+    Fills `out` with SavedTensor dicts once `label(loss)` has walked the graph. The hooks return
+    each tensor unchanged, so the forward computes exactly what it computes without them.
+    """
+    stack = []
+    first_seen = {}  # storage data_ptr -> record, in forward order
+
+    def pre(mod, args):
+        stack.append(names[mod])
+
+    def post(mod, args, output):
+        stack.pop()
+
+    def pack(t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in first_seen:
+            first_seen[ptr] = {"module": stack[-1] if stack else "", "data_ptr": ptr,
+                               "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
+                               "shape": list(t.shape)}
+        return t
+
+    names = {m: n for n, m in model.named_modules()}
+    handles = []
+    for m in names:
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+
+    def label(loss, held=None):
+        """Name each saved storage; `held` maps a module path to an output the caller keeps."""
+        for module, t in (held or {}).items():
+            st = t.untyped_storage()
+            if st.data_ptr() not in first_seen:
+                first_seen[st.data_ptr()] = {"module": module, "data_ptr": st.data_ptr(), "nbytes": st.nbytes(),
+                                             "dtype": str(t.dtype).replace("torch.", ""),
+                                             "shape": list(t.shape), "held": True}
+        savers = _graph_savers(loss.grad_fn)
+        used = {}
+        for ptr, rec in first_seen.items():
+            found = sorted(savers.get(ptr, []))
+            op = _op_name(found[0][1], found[0][2]) if found else ("output" if rec.get("held") else "unknown")
+            module = _short_module(rec["module"])
+            base = f"activations/{module}/{op}"
+            used[base] = used.get(base, 0) + 1
+            key = base if used[base] == 1 else f"{base}#{used[base]}"
+            out.append({"key": key, "module": rec["module"], "op": op,
+                        "grad_fn": found[0][1] if found else "",
+                        "savers": [_op_name(s[1], s[2]) for s in found],
+                        "data_ptr": ptr, "nbytes": rec["nbytes"], "dtype": rec["dtype"],
+                        "shape": rec["shape"]})
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield label
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _graph_savers(root):
+    """storage data_ptr -> [(sequence_nr, grad_fn name, attribute)] over the autograd graph."""
+    savers, seen, todo = {}, set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, attr)
+            except Exception:  # released or not unpackable: nothing to name
+                continue
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if torch.is_tensor(t):
+                    ptr = t.untyped_storage().data_ptr()
+                    savers.setdefault(ptr, []).append((node._sequence_nr(), node.name(), attr))
+        todo.extend(fn for fn, _ in node.next_functions)
+    return savers
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+
+class AuditRecording:
+    """Record allocator history from before the model exists to the end of the audited step.
+
+    Use as a context manager; history recording is always turned off on exit, and a crash or
+    an out-of-memory error still leaves a snapshot on disk.
+    """
+
+    def __init__(self, run_dir, device, config, max_entries=1_000_000):
+        self.run_dir = run_dir
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.config = config
+        self.max_entries = max_entries
+        self.phases = {}
+        self.saved_tensors = []
+        self.markers = {}  # CPU: phase -> marker name in the profile
+        self.error = None
+        self.files = []
+        self.prof = None
+        self.active = False
+
+    # -- lifecycle
+    def __enter__(self):
+        try:
+            os.makedirs(self.run_dir, exist_ok=False)
+        except OSError as e:
+            raise AuditError(f"could not create {self.run_dir}: {e.strerror or e}") from None
+        if self.cuda:
+            torch.cuda.init()  # before the OOM observer: attaching it earlier has crashed
+            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context="all", stacks="python", max_entries=self.max_entries)
+            torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
+        else:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                               profile_memory=True, record_shapes=True,
+                                               with_stack=True)
+            self.prof.__enter__()
+        self.active = True
+        self.t0 = time.time()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None and self.error is None:
+            oom = isinstance(exc, torch.OutOfMemoryError) if hasattr(torch, "OutOfMemoryError") else False
+            self.error = {"type": exc_type.__name__, "message": str(exc).splitlines()[0][:500] if str(exc) else "",
+                          "oom": oom, "where": traceback.format_exception(exc_type, exc, tb)[-2:-1]}
+            if self.active:
+                self._dump_crash("oom" if oom else "crash")
+        self.stop()
+        self.write_meta()
+        return False
+
+    def stop(self):
+        """Turn recording off (idempotent); on CPU this is when the pickles are written."""
+        if not self.active:
+            return
+        self.active = False
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        else:
+            self.prof.__exit__(None, None, None)
+            self._write_cpu_snapshots()
+
+    # -- phases
+    def phase(self, name, model, optimizer=None, scaler=None, tensors=None):
+        """Dump a snapshot now and register every named tensor by address."""
+        registry = build_registry(model, optimizer, scaler, tensors)
+        info = {"file": f"{name}.pickle", "registry": registry}
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            info.update(self._cuda_stats())
+            snap = torch.cuda.memory._snapshot()
+            info.update(self._trace_counts(snap))
+            self.allocator_settings = snap.get("allocator_settings")
+            _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
+            self.files.append(info["file"])
+            if name == "step2_start":  # the step's own peak, from here to step2_end
+                info["max_memory_allocated_before_reset"] = info["max_memory_allocated"]
+                torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            marker = f"{MARKER_PREFIX}{name}"
+            with torch.profiler.record_function(marker):
+                pass
+            self.markers[name] = marker
+            info.update({"memory_allocated": None, "memory_reserved": None, "max_memory_allocated": None})
+        info["wall_time_s"] = round(time.time() - self.t0, 3)
+        self.phases[name] = info
+
+    @contextmanager
+    def audited_forward(self, model):
+        """Around the audited forward: yields `label(loss)` to call once the loss exists."""
+        with saved_tensor_ledger(model, self.saved_tensors) as label:
+            yield label
+
+    # -- CUDA helpers
+    def _cuda_stats(self):
+        return {"memory_allocated": torch.cuda.memory_allocated(self.device),
+                "memory_reserved": torch.cuda.memory_reserved(self.device),
+                "max_memory_allocated": torch.cuda.max_memory_allocated(self.device)}
+
+    def _trace_counts(self, snap):
+        idx = self.device.index or 0
+        traces = snap.get("device_traces", [])
+        n = len(traces[idx]) if idx < len(traces) else 0
+        return {"trace_entries": n, "ring_buffer_full": n >= self.max_entries}
+
+    def _on_oom(self, device, alloc, device_alloc, device_free):
+        self._dump_crash("oom")
+
+    def _dump_crash(self, kind):
+        path = os.path.join(self.run_dir, f"{kind}.pickle")
+        if os.path.exists(path):
+            return
+        try:
+            if self.cuda:
+                _write_pickle(torch.cuda.memory._snapshot(), path)
+                self.files.append(f"{kind}.pickle")
+            else:
+                marker = f"{MARKER_PREFIX}{kind}"
+                with torch.profiler.record_function(marker):
+                    pass
+                self.markers[kind] = marker
+                self.phases.setdefault(kind, {"file": f"{kind}.pickle", "registry": []})
+        except Exception as e:  # the crash itself is what the user must see: keep going
+            self.error = dict(self.error or {}, dump_failed=str(e))
+
+    # -- CPU: profiler timeline -> snapshot schema
+    def _write_cpu_snapshots(self):
+        from .cpu_timeline import timeline_events, snapshot_at
+        events, marker_times = timeline_events(self.prof, set(self.markers.values()))
+        for name, marker in self.markers.items():
+            t = marker_times.get(marker)
+            if t is None:
+                continue
+            snap = snapshot_at(events, t)
+            info = self.phases[name]
+            info["time_us"] = t // 1000
+            info["trace_entries"] = len(snap["device_traces"][0])
+            info["ring_buffer_full"] = False
+            _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
+            self.files.append(info["file"])
+
+    # -- meta.json
+    def write_meta(self):
+        meta = {
+            "schema_version": META_SCHEMA_VERSION,
+            "torch_version": torch.__version__,
+            "device": self.device_info(),
+            "config": self.config,
+            "env": {k: os.environ[k] for k in MEMORY_ENV_VARS if k in os.environ},
+            "max_entries": self.max_entries,
+            "phases": self.phases,
+            "saved_tensors": self.saved_tensors,
+            "error": self.error,
+            "files": self.files,
+        }
+        path = os.path.join(self.run_dir, "meta.json")
+        try:
+            with open(path, "w") as f:
+                json.dump(meta, f, indent=1)
+        except OSError as e:
+            raise AuditError(f"could not write {path}: {e.strerror or e}") from None
+
+    def device_info(self):
+        if not self.cuda:
+            return {"type": "cpu", "name": "cpu", "capability": None, "total_memory": None,
+                    "allocator_settings": None}
+        props = torch.cuda.get_device_properties(self.device)
+        return {"type": "cuda", "name": props.name, "capability": list(torch.cuda.get_device_capability(self.device)),
+                "total_memory": props.total_memory, "cuda_version": torch.version.cuda,
+                "allocator_settings": getattr(self, "allocator_settings", None)}

@@ -1,0 +1,276 @@
+"""
+Train a nanoGPT-style GPT-2 and, with --audit, record where every byte of memory goes.
+
+    python train.py --audit                         # GPT-2 small on CUDA, a small preset on CPU
+    python train.py --preset=gpt2-medium --dtype=bfloat16 --attention=sdpa --audit
+    python train.py config/audit_gpt2.py --batch_size=8
+
+The audit dumps snapshots/<run>/step2_start.pickle (steady state),
+step2_before_backward.pickle (activations live) and step2_end.pickle (the whole step with its
+peak), plus meta.json that names every tensor by address. The audit only observes: the same
+seed gives the same losses with and without it.
+"""
+
+import os
+import sys
+import json
+import math
+import time
+from contextlib import nullcontext
+from datetime import datetime
+
+import numpy as np
+import torch
+
+from configurator import apply_overrides, ConfigError
+from model import GPT, GPTConfig, PRESETS, config_dict
+
+# -----------------------------------------------------------------------------
+# default config values: GPT-2 small (124M) at the reference batch of the memory article
+# data
+dataset = "synthetic"  # "synthetic" = random tokens (memory does not depend on their values), else data/<dataset>/train.bin
+gradient_accumulation_steps = 1
+batch_size = 12  # micro-batch size
+block_size = 1024
+# model
+preset = "auto"  # auto = gpt2 on CUDA, cpu-mini on CPU; see model.PRESETS
+n_layer = 12
+n_head = 12
+n_embd = 768
+vocab_size = 50304
+dropout = 0.0
+bias = False
+attention = "manual"  # manual | sdpa
+activation = "gelu"  # gelu | relu
+# adamw optimizer
+learning_rate = 6e-4
+max_iters = 600000
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip gradients at this value, or disable if == 0.0
+optimizer_impl = "fused"  # fused | foreach | for
+set_to_none = True  # optimizer.zero_grad(set_to_none=...): False keeps grads allocated all step
+# learning rate decay settings
+decay_lr = True
+warmup_iters = 2000
+lr_decay_iters = 600000
+min_lr = 6e-5
+# system
+device = "auto"  # auto | cpu | cuda | cuda:1 ...
+dtype = "auto"  # auto = float16 on CUDA, float32 on CPU; float32 | bfloat16 | float16 (GradScaler)
+compile = False
+seed = 1337
+log_interval = 1
+losses_out = ""  # write the per-step losses (exact, as float.hex) to this JSON file
+# memory audit
+audit = False
+audit_step = 2  # the audited step (1-based): step 2 is the first with Adam state allocated
+audit_dir = "snapshots"
+audit_max_entries = 1000000  # allocator trace ring buffer
+audit_continue = False  # keep training after the audited step instead of stopping one step later
+run_name = ""  # snapshots/<run_name>; default names the config and the time
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+try:
+    _given = apply_overrides(globals(), sys.argv[1:])
+except ConfigError as e:
+    fail(str(e))
+
+# resolve "auto" settings -------------------------------------------------------
+if device == "auto":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+device_type = "cuda" if device.startswith("cuda") else "cpu"
+if device_type == "cuda" and not torch.cuda.is_available():
+    fail(f"device={device} but this machine has no CUDA")
+if preset == "auto":
+    preset = "gpt2" if device_type == "cuda" else "cpu-mini"
+    if device_type == "cpu" and "batch_size" not in _given:
+        batch_size = 8
+    print(f"preset auto -> {preset} (device {device})")
+if preset not in PRESETS:
+    fail(f"unknown preset {preset!r}; one of {', '.join(PRESETS)}")
+for _k, _v in PRESETS[preset].items():
+    if _k not in _given:
+        globals()[_k] = _v
+if dtype == "auto":
+    dtype = "float16" if device_type == "cuda" else "float32"
+if dtype not in ("float32", "bfloat16", "float16"):
+    fail(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+if dtype == "bfloat16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+    fail("dtype=bfloat16 but this GPU does not support bfloat16")
+for _k in ("batch_size", "gradient_accumulation_steps", "max_iters", "audit_step"):
+    if globals()[_k] < 1:
+        fail(f"{_k} must be at least 1, got {globals()[_k]}")
+if audit and audit_step < 2:
+    fail("audit_step must be at least 2: step 1 has no optimizer state yet")
+if audit and max_iters < audit_step:
+    fail(f"max_iters={max_iters} ends before audit_step={audit_step}")
+if audit and compile:
+    fail("--audit with compile=True is not supported: compiled graphs hide the saved tensors")
+config = {k: globals()[k] for k in config_keys}
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+                  vocab_size=vocab_size, dropout=dropout, attention=attention, activation=activation)
+try:
+    GPTConfig(**model_args).validate()
+except ValueError as e:
+    fail(str(e))
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+print(f"tokens per iteration will be: {tokens_per_iter:,}")
+
+torch.manual_seed(seed)
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+# data ---------------------------------------------------------------------------
+data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", dataset)
+if dataset != "synthetic":
+    for _split in ("train",):
+        if not os.path.isfile(os.path.join(data_dir, f"{_split}.bin")):
+            fail(f"data file {os.path.join(data_dir, _split + '.bin')} not found; run data/prepare.py or use dataset=synthetic")
+    print(f"data: {data_dir}/train.bin (GPT-2 tokens)")
+else:
+    print("data: synthetic random tokens (memory does not depend on token values)")
+_data_gen = torch.Generator().manual_seed(seed)  # its own stream: nothing else perturbs it
+
+
+def get_batch(split):
+    if dataset == "synthetic":
+        buf = torch.randint(vocab_size, (batch_size, block_size + 1), generator=_data_gen)
+        x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+    else:
+        data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
+        if len(data) <= block_size:
+            fail(f"{data_dir}/{split}.bin has {len(data)} tokens, fewer than block_size+1")
+        ix = torch.randint(len(data) - block_size, (batch_size,), generator=_data_gen)
+        x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    if device_type == "cuda":
+        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x, y
+
+
+# the audit starts before the model exists, so the weights' allocations are in the trace ------
+recording = None
+if audit:
+    from memory_audit.recorder import AuditRecording, AuditError
+    if not run_name:
+        run_name = f"{preset}-{dtype}-{attention}-{activation}-b{batch_size}-t{block_size}-{datetime.now():%Y%m%d-%H%M%S}"
+    run_dir = os.path.join(audit_dir, run_name)
+    _n = 1
+    while os.path.exists(run_dir):  # never overwrite an earlier run
+        _n += 1
+        run_dir = os.path.join(audit_dir, f"{run_name}-{_n}")
+    recording = AuditRecording(run_dir, device, config, max_entries=audit_max_entries)
+    try:
+        recording.__enter__()
+    except AuditError as e:
+        fail(str(e))
+    print(f"audit: recording allocator history into {run_dir}")
+
+
+def train():
+    # model and optimizer ----------------------------------------------------------
+    model = GPT(GPTConfig(**model_args))
+    model.to(device)
+    print(f"number of parameters: {model.get_num_params():,}")
+    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
+    optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer_impl)
+    train_model = torch.compile(model) if compile else model
+
+    def get_lr(it):
+        if it < warmup_iters:  # linear warmup
+            return learning_rate * (it + 1) / (warmup_iters + 1)
+        if it > lr_decay_iters:
+            return min_lr
+        ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+    # training loop ----------------------------------------------------------------
+    losses = []
+    last_iter = max_iters if (not audit or audit_continue) else min(max_iters, audit_step + 1)
+    X, Y = get_batch("train")  # first batch
+    loss = None
+    for iter_num in range(last_iter):
+        step = iter_num + 1
+        t0 = time.time()
+        lr = get_lr(iter_num) if decay_lr else learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        auditing = recording is not None and step == audit_step
+        if auditing:  # steady state: weights, grads if kept, Adam state, workspaces, the batch
+            recording.phase("step2_start", model, optimizer, scaler,
+                            {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
+        for micro_step in range(gradient_accumulation_steps):
+            audited = auditing and micro_step == gradient_accumulation_steps - 1
+            with ctx, (recording.audited_forward(model) if audited else nullcontext()) as label:
+                logits, loss = train_model(X, Y)
+                loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation
+            if audited:  # activations live: everything autograd saved, plus the logits we hold
+                label(loss, held={"lm_head": logits})
+                recording.phase("step2_before_backward", model, optimizer, scaler,
+                                {"inputs/x": X, "inputs/y": Y})
+            X, Y = get_batch("train")  # prefetch the next batch while the GPU works
+            scaler.scale(loss).backward()
+            del logits  # nanoGPT would hold the last logits (2*B*T*V bytes) into the next forward
+        if grad_clip != 0.0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        if auditing:  # the whole step is in the trace now, peak included
+            recording.phase("step2_end", model, optimizer, scaler,
+                            {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
+            recording.stop()
+        lossf = loss.item() * gradient_accumulation_steps
+        losses.append(lossf)
+        dt = time.time() - t0
+        if iter_num % log_interval == 0:
+            mem = ""
+            if device_type == "cuda":
+                mem = (f", mem {torch.cuda.memory_allocated() / 2**20:.1f} MiB"
+                       f" (peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB)")
+            print(f"iter {iter_num} (step {step}): loss {lossf:.4f}, time {dt * 1000:.2f}ms{mem}")
+    return losses
+
+
+try:
+    _losses = train()
+except KeyboardInterrupt:
+    raise
+except Exception as e:
+    if os.environ.get("MEMORY_AUDIT_DEBUG"):
+        raise
+    if recording is not None:
+        try:
+            recording.__exit__(type(e), e, e.__traceback__)
+        except Exception as e2:
+            print(f"error: {e2}", file=sys.stderr)
+        dumped = [f for f in recording.files if f in ("oom.pickle", "crash.pickle")]
+        where = f"; snapshot written to {os.path.join(recording.run_dir, dumped[0])}" if dumped else ""
+        fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}")
+    raise
+if recording is not None:
+    try:
+        recording.__exit__(None, None, None)
+    except AuditError as e:
+        fail(str(e))
+    print(f"audit: wrote {', '.join(recording.files)} and meta.json to {recording.run_dir}")
+    try:
+        from memory_audit.report import summarize_run
+        print(summarize_run(recording.run_dir))
+    except ImportError:
+        pass
+if losses_out:
+    with open(losses_out, "w") as f:
+        json.dump([float(x).hex() for x in _losses], f)
