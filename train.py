@@ -51,6 +51,7 @@ beta2 = 0.95
 grad_clip = 1.0  # clip gradients at this value, or disable if == 0.0
 optimizer_impl = "fused"  # fused | foreach | for
 set_to_none = True  # optimizer.zero_grad(set_to_none=...): False keeps grads allocated all step
+keep_logits = True  # hold the fp16 logits through backward as nanoGPT's loop does (2*B*T*V bytes); False drops them after the forward
 # learning rate decay settings
 decay_lr = True
 warmup_iters = 2000
@@ -215,13 +216,18 @@ def train():
             with ctx, (recording.audited_forward(model) if audited else nullcontext()) as label:
                 logits, loss = train_model(X, Y)
                 loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation
+            if not keep_logits:
+                logits = None  # nothing else refers to them: their memory is free before backward
             if audited:  # activations live: everything autograd saved, plus the logits we hold
-                label(loss, held={"lm_head": logits})
+                label(loss, held={"lm_head": logits} if keep_logits else None)
                 recording.phase("step2_before_backward", model, optimizer, scaler,
-                                {"inputs/x": X, "inputs/y": Y})
+                                {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
             X, Y = get_batch("train")  # prefetch the next batch while the GPU works
             scaler.scale(loss).backward()
             del logits  # nanoGPT would hold the last logits (2*B*T*V bytes) into the next forward
+        if auditing:  # gradients exist now; name them before zero_grad can free them
+            recording.phase("step2_after_backward", model, optimizer, scaler,
+                            {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss}, dump=False)
         if grad_clip != 0.0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

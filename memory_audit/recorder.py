@@ -94,7 +94,7 @@ def _short_module(path):
 
 
 @contextmanager
-def saved_tensor_ledger(model, out):
+def saved_tensor_ledger(model, out, device):
     """Record every tensor autograd saves for backward in this forward, deduplicated by storage.
 
     Fills `out` with SavedTensor dicts once `label(loss)` has walked the graph. The hooks return
@@ -113,7 +113,7 @@ def saved_tensor_ledger(model, out):
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr not in first_seen:
-            first_seen[ptr] = {"module": stack[-1] if stack else "", "data_ptr": ptr,
+            first_seen[ptr] = {"module": stack[-1] if stack else "", "data_ptr": ptr, "device": str(t.device),
                                "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
                                "shape": list(t.shape)}
         return t
@@ -130,11 +130,25 @@ def saved_tensor_ledger(model, out):
             st = t.untyped_storage()
             if st.data_ptr() not in first_seen:
                 first_seen[st.data_ptr()] = {"module": module, "data_ptr": st.data_ptr(), "nbytes": st.nbytes(),
+                                             "device": str(t.device),
                                              "dtype": str(t.dtype).replace("torch.", ""),
                                              "shape": list(t.shape), "held": True}
-        savers = _graph_savers(loss.grad_fn)
+        savers, tensor_info = _graph_savers(loss.grad_fn)
+        # Wrapped Python scalars (x * 0.125) are saved without calling pack hooks: name their
+        # module after the nearest earlier node whose module is known (nodes are numbered in
+        # forward order).
+        module_at_seq = sorted((min(savers[p])[0], rec["module"]) for p, rec in first_seen.items() if p in savers)
+        for ptr, found in savers.items():
+            if ptr in first_seen:
+                continue
+            seq = min(found)[0]
+            earlier = [m for s, m in module_at_seq if s <= seq]
+            first_seen[ptr] = {"module": earlier[-1] if earlier else "", "inferred_module": True,
+                               **tensor_info[ptr]}
         used = {}
         for ptr, rec in first_seen.items():
+            if rec["device"] != device:  # wrapped CPU scalars of a CUDA run live in host memory
+                continue
             found = sorted(savers.get(ptr, []))
             op = _op_name(found[0][1], found[0][2]) if found else ("output" if rec.get("held") else "unknown")
             module = _short_module(rec["module"])
@@ -156,8 +170,12 @@ def saved_tensor_ledger(model, out):
 
 
 def _graph_savers(root):
-    """storage data_ptr -> [(sequence_nr, grad_fn name, attribute)] over the autograd graph."""
-    savers, seen, todo = {}, set(), [root]
+    """Walk the autograd graph from `root`.
+
+    Returns (savers, info): storage data_ptr -> [(sequence_nr, grad_fn name, attribute)], and
+    data_ptr -> {data_ptr, nbytes, dtype, shape} of that storage.
+    """
+    savers, info, seen, todo = {}, {}, set(), [root]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -172,10 +190,13 @@ def _graph_savers(root):
                 continue
             for t in value if isinstance(value, (list, tuple)) else [value]:
                 if torch.is_tensor(t):
-                    ptr = t.untyped_storage().data_ptr()
+                    st = t.untyped_storage()
+                    ptr = st.data_ptr()
                     savers.setdefault(ptr, []).append((node._sequence_nr(), node.name(), attr))
+                    info.setdefault(ptr, {"data_ptr": ptr, "nbytes": st.nbytes(), "device": str(t.device),
+                                          "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)})
         todo.extend(fn for fn, _ in node.next_functions)
-    return savers
+    return savers, info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,18 +267,23 @@ class AuditRecording:
             self._write_cpu_snapshots()
 
     # -- phases
-    def phase(self, name, model, optimizer=None, scaler=None, tensors=None):
-        """Dump a snapshot now and register every named tensor by address."""
+    def phase(self, name, model, optimizer=None, scaler=None, tensors=None, dump=True):
+        """Register every named tensor by address and dump a snapshot now.
+
+        dump=False records the registry and the position in the trace only (used after
+        backward, so that gradients that die at zero_grad still get their names).
+        """
         registry = build_registry(model, optimizer, scaler, tensors)
-        info = {"file": f"{name}.pickle", "registry": registry}
+        info = {"file": f"{name}.pickle" if dump else None, "registry": registry}
         if self.cuda:
             torch.cuda.synchronize(self.device)
             info.update(self._cuda_stats())
             snap = torch.cuda.memory._snapshot()
             info.update(self._trace_counts(snap))
             self.allocator_settings = snap.get("allocator_settings")
-            _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
-            self.files.append(info["file"])
+            if dump:
+                _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
+                self.files.append(info["file"])
             if name == "step2_start":  # the step's own peak, from here to step2_end
                 info["max_memory_allocated_before_reset"] = info["max_memory_allocated"]
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -273,7 +299,8 @@ class AuditRecording:
     @contextmanager
     def audited_forward(self, model):
         """Around the audited forward: yields `label(loss)` to call once the loss exists."""
-        with saved_tensor_ledger(model, self.saved_tensors) as label:
+        device = str(next(model.parameters()).device)
+        with saved_tensor_ledger(model, self.saved_tensors, device) as label:
             yield label
 
     # -- CUDA helpers
@@ -321,8 +348,9 @@ class AuditRecording:
             info["time_us"] = t // 1000
             info["trace_entries"] = len(snap["device_traces"][0])
             info["ring_buffer_full"] = False
-            _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
-            self.files.append(info["file"])
+            if info["file"]:
+                _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
+                self.files.append(info["file"])
 
     # -- meta.json
     def write_meta(self):

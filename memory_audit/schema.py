@@ -15,7 +15,7 @@ PHASES = ("step2_start", "step2_before_backward", "step2_end")
 # Categories an active or cached byte can land in, in the order tables print them.
 CATEGORIES = (
     "weights", "buffers", "grads", "optimizer", "inputs", "activations",
-    "workspace", "temporary", "gaps", "cached_free", "unattributed",
+    "workspace", "temporary", "gaps", "cached_free", "pending_free", "unattributed",
 )
 
 
