@@ -33,6 +33,63 @@ def _phase_names(meta):
     return cuts
 
 
+def name_events(trace, cuts):
+    """Name each alloc event by the phases at which it is live.
+
+    Returns (event_name {index: name}, freed_events {index}, unmatched_free_bytes).
+    """
+    cut_at = {}
+    for n, names, _ in cuts:
+        cut_at.setdefault(n, []).append(names)
+    live, event_name, freed_events = {}, {}, set()
+    unmatched_free = 0
+
+    def name_live(i):
+        for names in cut_at.get(i, ()):
+            for addr, idx in live.items():
+                if addr in names and idx not in event_name:
+                    event_name[idx] = names[addr]
+
+    for i, e in enumerate(trace):
+        name_live(i)
+        a = e["action"]
+        if a == "alloc":
+            live[e["addr"]] = i
+        elif a in _FREE:
+            idx = live.pop(e["addr"], None)
+            if idx is None:
+                unmatched_free += e["size"]
+            else:
+                freed_events.add(idx)
+    name_live(len(trace))
+    return event_name, freed_events, unmatched_free
+
+
+def categorize_trace(snap, meta=None):
+    """Set `category` on every trace entry (in place), so MemoryViz colours by category."""
+    cuts = _phase_names(meta)
+    for trace in snap.get("device_traces", []):
+        ws = workspace_size_from_env((meta or {}).get("env"))
+        workspaces = {a for a, s in _never_freed_gemm_allocs(trace).items() if s in ((ws,) if ws else CUBLAS_WORKSPACE_SIZES)}
+        event_name, freed, _ = name_events(trace, cuts)
+        live = {}
+        for i, e in enumerate(trace):
+            a = e["action"]
+            if a == "alloc":
+                name = event_name.get(i)
+                cat = name.split("/", 1)[0] if name else (
+                    "workspace" if e["addr"] in workspaces else "temporary" if i in freed else "unknown")
+                live[e["addr"]] = cat
+                e["category"] = cat
+            elif a in ("free_requested", "free_completed", "free"):
+                e["category"] = live.get(e["addr"], "unknown")
+                if a != "free_requested":
+                    live.pop(e["addr"], None)
+            else:
+                e["category"] = "unknown"
+    return snap
+
+
 def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000):
     """Replay one device's trace.
 
@@ -44,35 +101,11 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     traces = snap.get("device_traces", [])
     trace = traces[device] if device < len(traces) else []
     cuts = _phase_names(meta)
-    cut_at = {}
-    for n, names, phase in cuts:
-        cut_at.setdefault(n, []).append(names)
     ws_sizes = (workspace_size_from_env((meta or {}).get("env")),) if workspace_size_from_env(
         (meta or {}).get("env")) else CUBLAS_WORKSPACE_SIZES
     workspaces = {a for a, s in _never_freed_gemm_allocs(trace).items() if s in ws_sizes}
 
-    # pass 1: give each alloc event the name it has at the phases where it is live
-    live, event_name, freed_events = {}, {}, set()
-    unmatched_free = 0
-    for i, e in enumerate(trace):
-        for names in cut_at.get(i, ()):
-            for addr, idx in live.items():
-                if addr in names and idx not in event_name:
-                    event_name[idx] = names[addr]
-        a = e["action"]
-        if a == "alloc":
-            live[e["addr"]] = i
-        elif a in _FREE:
-            idx = live.pop(e["addr"], None)
-            if idx is None:
-                unmatched_free += e["size"]
-            else:
-                freed_events.add(idx)
-    for names in cut_at.get(len(trace), ()):
-        for addr, idx in live.items():
-            if addr in names and idx not in event_name:
-                event_name[idx] = names[addr]
-
+    event_name, freed_events, unmatched_free = name_events(trace, cuts)
     def category_of(idx):
         name = event_name.get(idx)
         if name is None:

@@ -1,0 +1,139 @@
+"""Set the prediction beside the measurement, line by line, and say where they differ.
+
+measure(run_dir) reads a run directory (snapshots + meta.json) into plain numbers;
+reconcile(run_dir) joins them with predict() on the same keys.
+"""
+
+import os
+
+from .attribute import attribute
+from .loader import find_snapshots, load_meta, load_snapshot, SnapshotError
+from .predict import device_facts, predict, published_formulas
+from .schema import CATEGORIES, PHASES, REPORT_SCHEMA_VERSION
+from .timeline import replay
+
+
+def device_from_meta(meta):
+    d = meta.get("device") or {}
+    if d.get("type") != "cuda":
+        return device_facts("cpu", torch_version=meta.get("torch_version", ""))
+    name = d.get("name", "")
+    gpu = next((g for g in ("H200", "H100", "A100", "L4", "A10G", "V100") if g in name), name)
+    return device_facts("cuda", gpu=gpu, capability=tuple(d.get("capability") or (8, 0)),
+                        torch_version=meta.get("torch_version", ""), env=meta.get("env"),
+                        total_memory=d.get("total_memory"))
+
+
+def measure(run_dir):
+    """Attribution of each phase snapshot plus the replayed step. Plain dict, integer bytes."""
+    meta = load_meta(run_dir)
+    if meta is None:
+        raise SnapshotError(f"{run_dir}: no meta.json; `attribute` works on any snapshot, `report` needs an audit run")
+    files = dict(find_snapshots(run_dir)[0])
+    phases = {}
+    for phase in PHASES:
+        if phase not in files:
+            continue
+        snap = load_snapshot(files[phase])
+        res = attribute(snap, meta, phase)
+        dev = min(res)  # the audited device is the only one in our runs
+        info = meta["phases"].get(phase, {})
+        phases[phase] = {"attribution": res[dev], "memory_allocated": info.get("memory_allocated"),
+                         "max_memory_allocated": info.get("max_memory_allocated")}
+        if phase == PHASES[-1]:
+            phases[phase]["replay"] = replay(snap, meta, device=dev)
+    if not phases:
+        raise SnapshotError(f"{run_dir}: none of {', '.join(p + '.pickle' for p in PHASES)} found")
+    return {"meta": meta, "phases": phases}
+
+
+def _row(phase, key, category, predicted, actual, dtype="", formula="", note=""):
+    diff = None if predicted is None or actual is None else actual - predicted
+    pct = None if diff is None or not predicted else round(100.0 * diff / predicted, 4)
+    return {"phase": phase, "key": key, "category": category, "dtype": dtype, "formula": formula,
+            "predicted": predicted, "actual": actual, "diff": diff, "diff_pct": pct, "note": note}
+
+
+def reconcile(run_dir):
+    """Predicted vs actual for one audit run: rows, category tables and the three totals."""
+    m = measure(run_dir)
+    meta = m["meta"]
+    dev = device_from_meta(meta)
+    pred = predict(meta["config"], dev)
+    rows, by_phase = [], {}
+    for phase, info in m["phases"].items():
+        attr = info["attribution"]
+        predicted_lines = {}
+        meta_lines = {}
+        for l in pred["ledger"]:
+            if phase in l["phases"]:
+                predicted_lines[l["key"]] = predicted_lines.get(l["key"], 0) + l["bytes"]
+                meta_lines.setdefault(l["key"], l)
+        keys = list(predicted_lines) + [k for k in attr["lines"] if k not in predicted_lines]
+        for key in keys:
+            l = meta_lines.get(key, {})
+            rows.append(_row(phase, key, key.split("/", 1)[0], predicted_lines.get(key),
+                             attr["lines"].get(key), l.get("dtype", ""), l.get("formula", ""), l.get("note", "")))
+        pred_gaps = sum(l["allocated"] - l["bytes"] for l in pred["ledger"] if phase in l["phases"])
+        rows.append(_row(phase, "gaps", "gaps", pred_gaps, attr["categories"]["gaps"],
+                         formula="512 B rounding per block", note="measured also holds unsplit block remainders"))
+        cats = []
+        for c in CATEGORIES:
+            p = sum(v for k, v in predicted_lines.items() if k.split("/", 1)[0] == c)
+            if c == "gaps":
+                p = pred_gaps
+            a = attr["categories"].get(c, 0)
+            if p or a:
+                cats.append(_row(phase, c, c, p, a))
+        alloc_actual = info["memory_allocated"] if info["memory_allocated"] is not None else attr["allocated_bytes"]
+        by_phase[phase] = {"categories": cats, "allocated": _row(phase, "memory_allocated", "total",
+                                                                  sum(l["allocated"] for l in pred["ledger"] if phase in l["phases"]),
+                                                                  alloc_actual),
+                           "reserved_bytes": attr["reserved_bytes"], "unattributed_bytes": attr["unattributed_bytes"],
+                           "unattributed": attr["unattributed"], "balanced": attr["balanced"],
+                           "rules": attr["rules"]}
+    t = pred["totals"]
+    start = m["phases"].get("step2_start", {})
+    bb = m["phases"].get("step2_before_backward", {})
+    end = m["phases"].get("step2_end", {})
+    rp = end.get("replay", {})
+    peak_actual = end.get("max_memory_allocated") if end.get("max_memory_allocated") is not None else rp.get("peak", {}).get("bytes")
+    totals = {
+        "steady_state": {"predicted": t["steady_state_allocated"],
+                         "actual": start.get("memory_allocated") if start.get("memory_allocated") is not None
+                         else start.get("attribution", {}).get("allocated_bytes")},
+        "activations": {"predicted": t["activations_bytes"],
+                        "actual": bb.get("attribution", {}).get("categories", {}).get("activations")},
+        "peak": {"predicted": t["peak_allocated_bytes"], "actual": peak_actual},
+    }
+    for v in totals.values():
+        v["diff"] = None if v["actual"] is None else v["actual"] - v["predicted"]
+        v["diff_pct"] = None if v["actual"] is None else round(100.0 * v["diff"] / v["predicted"], 4)
+    formulas = published_formulas(meta["config"], dev["workspace_bytes"] * dev["workspaces"])
+    replayed = rp.get("peak", {}).get("bytes")
+    peak = {k: v for k, v in rp.get("peak", {}).items() if k != "lines"}
+    peak["lines"] = dict(list(rp.get("peak", {}).get("lines", {}).items())[:15])
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "run": os.path.basename(os.path.normpath(run_dir)),
+        "config": meta["config"], "device": meta["device"], "torch_version": meta["torch_version"],
+        "predicted_device": dev,
+        "totals": totals,
+        "params": t["params"],
+        "unattributed_bytes": max((p["unattributed_bytes"] for p in by_phase.values()), default=0),
+        "phases": by_phase,
+        "rows": rows,
+        "peak": peak,
+        "series": rp.get("series", []),
+        "phase_index": rp.get("phase_index", {}),
+        "other_formulas": {name: {**f, "actual_activations": totals["activations"]["actual"],
+                                  "actual_peak": totals["peak"]["actual"]} for name, f in formulas.items()},
+        "checks": {
+            "books_balance": all(p["balanced"] for p in by_phase.values()),
+            "replayed_peak_bytes": replayed,
+            "replayed_peak_equals_max_memory_allocated":
+                None if end.get("max_memory_allocated") is None else replayed == end.get("max_memory_allocated"),
+            "trace_overflow": rp.get("overflow", False),
+        },
+        "error": meta.get("error"),
+    }

@@ -1,0 +1,102 @@
+"""Format reconciliations and attributions for people: tables in MiB/GiB, exact bytes kept."""
+
+import json
+import os
+
+from .reconcile import reconcile
+from .schema import PHASES
+
+GiB, MiB = 2 ** 30, 2 ** 20
+
+
+def fmt_bytes(n):
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n >= GiB:
+        return f"{sign}{n / GiB:.3f} GiB"
+    if n >= MiB:
+        return f"{sign}{n / MiB:.1f} MiB"
+    return f"{sign}{n:,} B"
+
+
+def fmt_pct(p):
+    return "-" if p is None else f"{p:+.3f}%"
+
+
+def table(header, rows):
+    """A GitHub-markdown table from a header tuple and rows of strings."""
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def totals_table(rec):
+    rows = []
+    for name, v in rec["totals"].items():
+        rows.append((name, fmt_bytes(v["predicted"]), fmt_bytes(v["actual"]), f"{v['predicted']:,}",
+                     "-" if v["actual"] is None else f"{v['actual']:,}",
+                     "-" if v["diff"] is None else f"{v['diff']:+,}", fmt_pct(v["diff_pct"])))
+    return table(("total", "predicted", "actual", "predicted B", "actual B", "diff B", "diff %"), rows)
+
+
+def markdown(rec, top=25):
+    c = rec["config"]
+    dev = rec["device"]
+    lines = [f"# Memory report: {rec['run']}", "",
+             f"GPT n_layer={c['n_layer']} n_head={c['n_head']} n_embd={c['n_embd']} vocab={c['vocab_size']}, "
+             f"batch {c['batch_size']} x block {c['block_size']}, {c['dtype']}, {c['attention']} attention, "
+             f"{c['activation']}; {rec['params']:,} parameters; {dev.get('name')} "
+             f"(capability {dev.get('capability')}), torch {rec['torch_version']}.", "",
+             "## Totals", "", totals_table(rec), "",
+             f"Unattributed: {rec['unattributed_bytes']:,} B. Books balance: {rec['checks']['books_balance']}. "
+             f"Replayed peak: {rec['checks']['replayed_peak_bytes']:,} B"
+             + ("" if rec["checks"]["replayed_peak_equals_max_memory_allocated"] is None else
+                f" (equals max_memory_allocated: {rec['checks']['replayed_peak_equals_max_memory_allocated']})") + ".", ""]
+    for phase in PHASES:
+        ph = rec["phases"].get(phase)
+        if not ph:
+            continue
+        lines += [f"## {phase}: by category", "",
+                  table(("category", "predicted", "actual", "diff B", "diff %"),
+                        [(r["key"], fmt_bytes(r["predicted"]), fmt_bytes(r["actual"]),
+                          "-" if r["diff"] is None else f"{r['diff']:+,}", fmt_pct(r["diff_pct"]))
+                         for r in ph["categories"]]), ""]
+    diffs = [r for r in rec["rows"] if r["diff"]]
+    lines += ["## Lines where prediction and measurement differ", ""]
+    if diffs:
+        diffs.sort(key=lambda r: -abs(r["diff"]))
+        lines.append(table(("phase", "key", "predicted B", "actual B", "diff B", "note"),
+                           [(r["phase"], r["key"], "-" if r["predicted"] is None else f"{r['predicted']:,}",
+                             "-" if r["actual"] is None else f"{r['actual']:,}", f"{r['diff']:+,}", r["note"])
+                            for r in diffs[:top]]))
+    else:
+        lines.append("None: every line matches to the byte.")
+    lines += ["", "## Other published formulas on this run", "",
+              table(("formula", "activations", "actual activations", "peak", "actual peak"),
+                    [(k, fmt_bytes(v["activations"]), fmt_bytes(v["actual_activations"]), fmt_bytes(v["peak"]),
+                      fmt_bytes(v["actual_peak"])) for k, v in rec["other_formulas"].items()]), ""]
+    pk = rec["peak"]
+    if pk.get("lines"):
+        lines += ["## Live at the peak", "", f"At trace entry {pk.get('index')} ({pk.get('action')}), "
+                  f"{fmt_bytes(pk.get('bytes'))}:", "",
+                  table(("allocation", "bytes"), [(k, f"{v:,}") for k, v in list(pk["lines"].items())[:10]]), ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir):
+    """Reconcile a run and write report.json and report.md into it. Returns the reconciliation."""
+    rec = reconcile(run_dir)
+    with open(os.path.join(run_dir, "report.json"), "w") as f:
+        json.dump(rec, f, indent=1)
+    with open(os.path.join(run_dir, "report.md"), "w") as f:
+        f.write(markdown(rec))
+    return rec
+
+
+def summarize_run(run_dir):
+    """What train.py prints at the end of an audit: the totals table."""
+    rec = write_report(run_dir)
+    return (f"memory report ({os.path.join(run_dir, 'report.md')}):\n" + totals_table(rec)
+            + f"\nunattributed: {rec['unattributed_bytes']:,} B")

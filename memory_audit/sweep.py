@@ -1,0 +1,170 @@
+"""Audit a grid of configurations, each in its own process, and record predicted vs actual.
+
+One row per configuration is appended to snapshots/results/<device>.jsonl. A run that runs out
+of memory or crashes is a result too (status "oom" / "error"), and the sweep goes on.
+"""
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _product(**axes):
+    keys = list(axes)
+    return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
+
+
+def grid(name):
+    """A named list of train.py override dicts."""
+    if name == "cpu-small":
+        sizes = [dict(preset="cpu-tiny"), dict(preset="cpu-tiny", n_layer=1, n_head=4, n_embd=64, block_size=32)]
+        rows = []
+        for size, batch in zip(sizes, (2, 3)):
+            for c in _product(dtype=["float32", "bfloat16"], attention=["manual", "sdpa"], activation=["gelu", "relu"]):
+                rows.append(dict(size, batch_size=batch, device="cpu", **c))
+        return rows
+    if name == "gpt2-sizes":
+        sizes = [("gpt2", 12), ("gpt2-medium", 12), ("gpt2-large", 8), ("gpt2-xl", 4)]
+        return [dict(preset=p, batch_size=b, **c) for p, b in sizes
+                for c in _product(dtype=["float16", "bfloat16"], attention=["manual", "sdpa"])]
+    if name == "variants":
+        base = dict(preset="gpt2", batch_size=12, dtype="float16", attention="manual")
+        return [dict(base, gradient_accumulation_steps=4), dict(base, set_to_none=False),
+                dict(base, optimizer_impl="foreach"), dict(base, keep_logits=False, set_to_none=False),
+                dict(base, dtype="float32", attention="sdpa", batch_size=4),
+                dict(base, dtype="float16", attention="sdpa"),
+                dict(preset="gpt2-large", batch_size=10, dtype="float16", attention="manual")]
+    if name == "smoke":  # one tiny CPU run, for tests
+        return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
+    raise ValueError(f"unknown grid {name!r}; one of cpu-small, gpt2-sizes, variants, smoke")
+
+
+def _args(cfg):
+    return [f"--{k}={v}" for k, v in cfg.items()]
+
+
+_STEP = re.compile(r"^iter (\d+) \(step (\d+)\): loss ([0-9.naninf-]+), time ([0-9.]+)ms")
+
+
+def _step_ms(log):
+    return {int(m[2]): float(m[4]) for m in map(_STEP.match, log.splitlines()) if m}
+
+
+def run_one(cfg, audit_dir, timeout, overhead):
+    """Audit one config in a child process; returns (status, run_dir, log, plain step times)."""
+    name = "sweep-" + "-".join(f"{k}{v}" for k, v in cfg.items() if k != "device").replace(".", "p")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--audit_dir={audit_dir}",
+           f"--run_name={name}"] + _args(cfg)
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        log, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = (e.stdout or "") if isinstance(e.stdout, str) else "", -1
+    wall = time.time() - t0
+    m = re.search(r"audit: recording allocator history into (\S+)", log)
+    run_dir = m[1] if m else None
+    if rc != 0:
+        status = "oom" if ("OutOfMemory" in log or "out of memory" in log) else ("timeout" if rc == -1 else "error")
+    else:
+        status = "ok"
+    plain = {}
+    if overhead and status == "ok":
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--max_iters=4"] + _args(cfg),
+                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        plain = _step_ms(p.stdout)
+    return status, run_dir, log, wall, plain
+
+
+def row_for(cfg, status, run_dir, log, wall, plain):
+    from .reconcile import reconcile
+    row = {"config": cfg, "status": status, "wall_s": round(wall, 1)}
+    audited = _step_ms(log)
+    row["step_ms"] = {"audited_step2": audited.get(2), "after_recording_step3": audited.get(3),
+                      "plain_step2": plain.get(2), "plain_step3": plain.get(3), "plain_step4": plain.get(4)}
+    if status != "ok":
+        row["error"] = (log.strip().splitlines() or [""])[-1][:300]
+        return row
+    rec = reconcile(run_dir)
+    row.update({"run": rec["run"], "device": rec["device"].get("name"), "torch": rec["torch_version"],
+                "params": rec["params"], "totals": rec["totals"], "unattributed_bytes": rec["unattributed_bytes"],
+                "checks": rec["checks"]})
+    acts = [r for r in rec["rows"] if r["phase"] == "step2_before_backward" and r["category"] == "activations"]
+    steady = [r for r in rec["rows"] if r["phase"] == "step2_start" and r["category"] not in ("gaps",)]
+    row["activation_lines"] = len(acts)
+    row["activation_lines_mismatched"] = sorted(r["key"] for r in acts if r["diff"] != 0)[:20]
+    row["steady_lines"] = len(steady)
+    row["steady_lines_mismatched"] = sorted(r["key"] for r in steady if r["diff"] != 0)[:20]
+    row["dump_bytes"] = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir)
+                            if f.endswith(".pickle"))
+    s2, s3 = row["step_ms"]["audited_step2"], row["step_ms"]["after_recording_step3"]
+    p3 = row["step_ms"]["plain_step3"]
+    row["overhead"] = {"audited_over_plain": None if not (s2 and p3) else round(s2 / p3, 3),
+                       "after_recording_over_plain": None if not (s3 and p3) else round(s3 / p3, 3)}
+    return row
+
+
+def run_sweep(args):
+    configs = grid(args.grid) if args.grid else None
+    if args.configs:
+        with open(args.configs) as f:
+            configs = json.load(f)
+    if not configs:
+        raise ValueError("give --grid=NAME or --configs=FILE")
+    if args.device != "auto":
+        configs = [dict(c, device=args.device) for c in configs]
+    audit_dir = os.path.join(ROOT, "snapshots", "sweep")
+    out = args.out
+    rows = []
+    for i, cfg in enumerate(configs):
+        on_gpu = cfg.get("device", "auto") != "cpu"
+        status, run_dir, log, wall, plain = run_one(cfg, audit_dir, args.timeout, overhead=on_gpu)
+        row = row_for(cfg, status, run_dir, log, wall, plain)
+        if out is None:
+            dev = (row.get("device") or "cpu").lower()
+            tag = "h100" if "h100" in dev else "h200" if "h200" in dev else "a100" if "a100" in dev else re.sub(r"\W+", "-", dev)
+            out = os.path.join(ROOT, "snapshots", "results", f"{tag}.jsonl")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows.append(row)
+        t = row.get("totals", {})
+        print(f"[{i + 1}/{len(configs)}] {status} {json.dumps(cfg)}"
+              + (f" peak pred {t['peak']['predicted']:,} actual {t['peak']['actual']:,} ({t['peak']['diff_pct']:+.3f}%)"
+                 f" act mismatches {len(row['activation_lines_mismatched'])} unattributed {row['unattributed_bytes']}"
+                 if t else f" {row.get('error', '')}"), flush=True)
+        if run_dir and not args.keep and os.path.isdir(run_dir):  # keep meta.json and the reports
+            for f in os.listdir(run_dir):
+                if f.endswith(".pickle"):
+                    os.remove(os.path.join(run_dir, f))
+    print(f"wrote {len(rows)} rows to {out}")
+    return rows
+
+
+def accuracy_table(path):
+    """Markdown table of a results .jsonl (the README's accuracy table is generated by this)."""
+    from .report import fmt_bytes
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    out = ["| model | batch | dtype | attention | variant | steady pred / actual | activations pred / actual | "
+           "peak pred / actual | peak diff | unattributed |", "|" + " --- |" * 10]
+    for r in rows:
+        c = r["config"]
+        variant = ", ".join(f"{k}={v}" for k, v in c.items()
+                            if k not in ("preset", "batch_size", "dtype", "attention", "device")) or "-"
+        if r["status"] != "ok":
+            out.append(f"| {c.get('preset')} | {c.get('batch_size')} | {c.get('dtype')} | {c.get('attention')} | "
+                       f"{variant} | {r['status']} | | | | |")
+            continue
+        t = r["totals"]
+        out.append(f"| {c.get('preset')} | {c.get('batch_size')} | {c.get('dtype')} | {c.get('attention', 'manual')} | {variant} | "
+                   f"{fmt_bytes(t['steady_state']['predicted'])} / {fmt_bytes(t['steady_state']['actual'])} | "
+                   f"{fmt_bytes(t['activations']['predicted'])} / {fmt_bytes(t['activations']['actual'])} | "
+                   f"{fmt_bytes(t['peak']['predicted'])} / {fmt_bytes(t['peak']['actual'])} | "
+                   f"{t['peak']['diff_pct']:+.3f}% | {r['unattributed_bytes']:,} B |")
+    return "\n".join(out)
