@@ -19,3 +19,5 @@ variants)
     timeout 540 python3 -m memory_audit sweep --grid=variants --out="$OUT/h100-variants.jsonl" --timeout=240
     tar -C snapshots -cJf "$OUT/sweep_variants.tar.xz" sweep ;;
 esac
+# the rest of gpt2-sizes when one call's time ran out (sweep rows append):
+#   python3 -m memory_audit sweep --configs=scripts/xl_rest.json --out=$OUT/h100.jsonl
