@@ -233,17 +233,20 @@ def predict(config=None, device=None, gaps_bytes=None):
                 act(f"{h}.attn/mul.other", 8, "float64", [], "8", "the 1/sqrt(hs) scalar, a CPU tensor")
             linear(f"{h}.attn.c_proj", d, d, input_note="heads side by side (contiguous copy)")
         else:
+            backend = dev["sdpa_backend"]
+            if dt == "cuda" and not autocast and backend in ("cudnn", "flash"):
+                backend = "efficient"  # flash and cuDNN kernels take no fp32 (measured: H100 picks efficient)
             sd = {"cudnn": "scaled_dot_product_cudnn_attention", "flash": "scaled_dot_product_flash_attention",
                   "efficient": "scaled_dot_product_efficient_attention",
-                  "flash_cpu": "scaled_dot_product_flash_attention_for_cpu"}[dev["sdpa_backend"]]
+                  "flash_cpu": "scaled_dot_product_flash_attention_for_cpu"}[backend]
             act(f"{h}.attn/{sd}.key", a * 3 * Ne, lowp, [B, nh, T, d // nh], f"{a}*3*B*T*d",
                 "q, k, v: views of the c_attn output")
-            lse_T = T if dev["sdpa_backend"] != "efficient" else 32 * ((T + 31) // 32)
-            act(f"{h}.attn/{sd}.{'log_sumexp' if dev['sdpa_backend'] == 'efficient' else 'logsumexp'}",
+            lse_T = T if backend != "efficient" else 32 * ((T + 31) // 32)
+            act(f"{h}.attn/{sd}.{'log_sumexp' if backend == 'efficient' else 'logsumexp'}",
                 4 * B * nh * lse_T, "float32", [B, nh, lse_T], "4*B*n_head*T")
             act(f"{h}.attn/{sd}.output", a * Ne, lowp, [B, nh, T, d // nh], f"{a}*B*T*d",
                 "also c_proj's input: the transpose back is already contiguous")
-            if dt == "cuda":
+            if backend == "cudnn":  # measured on H100; efficient attention saves none on the device
                 act(f"{h}.attn/{sd}.philox_offset", 8, "int64", [], "8")
                 act(f"{h}.attn/{sd}.philox_seed", 8, "int64", [], "8")
             linear(f"{h}.attn.c_proj", d, d, input_saved_here=False)
