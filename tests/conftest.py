@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny CPU audits made once per session, paths to committed examples."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SHARED = os.path.join(os.path.dirname(ROOT), "shared")
+FOREIGN = os.path.join(SHARED, "fixtures", "foreign_snapshots")
+EXAMPLES = os.path.join(ROOT, "snapshots", "examples")
+
+
+def run_train(*args, cwd=ROOT, timeout=300):
+    """Run train.py in a child process (it is a script, as nanoGPT's is)."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "memory_audit", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def audit(tmp_dir, name, *args):
+    """A CPU audit of a tiny model; returns its run directory."""
+    p = run_train("--audit", "--device=cpu", "--preset=cpu-tiny", "--batch_size=2",
+                  f"--audit_dir={tmp_dir}", f"--run_name={name}", *args)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return os.path.join(tmp_dir, name)
+
+
+@pytest.fixture(scope="session")
+def audits(tmp_path_factory):
+    """name -> run dir, for a few CPU audits shared by the tests."""
+    base = str(tmp_path_factory.mktemp("audits"))
+    cache = {}
+
+    def get(name, *args):
+        if name not in cache:
+            cache[name] = audit(base, name, *args)
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def cpu_run(audits):
+    return audits("fp32-manual-gelu", "--dtype=float32", "--attention=manual", "--activation=gelu")
+
+
+def load_json(path):
+    with open(path) as f:
+        return json.load(f)
