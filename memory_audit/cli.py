@@ -192,6 +192,7 @@ def main(argv=None):
     s.add_argument("--out", default=None, help="results .jsonl (default snapshots/results/<device>.jsonl)")
     s.add_argument("--timeout", type=int, default=900)
     s.add_argument("--keep", action="store_true", help="keep each run's snapshots")
+    s.add_argument("--audit-dir", default=None, help="where runs go (default snapshots/sweep)")
     args, extra = p.parse_known_args(argv)
     try:
         if extra and args.cmd not in ("predict", "fit"):

@@ -119,7 +119,7 @@ def run_sweep(args):
         raise ValueError("give --grid=NAME or --configs=FILE")
     if args.device != "auto":
         configs = [dict(c, device=args.device) for c in configs]
-    audit_dir = os.path.join(ROOT, "snapshots", "sweep")
+    audit_dir = args.audit_dir or os.path.join(ROOT, "snapshots", "sweep")
     out = args.out
     rows = []
     for i, cfg in enumerate(configs):

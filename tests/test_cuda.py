@@ -1,0 +1,38 @@
+"""CUDA-only checks; they skip on machines without a GPU (CI) and run whenever one is lent."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import load_json, run_train
+from memory_audit.loader import load_snapshot
+from memory_audit.reconcile import reconcile
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("dtype, attention", [("float16", "manual"), ("bfloat16", "sdpa"), ("float32", "manual")])
+def test_cuda_audit_is_exact_and_does_not_change_training(tmp_path, dtype, attention):
+    common = ["--device=cuda", "--preset=cpu-tiny", "--batch_size=4", "--max_iters=3",
+              f"--dtype={dtype}", f"--attention={attention}"]
+    plain = run_train(*common, f"--losses_out={tmp_path}/plain.json")
+    audited = run_train(*common, "--audit", f"--audit_dir={tmp_path}", "--run_name=r",
+                        f"--losses_out={tmp_path}/audited.json")
+    assert plain.returncode == 0 and audited.returncode == 0, audited.stderr[-3000:]
+    assert load_json(tmp_path / "plain.json") == load_json(tmp_path / "audited.json")
+    rec = reconcile(str(tmp_path / "r"))
+    assert rec["unattributed_bytes"] == 0
+    assert [r["key"] for r in rec["rows"] if r["category"] == "activations" and r["diff"]] == []
+    assert [r["key"] for r in rec["rows"] if r["phase"] == "step2_start" and r["category"] != "gaps" and r["diff"]] == []
+    assert rec["checks"]["replayed_peak_equals_max_memory_allocated"] is True
+
+
+def test_oom_leaves_a_snapshot_and_one_line(tmp_path):
+    p = run_train("--device=cuda", "--preset=gpt2", "--batch_size=512", "--audit", f"--audit_dir={tmp_path}",
+                  "--run_name=oom")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.count("\n") == 1 and "OutOfMemoryError" in p.stderr and "oom.pickle" in p.stderr
+    snap = load_snapshot(str(tmp_path / "oom" / "oom.pickle"))
+    assert any(e["action"] == "oom" for e in snap["device_traces"][0])
+    assert load_json(tmp_path / "oom" / "meta.json")["error"]["oom"] is True

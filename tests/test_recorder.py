@@ -1,0 +1,50 @@
+"""The recorder leaves a snapshot behind on a crash and explains a full disk in one line."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import load_json, run_train
+from memory_audit.loader import load_snapshot
+from memory_audit.recorder import AuditError, AuditRecording, _write_pickle
+from model import GPT, GPTConfig, PRESETS
+
+
+def test_crash_still_writes_a_snapshot(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="boom"):
+        with AuditRecording(str(run), "cpu", {"preset": "cpu-tiny"}) as rec:
+            model = GPT(GPTConfig(**PRESETS["cpu-tiny"]))
+            rec.phase("step2_start", model)
+            activations = torch.ones(1000, 100)  # 400,000 B live at the crash
+            raise RuntimeError("boom")
+    assert (run / "crash.pickle").exists() and (run / "step2_start.pickle").exists()
+    meta = load_json(run / "meta.json")
+    assert meta["error"]["type"] == "RuntimeError" and meta["error"]["message"] == "boom"
+    snap = load_snapshot(str(run / "crash.pickle"))
+    sizes = [b["size"] for s in snap["segments"] for b in s["blocks"]]
+    assert 400_000 in sizes  # what was live when it crashed is in the file
+    del activations
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_full_disk_is_one_clear_error():
+    with pytest.raises(AuditError, match="could not write /dev/full: No space left on device"):
+        _write_pickle({"segments": [], "device_traces": [[{"action": "alloc"}] * 10000]}, "/dev/full")
+
+
+def test_unwritable_audit_dir_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    p = run_train("--device=cpu", "--preset=cpu-tiny", "--batch_size=2", "--audit", f"--audit_dir={blocker}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("error: could not create") and p.stderr.count("\n") == 1
+
+
+def test_recording_turns_history_off_on_exit(tmp_path):
+    rec = AuditRecording(str(tmp_path / "r"), "cpu", {})
+    with rec:
+        assert rec.active
+    assert not rec.active
+    rec.stop()  # idempotent

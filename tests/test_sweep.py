@@ -1,0 +1,27 @@
+"""The cpu-small grid: every row fully attributed and every activation line predicted exactly."""
+
+import json
+
+from conftest import run_cli
+from memory_audit.sweep import accuracy_table, grid
+
+
+def test_cpu_small_grid(tmp_path):
+    out = tmp_path / "cpu.jsonl"
+    p = run_cli("sweep", "--grid=cpu-small", f"--out={out}", f"--audit-dir={tmp_path}/runs", timeout=1800)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == len(grid("cpu-small")) == 16
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["unattributed_bytes"] == 0
+        assert r["activation_lines"] > 20 and r["activation_lines_mismatched"] == []
+        assert r["steady_lines_mismatched"] == []
+        assert r["totals"]["peak"]["diff"] == 0, r["config"]
+    table = accuracy_table(str(out))
+    assert table.count("\n") == 17 and "+0.000%" in table
+
+
+def test_unknown_grid_is_one_line():
+    p = run_cli("sweep", "--grid=nope")
+    assert p.returncode == 2 and "unknown grid" in p.stderr
