@@ -138,6 +138,8 @@ if dataset != "synthetic":
     for _split in ("train",):
         if not os.path.isfile(os.path.join(data_dir, f"{_split}.bin")):
             fail(f"data file {os.path.join(data_dir, _split + '.bin')} not found; run data/prepare.py or use dataset=synthetic")
+    if vocab_size < 50257:
+        fail(f"vocab_size={vocab_size} is too small for GPT-2 tokens (ids up to 50256); use 50304")
     print(f"data: {data_dir}/train.bin (GPT-2 tokens)")
 else:
     print("data: synthetic random tokens (memory does not depend on token values)")

@@ -1,0 +1,61 @@
+"""analysis.ipynb runs headless on a fresh CPU audit, and renders with its tables and figures."""
+
+import os
+import shutil
+import subprocess
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import ROOT
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def executed(cpu_run, tmp_path_factory):
+    nb = nbformat.read(os.path.join(ROOT, "analysis.ipynb"), as_version=4)
+    os.environ["MEMORY_AUDIT_RUN"] = cpu_run
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    finally:
+        os.environ.pop("MEMORY_AUDIT_RUN", None)
+    out = tmp_path_factory.mktemp("nb") / "analysis.ipynb"
+    nbformat.write(nb, str(out))
+    return nb, out
+
+
+def test_notebook_executes_without_errors(executed, cpu_run):
+    nb, _ = executed
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert errors == []
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert f"run directory: {cpu_run}" in text
+    for png in ("categories.png", "timeline.png", "sweep.png"):
+        assert os.path.getsize(os.path.join(cpu_run, png)) > 5000
+
+
+def test_notebook_renders_in_headless_chromium(executed, tmp_path):
+    if not CHROMIUM:
+        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
+    from nbconvert import HTMLExporter
+    _, path = executed
+    html, _ = HTMLExporter().from_filename(str(path))
+    assert html.count("<table") >= 8 and html.count("data:image/png;base64") >= 3
+    page = tmp_path / "analysis.html"
+    page.write_text(html)
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                    "--disable-sync", f"--user-data-dir={tmp_path}/profile", "--window-size=1400,6000",
+                    "--hide-scrollbars", f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 20000
+    import matplotlib.image as mpimg
+    img = mpimg.imread(str(shot))
+    assert img.shape[0] >= 1000 and img[..., :3].std() > 0.05  # a page with content, not a blank screen
+    # the figures are drawn in colour: the stacked bars and the stack plot use many hues
+    rgb = (img[..., :3] * 255).astype(int).reshape(-1, 3)
+    colourful = ((rgb.max(axis=1) - rgb.min(axis=1)) > 60).mean()
+    assert colourful > 0.005
