@@ -193,6 +193,8 @@ def main(argv=None):
     s.add_argument("--timeout", type=int, default=900)
     s.add_argument("--keep", action="store_true", help="keep each run's snapshots")
     s.add_argument("--audit-dir", default=None, help="where runs go (default snapshots/sweep)")
+    t = sub.add_parser("accuracy", help="markdown table of sweep results (the README's table)")
+    t.add_argument("results", nargs="+", help="results .jsonl files")
     args, extra = p.parse_known_args(argv)
     try:
         if extra and args.cmd not in ("predict", "fit"):
@@ -205,6 +207,9 @@ def main(argv=None):
             cmd_fit(args, extra)
         elif args.cmd == "report":
             cmd_report(args)
+        elif args.cmd == "accuracy":
+            from .sweep import accuracy_table
+            print("\n\n".join(accuracy_table(path) for path in args.results))
         elif args.cmd == "sweep":
             from .sweep import run_sweep
             run_sweep(args)
