@@ -124,8 +124,8 @@ def _validate(cfg):
         raise ValueError(f"attention must be manual or sdpa, got {cfg['attention']!r}")
     if cfg["activation"] not in ("gelu", "relu"):
         raise ValueError(f"activation must be gelu or relu, got {cfg['activation']!r}")
-    if cfg["dropout"]:
-        raise ValueError("dropout > 0 is not predicted yet (its masks are not in the ledger)")
+    if not 0 <= cfg["dropout"] < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {cfg['dropout']!r}")
 
 
 def predict(config=None, device=None, gaps_bytes=None):
@@ -213,24 +213,51 @@ def predict(config=None, device=None, gaps_bytes=None):
         if input_saved_here:
             act(f"{mod}/{op}.{x_attr}", a * B * T * n_in, lowp, [B * T, n_in], f"{a}*B*T*{n_in}", input_note)
 
+    drop = cfg["dropout"] > 0
+
+    def dropout(mod, numel, dtype, shape, formula):
+        """A dropout's saved mask: CUDA keeps a bool mask, CPU the scaled noise in the input's dtype."""
+        if not drop:
+            return
+        if dt == "cuda":
+            act(f"{mod}/native_dropout.result1", numel, "bool", shape, formula, "dropout mask")
+        else:
+            act(f"{mod}/mul.other", DTYPE_BYTES[dtype] * numel, dtype, shape, f"{DTYPE_BYTES[dtype]}*{formula}",
+                "dropout noise (mask / (1-p))")
+
     act("wpe/embedding.indices", 8 * T, "int64", [T], "8*T", "position ids")
+    dropout("drop", Ne, "float32", [B, T, d], "B*T*d")
     for i in range(L):
         h = f"h.{i}"
         layer_norm(f"{h}.ln_1")
         linear(f"{h}.attn.c_attn", d, 3 * d, input_note="LayerNorm output" + (", cast" if autocast else ""))
-        if cfg["attention"] == "manual":
-            Na = B * nh * T * T
+        Na = B * nh * T * T
+        if cfg["attention"] == "sdpa" and drop and dt == "cpu":
+            # CPU SDPA with dropout in training runs the math fallback, in fp32 even under autocast
+            act(f"{h}.attn/bmm.self", 4 * Ne, "float32", [B * nh, T, d // nh], "4*B*T*d", "q (math SDPA)")
+            act(f"{h}.attn/bmm.mat2", 4 * Ne, "float32", [B * nh, d // nh, T], "4*B*T*d", "k^T (math SDPA)")
+            act(f"{h}.attn/safe_softmax.result", 4 * Na, "float32", [B, nh, T, T], "4*B*n_head*T^2")
+            act(f"{h}.attn/mul.other", 4 * Na, "float32", [B, nh, T, T], "4*B*n_head*T^2", "dropout noise")
+            act(f"{h}.attn/bmm.mat2#2", 4 * Ne, "float32", [B * nh, T, d // nh], "4*B*T*d", "v (math SDPA)")
+            act(f"{h}.attn/bmm.self#2", 4 * Na, "float32", [B * nh, T, T], "4*B*n_head*T^2", "dropout output")
+            linear(f"{h}.attn.c_proj", d, d, input_note="attention output, back in the autocast dtype")
+        elif cfg["attention"] == "manual":
             act(f"{h}.attn/bmm.self", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "q, made contiguous")
             act(f"{h}.attn/bmm.mat2", a * Ne, lowp, [B * nh, d // nh, T], f"{a}*B*T*d", "k^T, made contiguous")
             act(f"{h}.attn/masked_fill.mask", T * T, "bool", [1, 1, T, T], "T^2", "bias[:T,:T] == 0")
             act(f"{h}.attn/softmax.result", DTYPE_BYTES[sm] * Na, sm, [B, nh, T, T],
                 f"{DTYPE_BYTES[sm]}*B*n_head*T^2")
+            dropout(f"{h}.attn.attn_dropout", Na, sm, [B, nh, T, T], "B*n_head*T^2")
             if sm != lowp:  # CUDA autocast: att @ v casts the fp32 probabilities back down
                 act(f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
                     "softmax output cast for att @ v")
+            elif drop:  # att @ v saves the dropout's output, a new tensor
+                act(f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
+                    "attention dropout output")
             act(f"{h}.attn/bmm.mat2#2", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "v, made contiguous")
             if dt == "cpu":
-                act(f"{h}.attn/mul.other", 8, "float64", [], "8", "the 1/sqrt(hs) scalar, a CPU tensor")
+                act(f"{h}.attn/mul.other", 8, "float64", [], "8",
+                    "the 1/sqrt(hs) scalar, a CPU tensor")
             linear(f"{h}.attn.c_proj", d, d, input_note="heads side by side (contiguous copy)")
         else:
             backend = dev["sdpa_backend"]
@@ -250,6 +277,7 @@ def predict(config=None, device=None, gaps_bytes=None):
                 act(f"{h}.attn/{sd}.philox_offset", 8, "int64", [], "8")
                 act(f"{h}.attn/{sd}.philox_seed", 8, "int64", [], "8")
             linear(f"{h}.attn.c_proj", d, d, input_saved_here=False)
+        dropout(f"{h}.attn.resid_dropout", Ne, lowp, [B, T, d], "B*T*d")
         layer_norm(f"{h}.ln_2")
         linear(f"{h}.mlp.c_fc", d, 4 * d, input_note="LayerNorm output" + (", cast" if autocast else ""))
         if cfg["activation"] == "gelu":
@@ -259,6 +287,7 @@ def predict(config=None, device=None, gaps_bytes=None):
             act(f"{h}.mlp.act/relu.result", a * 4 * Ne, lowp, [B, T, 4 * d], f"{a}*4*B*T*d",
                 "ReLU output, also c_proj's input")
             linear(f"{h}.mlp.c_proj", 4 * d, d, input_saved_here=False)
+        dropout(f"{h}.mlp.dropout", Ne, lowp, [B, T, d], "B*T*d")
     layer_norm("ln_f")
     linear("lm_head", d, V, input_note="LayerNorm output" + (", cast" if autocast else ""))
     Nl = B * T * V
