@@ -103,9 +103,10 @@ def test_cpu_audit_matches_prediction_line_by_line(audits, dtype, attention, act
 
 
 @pytest.mark.parametrize("extra", [["--bias=True"], ["--gradient_accumulation_steps=2", "--set_to_none=False"],
-                                   ["--keep_logits=False", "--optimizer_impl=foreach"]])
+                                   ["--keep_logits=False", "--optimizer_impl=foreach"],
+                                   ["--dropout=0.1"], ["--dropout=0.1", "--attention=sdpa", "--dtype=bfloat16"]])
 def test_cpu_variants_match(audits, extra):
-    rec = reconcile(audits("variant-" + "-".join(e.strip("-") for e in extra), "--dtype=float32", *extra))
+    rec = reconcile(audits("variant-" + "-".join(e.strip("-") for e in extra), *(["--dtype=float32"] + extra)))
     wrong = [(r["phase"], r["key"], r["predicted"], r["actual"]) for r in rec["rows"] if r["diff"]]
     assert wrong == []
     assert rec["totals"]["peak"]["diff"] == 0
@@ -133,6 +134,17 @@ def test_fit_cli_finds_a_batch_that_fits_and_one_that_does_not():
     p = run_cli("fit", "--gpu=H100", "--preset=gpt2-large")
     assert p.returncode == 0, p.stderr
     assert "largest batch_size at block_size 1024: 10" in p.stdout
+
+
+def test_committed_h100_dropout_rows():
+    """dropout=0.1 on the H100: bool masks per dropout, every line and the peak to the byte."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "snapshots", "results", "h100-dropout.jsonl")
+    rows = [json.loads(l) for l in open(path)]
+    assert len(rows) == 5
+    for r in rows:
+        assert r["config"]["dropout"] == 0.1 and r["unattributed_bytes"] == 0
+        assert r["activation_lines_mismatched"] == [] and r["steady_lines_mismatched"] == []
+        assert r["totals"]["peak"]["diff"] == 0
 
 
 def test_committed_h100_sweep_rows():
