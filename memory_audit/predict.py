@@ -13,6 +13,7 @@ What is saved for backward depends on the device's autocast policy (measured, se
   float32 (either device): no casts, so weights are saved as themselves (not activations)
 """
 
+from .gap_sim import predicted_gaps
 from .schema import PHASES
 
 GiB = 2 ** 30
@@ -134,8 +135,8 @@ def predict(config=None, device=None, gaps_bytes=None):
     Args:
         config: train.py keys (missing ones take DEFAULTS: the reference run).
         device: device_facts() dict; default an H100.
-        gaps_bytes: measured allocator gaps at steady state to use instead of predicting
-            only the 512 B rounding (the unsplit-block remainders depend on history).
+        gaps_bytes: measured allocator gaps at steady state, to use instead of the allocator
+            model's (gap_sim.py); they depend on allocation history.
     Returns:
         {"config", "device", "ledger": [line...], "totals": {...}} with integer bytes.
     """
@@ -320,31 +321,39 @@ def predict(config=None, device=None, gaps_bytes=None):
         line(key, nbytes, "", [], formula, ("peak",), note)
 
     return {"config": cfg, "device": dev, "ledger": ledger,
-            "totals": _totals(ledger, params, dt, gaps_bytes)}
+            "totals": _totals(ledger, params, dt, gaps_bytes, cfg)}
 
 
 def _sum(ledger, phase, field="bytes", category=None):
     return sum(l[field] for l in ledger if phase in l["phases"] and (category is None or l["category"] == category))
 
 
-def _totals(ledger, params, device_type, gaps_bytes):
+def _totals(ledger, params, device_type, gaps_bytes, cfg):
     steady = _sum(ledger, "step2_start")
     steady_alloc = _sum(ledger, "step2_start", "allocated")
     rounding = steady_alloc - steady
-    gaps = rounding if gaps_bytes is None else int(gaps_bytes)
+    # Bytes the allocator holds beyond the rounding (unsplit blocks): measured when given, else
+    # modelled by replaying the predicted tensors through the allocator's rules (CUDA only).
+    modelled = predicted_gaps(ledger, cfg) if device_type == "cuda" else {"steady": 0, "before_backward": 0, "peak": 0}
+    if gaps_bytes is not None:
+        extra = {"steady": int(gaps_bytes) - rounding}
+        extra["before_backward"] = extra["peak"] = extra["steady"]
+    else:
+        extra = modelled
     acts = _sum(ledger, "step2_before_backward", category="activations")
-    bb_alloc = _sum(ledger, "step2_before_backward", "allocated") + (gaps - rounding)
-    peak = bb_alloc + _sum(ledger, "peak", "allocated")
+    bb_alloc = _sum(ledger, "step2_before_backward", "allocated") + extra["before_backward"]
+    peak = _sum(ledger, "step2_before_backward", "allocated") + _sum(ledger, "peak", "allocated") + extra["peak"]
     return {
         "params": sum(_numel(s) for _, s in params),
         "steady_state_bytes": steady,  # requested bytes at the start of step 2
-        "steady_state_gaps": gaps,  # 512 B rounding (or the measured gaps, when given)
-        "steady_state_allocated": steady + gaps,  # comparable with memory_allocated()
+        "steady_state_gaps": rounding + extra["steady"],  # 512 B rounding + unsplit blocks
+        "steady_state_allocated": steady + rounding + extra["steady"],  # comparable with memory_allocated()
         "activations_bytes": acts,  # saved for backward + held logits, requested bytes
         "activations_allocated": _sum(ledger, "step2_before_backward", "allocated", "activations"),
         "before_backward_allocated": bb_alloc,
         "peak_allocated_bytes": peak,  # comparable with max_memory_allocated()
-        "end_allocated": _sum(ledger, "step2_end", "allocated") + (gaps - rounding),
+        "end_allocated": _sum(ledger, "step2_end", "allocated") + extra["steady"],
+        "unsplit_block_bytes": extra,  # the allocator model's (or the measured) remainders
     }
 
 

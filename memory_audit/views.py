@@ -189,10 +189,13 @@ def sweep_rows(results_dir=None):
 
 
 def sweep_table(rows):
+    """One row per configuration; predictions recomputed by the current predictor."""
+    from .sweep import repredict
     out = []
     for r in rows:
         if r.get("status") != "ok":
             continue
+        r["totals"] = repredict(r)
         c, t = r["config"], r["totals"]
         variant = ", ".join(f"{k}={v}" for k, v in c.items()
                             if k not in ("preset", "batch_size", "dtype", "attention", "device")) or "-"
@@ -206,7 +209,8 @@ def sweep_table(rows):
 def fig_sweep(rows):
     """Predicted vs actual peak over the sweep results."""
     import matplotlib.pyplot as plt
-    ok = [r for r in rows if r.get("status") == "ok"]
+    from .sweep import repredict
+    ok = [dict(r, totals=repredict(r)) for r in rows if r.get("status") == "ok"]
     fig, ax = plt.subplots(figsize=(5, 5))
     if not ok:
         ax.text(0.5, 0.5, "no sweep results", ha="center")
