@@ -54,6 +54,67 @@ def _row(phase, key, category, predicted, actual, dtype="", formula="", note="")
             "predicted": predicted, "actual": actual, "diff": diff, "diff_pct": pct, "note": note}
 
 
+def join(pred, phase, actual_lines, actual_categories):
+    """Rows (per line, plus gaps) and category rows of one phase; and the modelled unsplit bytes."""
+    predicted_lines, ledger_lines, rows = {}, {}, []
+    for l in pred["ledger"]:
+        if phase in l["phases"]:
+            predicted_lines[l["key"]] = predicted_lines.get(l["key"], 0) + l["bytes"]
+            ledger_lines.setdefault(l["key"], l)
+    for key in list(predicted_lines) + [k for k in actual_lines if k not in predicted_lines]:
+        l = ledger_lines.get(key, {})
+        rows.append(_row(phase, key, key.split("/", 1)[0], predicted_lines.get(key), actual_lines.get(key),
+                         l.get("dtype", ""), l.get("formula", ""), l.get("note", "")))
+    unsplit = pred["totals"]["unsplit_block_bytes"]["before_backward" if phase == "step2_before_backward" else "steady"]
+    pred_gaps = sum(l["allocated"] - l["bytes"] for l in pred["ledger"] if phase in l["phases"]) + unsplit
+    rows.append(_row(phase, "gaps", "gaps", pred_gaps, actual_categories.get("gaps", 0),
+                     formula="512 B rounding per block + unsplit blocks (allocator model)",
+                     note="history-dependent: the allocator model leaves out short-lived temporaries"))
+    cats = []
+    for c in CATEGORIES:
+        p = pred_gaps if c == "gaps" else sum(v for k, v in predicted_lines.items() if k.split("/", 1)[0] == c)
+        a = actual_categories.get(c, 0)
+        if p or a:
+            cats.append(_row(phase, c, c, p, a))
+    return rows, cats, unsplit
+
+
+def _totals_rows(pred, actual):
+    t = pred["totals"]
+    out = {}
+    for key, pkey in (("steady_state", "steady_state_allocated"), ("activations", "activations_bytes"),
+                      ("peak", "peak_allocated_bytes")):
+        a = actual.get(key)
+        diff = None if a is None else a - t[pkey]
+        out[key] = {"predicted": t[pkey], "actual": a, "diff": diff,
+                    "diff_pct": None if diff is None else round(100.0 * diff / t[pkey], 4)}
+    return out
+
+
+def refresh_predictions(rec):
+    """A stored report with its predicted side recomputed by the current predictor (in place).
+
+    The measured side (rows' actual bytes, categories, totals) is kept as it was measured.
+    """
+    dev = device_from_meta({"device": rec["device"], "torch_version": rec["torch_version"],
+                            "env": rec.get("env")})
+    pred = predict(rec["config"], dev)
+    rows = []
+    for phase, ph in rec["phases"].items():
+        actual_lines = {r["key"]: r["actual"] for r in rec["rows"]
+                        if r["phase"] == phase and r["actual"] is not None and r["key"] != "gaps"}
+        actual_categories = {r["key"]: r["actual"] for r in ph["categories"]}
+        phase_rows, cats, unsplit = join(pred, phase, actual_lines, actual_categories)
+        rows += phase_rows
+        ph["categories"] = cats
+        total = sum(l["allocated"] for l in pred["ledger"] if phase in l["phases"]) + unsplit
+        ph["allocated"] = _row(phase, "memory_allocated", "total", total, ph["allocated"]["actual"])
+    rec["rows"] = rows
+    rec["totals"] = _totals_rows(pred, {k: v["actual"] for k, v in rec["totals"].items()})
+    rec["predicted_device"] = dev
+    return rec
+
+
 def reconcile(run_dir):
     """Predicted vs actual for one audit run: rows, category tables and the three totals."""
     m = measure(run_dir)
@@ -63,30 +124,8 @@ def reconcile(run_dir):
     rows, by_phase = [], {}
     for phase, info in m["phases"].items():
         attr = info["attribution"]
-        predicted_lines = {}
-        meta_lines = {}
-        for l in pred["ledger"]:
-            if phase in l["phases"]:
-                predicted_lines[l["key"]] = predicted_lines.get(l["key"], 0) + l["bytes"]
-                meta_lines.setdefault(l["key"], l)
-        keys = list(predicted_lines) + [k for k in attr["lines"] if k not in predicted_lines]
-        for key in keys:
-            l = meta_lines.get(key, {})
-            rows.append(_row(phase, key, key.split("/", 1)[0], predicted_lines.get(key),
-                             attr["lines"].get(key), l.get("dtype", ""), l.get("formula", ""), l.get("note", "")))
-        unsplit = pred["totals"]["unsplit_block_bytes"]["before_backward" if phase == "step2_before_backward" else "steady"]
-        pred_gaps = sum(l["allocated"] - l["bytes"] for l in pred["ledger"] if phase in l["phases"]) + unsplit
-        rows.append(_row(phase, "gaps", "gaps", pred_gaps, attr["categories"]["gaps"],
-                         formula="512 B rounding per block + unsplit blocks (allocator model)",
-                         note="history-dependent: the allocator model leaves out short-lived temporaries"))
-        cats = []
-        for c in CATEGORIES:
-            p = sum(v for k, v in predicted_lines.items() if k.split("/", 1)[0] == c)
-            if c == "gaps":
-                p = pred_gaps
-            a = attr["categories"].get(c, 0)
-            if p or a:
-                cats.append(_row(phase, c, c, p, a))
+        phase_rows, cats, unsplit = join(pred, phase, attr["lines"], attr["categories"])
+        rows += phase_rows
         alloc_actual = info["memory_allocated"] if info["memory_allocated"] is not None else attr["allocated_bytes"]
         by_phase[phase] = {"categories": cats, "allocated": _row(phase, "memory_allocated", "total",
                                                                   sum(l["allocated"] for l in pred["ledger"] if phase in l["phases"]) + unsplit,
@@ -94,23 +133,17 @@ def reconcile(run_dir):
                            "reserved_bytes": attr["reserved_bytes"], "unattributed_bytes": attr["unattributed_bytes"],
                            "unattributed": attr["unattributed"], "balanced": attr["balanced"],
                            "rules": attr["rules"]}
-    t = pred["totals"]
     start = m["phases"].get("step2_start", {})
     bb = m["phases"].get("step2_before_backward", {})
     end = m["phases"].get("step2_end", {})
     rp = end.get("replay", {})
     peak_actual = end.get("max_memory_allocated") if end.get("max_memory_allocated") is not None else rp.get("peak", {}).get("bytes")
-    totals = {
-        "steady_state": {"predicted": t["steady_state_allocated"],
-                         "actual": start.get("memory_allocated") if start.get("memory_allocated") is not None
-                         else start.get("attribution", {}).get("allocated_bytes")},
-        "activations": {"predicted": t["activations_bytes"],
-                        "actual": bb.get("attribution", {}).get("categories", {}).get("activations")},
-        "peak": {"predicted": t["peak_allocated_bytes"], "actual": peak_actual},
-    }
-    for v in totals.values():
-        v["diff"] = None if v["actual"] is None else v["actual"] - v["predicted"]
-        v["diff_pct"] = None if v["actual"] is None else round(100.0 * v["diff"] / v["predicted"], 4)
+    totals = _totals_rows(pred, {
+        "steady_state": start.get("memory_allocated") if start.get("memory_allocated") is not None
+        else start.get("attribution", {}).get("allocated_bytes"),
+        "activations": bb.get("attribution", {}).get("categories", {}).get("activations"),
+        "peak": peak_actual})
+    t = pred["totals"]
     formulas = published_formulas(meta["config"], dev["workspace_bytes"] * dev["workspaces"])
     replayed = rp.get("peak", {}).get("bytes")
     peak = {k: v for k, v in rp.get("peak", {}).items() if k != "lines"}
@@ -138,4 +171,5 @@ def reconcile(run_dir):
             "trace_overflow": rp.get("overflow", False),
         },
         "error": meta.get("error"),
+        "env": meta.get("env"),
     }

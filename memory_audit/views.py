@@ -28,12 +28,14 @@ def default_run_dir(root=ROOT):
 
 
 def load_reconciliation(run_dir):
-    """Reconcile a run from its snapshots, or read its report.json when the pickles are not kept."""
+    """Reconcile a run from its snapshots; where the pickles are not kept, read its report.json
+    and recompute the predicted side with the current predictor."""
+    from .reconcile import refresh_predictions
     from .report import write_report
     if os.path.exists(os.path.join(run_dir, "step2_end.pickle")):
         return write_report(run_dir)
     with open(os.path.join(run_dir, "report.json")) as f:
-        return json.load(f)
+        return refresh_predictions(json.load(f))
 
 
 def _frame(rows, columns):

@@ -103,3 +103,16 @@ def test_attribute_cli_json_and_by_name(tmp_path, cpu_run):
     assert set(data) == set(PHASES)
     p = run_cli("attribute", os.path.join(cpu_run, "step2_start.pickle"), "--by", "name")
     assert p.returncode == 0 and "weights/transformer.wte.weight" in p.stdout
+
+
+@pytest.mark.parametrize("run_dir", CUDA_EXAMPLES, ids=os.path.basename)
+def test_stored_report_refreshes_to_the_same_reconciliation(run_dir):
+    """A report kept without its pickles gets the same predicted side as a full reconcile."""
+    import json
+    from memory_audit.reconcile import reconcile, refresh_predictions
+    full = reconcile(run_dir)
+    stored = json.loads(json.dumps(full))
+    for r in stored["rows"]:
+        r["predicted"] = r["diff"] = r["diff_pct"] = None  # as if written by an older predictor
+    refreshed = refresh_predictions(stored)
+    assert refreshed["rows"] == full["rows"] and refreshed["totals"] == full["totals"]
