@@ -98,5 +98,13 @@ def write_report(run_dir):
 def summarize_run(run_dir):
     """What train.py prints at the end of an audit: the totals table."""
     rec = write_report(run_dir)
-    return (f"memory report ({os.path.join(run_dir, 'report.md')}):\n" + totals_table(rec)
+    where = []
+    for phase in PHASES:
+        ph = rec["phases"].get(phase)
+        if ph:
+            parts = [f"{r['key']} {fmt_bytes(r['actual'])}" for r in ph["categories"]
+                     if r["actual"] and r["key"] not in ("cached_free", "pending_free")]
+            where.append(f"{phase}: " + ", ".join(parts))
+    return ("where it went (measured):\n" + "\n".join(where)
+            + f"\nmemory report ({os.path.join(run_dir, 'report.md')}):\n" + totals_table(rec)
             + f"\nunattributed: {rec['unattributed_bytes']:,} B")

@@ -48,3 +48,30 @@ class PhaseMeta(TypedDict, total=False):
     ring_buffer_full: bool
     time_us: int | None
     registry: list  # of RegistryEntry
+
+
+class LedgerLine(TypedDict):
+    """One line of predict()'s ledger."""
+    key: str  # same names as the attribution: "activations/h.0.attn/softmax.result"
+    category: str
+    bytes: int  # requested bytes (negative for tensors released before the peak)
+    allocated: int  # after the caching allocator's 512 B rounding (CUDA)
+    dtype: str
+    shape: list
+    formula: str  # "4*B*n_head*T^2"
+    phases: list  # the PHASES it is live in, or ["peak"] for the backward's first moments
+    note: str
+
+
+class ReportRow(TypedDict):
+    """One row of reconcile()'s report: a ledger line beside its measurement."""
+    phase: str
+    key: str
+    category: str
+    dtype: str
+    formula: str
+    predicted: int | None  # None: measured but not predicted
+    actual: int | None  # None: predicted but not measured
+    diff: int | None  # actual - predicted
+    diff_pct: float | None
+    note: str
