@@ -59,3 +59,13 @@ def test_notebook_renders_in_headless_chromium(executed, tmp_path):
     rgb = (img[..., :3] * 255).astype(int).reshape(-1, 3)
     colourful = ((rgb.max(axis=1) - rgb.min(axis=1)) > 60).mean()
     assert colourful > 0.005
+
+
+def test_default_run_needs_no_editing():
+    """With no parameter the notebook reads the newest run, else the committed H100 run."""
+    from memory_audit import views
+    run = views.default_run_dir()
+    assert os.path.isfile(os.path.join(run, "meta.json"))
+    rec = views.load_reconciliation(run)
+    assert rec["totals"]["activations"]["actual"] > 0
+    assert len(views.sweep_table(views.sweep_rows())) >= 28
