@@ -260,13 +260,18 @@ except Exception as e:
     if os.environ.get("MEMORY_AUDIT_DEBUG"):
         raise
     if recording is not None:
-        try:
+        also = ""
+        try:  # leaves oom.pickle / crash.pickle and meta.json behind where the disk allows
             recording.__exit__(type(e), e, e.__traceback__)
-        except Exception as e2:
-            print(f"error: {e2}", file=sys.stderr)
+        except Exception as e2:  # the first error is the one to report; this one rides along
+            also = f" (and the crash snapshot could not be written: {e2})"
+        if isinstance(e, AuditError):
+            fail(str(e) + also)
         dumped = [f for f in recording.files if f in ("oom.pickle", "crash.pickle")]
         where = f"; snapshot written to {os.path.join(recording.run_dir, dumped[0])}" if dumped else ""
-        fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}")
+        fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}{also}")
+    if isinstance(e, torch.OutOfMemoryError):
+        fail(f"out of memory: {str(e).splitlines()[0]} (run with --audit to keep a snapshot of it)")
     raise
 if recording is not None:
     try:
@@ -274,11 +279,11 @@ if recording is not None:
     except AuditError as e:
         fail(str(e))
     print(f"audit: wrote {', '.join(recording.files)} and meta.json to {recording.run_dir}")
+    from memory_audit.report import summarize_run
     try:
-        from memory_audit.report import summarize_run
         print(summarize_run(recording.run_dir))
-    except ImportError:
-        pass
+    except Exception as e:  # the audit's files are written; say why the report is missing
+        print(f"warning: no report for {recording.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
 if losses_out:
     with open(losses_out, "w") as f:
         json.dump([float(x).hex() for x in _losses], f)
