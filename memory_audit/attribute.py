@@ -124,6 +124,15 @@ def attribute(snap, meta=None, phase=None, top_unattributed=10):
     rules {rule: bytes}, unattributed [largest blocks with frames], balanced (bool).
     """
     namer = block_namer(snap, meta, phase)
+    in_trace = {}  # device -> addresses of allocations the trace saw and that are still live
+    for dev, trace in enumerate(snap.get("device_traces", [])):
+        live = set()
+        for e in trace:
+            if e.get("action") == "alloc":
+                live.add(e["addr"])
+            elif e.get("action") == "free_requested":
+                live.discard(e["addr"])
+        in_trace[dev] = live
     out = {}
     for seg in snap["segments"]:
         dev = seg.get("device", 0)
@@ -147,8 +156,12 @@ def attribute(snap, meta=None, phase=None, top_unattributed=10):
             name, rule = namer(block)
             if name is None:
                 name, rule = "unattributed", "none"
+                seen = block.get("address") in in_trace.get(dev, ())
+                why = ("no rule matched its frames" if block.get("frames") else
+                       "no frames, allocated while recording (another thread or stacks off)" if seen else
+                       "no frames, allocated before recording began")
                 r["unattributed"].append({"address": block.get("address"), "size": size,
-                                          "requested_size": requested,
+                                          "requested_size": requested, "why": why,
                                           "frames": _frame_text(block.get("frames") or [], 6)})
             category = name.split("/", 1)[0]
             if category not in r["categories"]:

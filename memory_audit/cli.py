@@ -55,7 +55,7 @@ def cmd_attribute(args):
                                  for c, v in r["categories"].items() if v]))
                 if r["unattributed"]:
                     print("largest unattributed blocks: " + "; ".join(
-                        f"{b['size']:,} B at {b['frames'] or '(no frames)'}" for b in r["unattributed"][:3]))
+                        f"{b['size']:,} B at {b['frames'] or '(no frames)'} ({b['why']})" for b in r["unattributed"][:3]))
         if args.categorize:
             categorize_trace(snap, meta)
             dest = os.path.splitext(path)[0] + ".categorized.pickle"
