@@ -1,0 +1,41 @@
+"""data/prepare.py tokenizes offline with GPT-2's BPE; train.py reads what it wrote."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+from conftest import ROOT, run_train
+
+TEXT = "Hello world. " * 400 + "Memory accounting for transformers, byte by byte.\n" * 50
+
+
+def test_prepare_then_train(tmp_path):
+    src = tmp_path / "tiny_corpus.txt"
+    src.write_text(TEXT)
+    name = "pytest_tiny_corpus"
+    out = os.path.join(ROOT, "data", name)
+    try:
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), str(src), f"--name={name}"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        ids = np.fromfile(os.path.join(out, "train.bin"), dtype=np.uint16)
+        assert list(ids[:2]) == [15496, 995]  # "Hello world", as tiktoken's gpt2 encodes it
+        t = run_train("--device=cpu", "--preset=cpu-tiny", "--vocab_size=50304", "--batch_size=2",
+                      "--max_iters=2", f"--dataset={name}")
+        assert t.returncode == 0, t.stderr
+        assert f"data: {out}/train.bin (GPT-2 tokens)" in t.stdout
+        t = run_train("--device=cpu", "--preset=cpu-tiny", "--batch_size=2", "--max_iters=2", f"--dataset={name}")
+        assert t.returncode == 2 and "vocab_size=512 is too small" in t.stderr
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_prepare_refuses_an_empty_file(tmp_path):
+    src = tmp_path / "empty.txt"
+    src.write_text("")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), str(src)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "is empty" in p.stderr and "Traceback" not in p.stderr
