@@ -103,3 +103,25 @@ def test_foreign_cli_attribute_prints_categories():
     p = run_cli("attribute", FOREIGN_FILES[0])
     assert p.returncode == 0, p.stderr
     assert "| category | bytes | MiB | share |" in p.stdout
+
+
+def test_newer_generation_keys_and_actions_are_tolerated():
+    """torch 2.14 adds host_segments/host_traces and `annotate` entries; oom entries carry
+    device_free instead of addr. None of them may break loading, attribution or replay."""
+    from memory_audit.loader import normalize
+    from memory_audit.timeline import replay
+    snap = normalize({
+        "segments": [{"device": 0, "address": 4096, "total_size": 2 ** 21, "stream": 0, "segment_type": "small",
+                      "blocks": [{"address": 4096, "size": 512, "requested_size": 4, "state": "active_allocated",
+                                  "frames": []},
+                                 {"address": 4608, "size": 2 ** 21 - 512, "requested_size": 0, "state": "inactive",
+                                  "frames": []}]}],
+        "device_traces": [[{"action": "segment_alloc", "addr": 4096, "size": 2 ** 21, "stream": 0},
+                           {"action": "annotate", "size": 0, "stream": 0, "user_metadata": "step 2"},
+                           {"action": "alloc", "addr": 4096, "size": 4, "stream": 0},
+                           {"action": "oom", "device_free": 123, "size": 2 ** 40, "stream": 0}]],
+        "host_segments": [], "host_traces": [], "allocator_settings": {},
+    })
+    r = attribute(snap)[0]
+    assert r["reserved_bytes"] == 2 ** 21 and r["allocated_bytes"] == 512 and r["categories"]["gaps"] == 508
+    assert replay(snap)["peak"]["bytes"] == 512  # the block the 4-byte request got
