@@ -57,19 +57,22 @@ def build(src, entries):
     from memory_audit.loader import load_snapshot
     snap = load_snapshot(src)
     trace = snap["device_traces"][0]
-    # the part of the trace that is one training step: allocations that are freed again
-    freed = {e["addr"] for e in trace if e["action"] == "free_requested"}
-    step = [e for e in trace if e["action"] in ("alloc", "free_requested", "free_completed") and e["addr"] in freed]
-    live = {}
-    balanced = []
-    for e in step:  # keep only complete alloc..free pairs so that every repetition balances
+    # complete alloc..free pairs only, in trace order, so that every repetition balances
+    opened, complete = {}, set()
+    for i, e in enumerate(trace):
         if e["action"] == "alloc":
-            live[e["addr"]] = [e]
-        elif e["addr"] in live:
-            live[e["addr"]].append(e)
+            opened[e["addr"]] = i
+        elif e["action"] == "free_completed" and e["addr"] in opened:
+            complete.add(opened.pop(e["addr"]))
+    balanced, open_pair = [], {}
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc" and i in complete:
+            open_pair[e["addr"]] = True
+            balanced.append(e)
+        elif e["action"] in ("free_requested", "free_completed") and open_pair.get(e["addr"]):
+            balanced.append(e)
             if e["action"] == "free_completed":
-                balanced.extend(live.pop(e["addr"]))
-    balanced.sort(key=lambda e: trace.index(e) if len(trace) < 20000 else 0)
+                open_pair.pop(e["addr"])
     reps = max(1, entries // max(1, len(balanced)) + 1)
     out = []
     span = max(1, (balanced[-1].get("time_us") or 0) - (balanced[0].get("time_us") or 0) + 1)

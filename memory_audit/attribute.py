@@ -65,10 +65,14 @@ def name_from_frames(frames):
     return None, None
 
 
-def _never_freed_gemm_allocs(trace):
-    """{addr: size} of allocations that look like cuBLAS workspaces: still live at the end of
-    the trace, made inside a GEMM call or on a thread with no Python frames (autograd's
-    backward thread, which does the first backward GEMM)."""
+def workspace_sizes(meta):
+    """Sizes a cuBLAS workspace may have: the run's CUBLAS_WORKSPACE_CONFIG, else the defaults."""
+    expected = workspace_size_from_env((meta or {}).get("env"))
+    return (expected,) if expected else CUBLAS_WORKSPACE_SIZES
+
+
+def live_at_end(trace):
+    """{addr: alloc entry} of the allocations still live when the trace ends."""
     live = {}
     for e in trace:
         a = e.get("action")
@@ -76,12 +80,20 @@ def _never_freed_gemm_allocs(trace):
             live[e["addr"]] = e
         elif a == "free_requested":
             live.pop(e["addr"], None)
-    out = {}
-    for addr, e in live.items():
+    return live
+
+
+def trace_workspaces(trace, meta=None):
+    """Addresses of the cuBLAS workspaces in a trace: still live at its end, made inside a GEMM
+    call or on a thread with no Python frames (autograd's backward thread, which does the first
+    backward GEMM), and of a workspace's size."""
+    sizes = workspace_sizes(meta)
+    out = set()
+    for addr, e in live_at_end(trace).items():
         frames = e.get("frames") or []
         top = frames[0].get("filename", "") if frames else ""
-        if not frames or any(k in top for k in _GEMM_FRAMES):
-            out[addr] = e["size"]
+        if (not frames or any(k in top for k in _GEMM_FRAMES)) and e["size"] in sizes:
+            out.add(addr)
     return out
 
 
@@ -94,18 +106,15 @@ def block_namer(snap, meta=None, phase=None):
         if phase == "step2_before_backward":
             for s in meta.get("saved_tensors", []):
                 by_addr.setdefault(s["data_ptr"], (s["key"], "saved-tensors"))
-    expected_ws = workspace_size_from_env(meta.get("env") if meta else None)
-    ws_sizes = (expected_ws,) if expected_ws else CUBLAS_WORKSPACE_SIZES
-    gemm_allocs = {}
+    workspaces = set()
     for trace in snap.get("device_traces", []):
-        gemm_allocs.update(_never_freed_gemm_allocs(trace))
+        workspaces |= trace_workspaces(trace, meta)
 
     def name(block):
         hit = by_addr.get(block.get("address"))
         if hit:
             return hit
-        addr, size = block.get("address"), block.get("requested_size", block["size"])
-        if addr in gemm_allocs and size in ws_sizes and gemm_allocs[addr] == size:
+        if block.get("address") in workspaces:
             return "workspace/cublas", "workspace"
         if meta is None:  # a snapshot from elsewhere: fall back to its stacks
             nm, rule = name_from_frames(block.get("frames") or [])
@@ -124,15 +133,8 @@ def attribute(snap, meta=None, phase=None, top_unattributed=10):
     rules {rule: bytes}, unattributed [largest blocks with frames], balanced (bool).
     """
     namer = block_namer(snap, meta, phase)
-    in_trace = {}  # device -> addresses of allocations the trace saw and that are still live
-    for dev, trace in enumerate(snap.get("device_traces", [])):
-        live = set()
-        for e in trace:
-            if e.get("action") == "alloc":
-                live.add(e["addr"])
-            elif e.get("action") == "free_requested":
-                live.discard(e["addr"])
-        in_trace[dev] = live
+    # device -> addresses of allocations the trace saw and that are still live
+    in_trace = {dev: live_at_end(trace) for dev, trace in enumerate(snap.get("device_traces", []))}
     out = {}
     for seg in snap["segments"]:
         dev = seg.get("device", 0)

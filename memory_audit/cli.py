@@ -117,8 +117,8 @@ def cmd_predict(args, extra):
     t = pred["totals"]
     print(table(("line", "bytes", "dtype", "formula"),
                 [(l["key"], f"{l['bytes']:,}", l["dtype"], l["formula"]) for l in pred["ledger"]
-                 if not l["key"].startswith(("activations/h.", "weights/transformer.h.", "grads/transformer.h.",
-                                             "optimizer/")) or ".h.0." in l["key"] or "h.0." in l["key"]]))
+                 if "h.0." in l["key"] or not l["key"].startswith(
+                     ("activations/h.", "weights/transformer.h.", "grads/transformer.h.", "optimizer/"))]))
     print("(layers 1.. repeat layer 0's lines; --json lists every line)")
     print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items()]))
 

@@ -21,9 +21,7 @@ to 1.5% (GPT-2 xl), and within 6 MB of the measured steady-state gaps for xl wit
 
 import bisect
 
-from .allocator_sim import round_size
-
-MiB = 1 << 20
+from .allocator_sim import SMALL_SIZE as MiB, round_size, should_split
 
 
 def segment_size(rounded):
@@ -70,9 +68,8 @@ class CachingAllocatorModel:
             size = segment_size(rounded)
             addr = seg = self.next_segment
             self.next_segment += size + (1 << 30)  # segments never touch: no merging across them
-        remaining = size - rounded
-        if remaining >= 512 if small else remaining > MiB:
-            self._add_free(addr + rounded, remaining, seg, small)
+        if should_split(size, rounded):
+            self._add_free(addr + rounded, size - rounded, seg, small)
             size = rounded
         self.blocks[addr] = [size, False, seg, small]
         return addr, size - rounded

@@ -13,11 +13,12 @@ What is saved for backward depends on the device's autocast policy (measured, se
   float32 (either device): no casts, so weights are saved as themselves (not activations)
 """
 
+from .allocator_sim import round_size
+from .attribute import workspace_size_from_env
 from .gap_sim import predicted_gaps
 from .schema import PHASES
 
 GiB = 2 ** 30
-MIN_BLOCK = 512
 
 # name -> (compute capability, total memory in bytes as torch reports it)
 GPUS = {
@@ -51,9 +52,7 @@ DEFAULTS = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=5
 
 def round_block(nbytes, device_type):
     """Bytes the CUDA caching allocator hands out for a request; CPU memory is not rounded."""
-    if device_type != "cuda":
-        return nbytes
-    return max(MIN_BLOCK, MIN_BLOCK * ((nbytes + MIN_BLOCK - 1) // MIN_BLOCK))
+    return round_size(nbytes) if device_type == "cuda" else nbytes
 
 
 def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11",
@@ -66,14 +65,9 @@ def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11
                 "torch_version": torch_version}
     cap, mem = GPUS.get(gpu, (capability or (8, 0), total_memory))
     cap = tuple(capability or cap)
-    conf = env.get("CUBLAS_WORKSPACE_CONFIG")
-    if conf:
-        nums = [int(p) for p in conf.split(":") if p]
-        ws = sum(nums[i] * 1024 * nums[i + 1] for i in range(0, len(nums) - 1, 2))
-    elif cap >= (9, 0):
-        ws = 4096 * 1024 * 8  # sm90: 33,554,432 B (measured on an H100, torch 2.11)
-    else:
-        ws = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8" = 8,519,680 B
+    # CUBLAS_WORKSPACE_CONFIG wins; else sm90 uses 4096 KiB x 8 = 33,554,432 B (measured on an
+    # H100, torch 2.11) and older GPUs ":4096:2:16:8" = 8,519,680 B
+    ws = workspace_size_from_env(env) or (4096 * 1024 * 8 if cap >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8)
     if sdpa_backend is None:
         sdpa_backend = "cudnn" if cap >= (9, 0) else "flash"
     return {"type": "cuda", "gpu": gpu, "capability": list(cap), "workspace_bytes": ws, "workspaces": 2,

@@ -19,7 +19,8 @@ def device_from_meta(meta):
         return device_facts("cpu", torch_version=meta.get("torch_version", ""))
     name = d.get("name", "")
     gpu = next((g for g in ("H200", "H100", "A100", "L4", "A10G", "V100") if g in name), name)
-    return device_facts("cuda", gpu=gpu, capability=tuple(d.get("capability") or (8, 0)),
+    cap = d.get("capability")  # absent: the GPU table's, by name
+    return device_facts("cuda", gpu=gpu, capability=tuple(cap) if cap else None,
                         torch_version=meta.get("torch_version", ""), env=meta.get("env"),
                         total_memory=d.get("total_memory"))
 

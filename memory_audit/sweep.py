@@ -153,19 +153,16 @@ def repredict(row):
     Measurements are data; predictions come from the config alone, so a results file stays
     comparable after the predictor improves.
     """
-    from .predict import device_facts, predict
+    from .predict import predict
+    from .reconcile import device_from_meta
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from model import PRESETS
     cfg = dict(row["config"])
     cfg.update({k: v for k, v in PRESETS.get(cfg.pop("preset", None), {}).items() if k not in row["config"]})
-    name = (row.get("device") or "cpu").upper()
-    if name == "CPU":
-        dev = device_facts("cpu")
-    else:
-        gpu = next((g for g in ("H200", "H100", "A100", "L4", "A10G", "V100") if g in name), "H100")
-        dev = device_facts("cuda", gpu=gpu)
-    t = predict(cfg, dev)["totals"]
+    name = row.get("device") or "cpu"
+    device = {"type": "cpu"} if name == "cpu" else {"type": "cuda", "name": name}
+    t = predict(cfg, device_from_meta({"device": device}))["totals"]
     out = {}
     for key, pkey in (("steady_state", "steady_state_allocated"), ("activations", "activations_bytes"),
                       ("peak", "peak_allocated_bytes")):
@@ -174,6 +171,12 @@ def repredict(row):
         out[key] = {"predicted": t[pkey], "actual": actual, "diff": diff,
                     "diff_pct": None if diff is None else round(100.0 * diff / t[pkey], 4)}
     return out
+
+
+def variant_label(cfg):
+    """What sets a configuration apart beyond model, batch, dtype and attention."""
+    return ", ".join(f"{k}={v}" for k, v in cfg.items()
+                     if k not in ("preset", "batch_size", "dtype", "attention", "device")) or "-"
 
 
 def accuracy_table(path):
@@ -188,8 +191,7 @@ def accuracy_table(path):
            "peak pred / actual | steady diff | peak diff | unattributed |", "|" + " --- |" * 11]
     for r in rows:
         c = r["config"]
-        variant = ", ".join(f"{k}={v}" for k, v in c.items()
-                            if k not in ("preset", "batch_size", "dtype", "attention", "device")) or "-"
+        variant = variant_label(c)
         if r["status"] != "ok":
             out.append(f"| {c.get('preset')} | {c.get('batch_size')} | {c.get('dtype')} | {c.get('attention')} | "
                        f"{variant} | {r['status']} | | | | | |")

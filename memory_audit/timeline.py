@@ -11,7 +11,7 @@ allocation live at that moment, never to the address.
 """
 
 from .allocator_sim import BlockSim
-from .attribute import CUBLAS_WORKSPACE_SIZES, workspace_size_from_env, _never_freed_gemm_allocs
+from .attribute import trace_workspaces
 from .schema import CATEGORIES
 
 _FREE = ("free_requested", "free")  # memory_allocated() drops at free_requested, not free_completed
@@ -69,8 +69,7 @@ def categorize_trace(snap, meta=None):
     """Set `category` on every trace entry (in place), so MemoryViz colours by category."""
     cuts = _phase_names(meta)
     for trace in snap.get("device_traces", []):
-        ws = workspace_size_from_env((meta or {}).get("env"))
-        workspaces = {a for a, s in _never_freed_gemm_allocs(trace).items() if s in ((ws,) if ws else CUBLAS_WORKSPACE_SIZES)}
+        workspaces = trace_workspaces(trace, meta)
         event_name, freed, _ = name_events(trace, cuts)
         live = {}
         for i, e in enumerate(trace):
@@ -101,9 +100,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     traces = snap.get("device_traces", [])
     trace = traces[device] if device < len(traces) else []
     cuts = _phase_names(meta)
-    ws_sizes = (workspace_size_from_env((meta or {}).get("env")),) if workspace_size_from_env(
-        (meta or {}).get("env")) else CUBLAS_WORKSPACE_SIZES
-    workspaces = {a for a, s in _never_freed_gemm_allocs(trace).items() if s in ws_sizes}
+    workspaces = trace_workspaces(trace, meta)
 
     event_name, freed_events, unmatched_free = name_events(trace, cuts)
     def category_of(idx):

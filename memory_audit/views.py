@@ -192,15 +192,14 @@ def sweep_rows(results_dir=None):
 
 def sweep_table(rows):
     """One row per configuration; predictions recomputed by the current predictor."""
-    from .sweep import repredict
+    from .sweep import repredict, variant_label
     out = []
     for r in rows:
         if r.get("status") != "ok":
             continue
         r["totals"] = repredict(r)
         c, t = r["config"], r["totals"]
-        variant = ", ".join(f"{k}={v}" for k, v in c.items()
-                            if k not in ("preset", "batch_size", "dtype", "attention", "device")) or "-"
+        variant = variant_label(c)
         out.append((r["file"], c.get("preset"), c.get("batch_size"), c.get("dtype"), c.get("attention", "manual"), variant,
                     round(t["peak"]["predicted"] / GiB, 3), round(t["peak"]["actual"] / GiB, 3), t["peak"]["diff_pct"],
                     len(r["activation_lines_mismatched"]), r["unattributed_bytes"]))
