@@ -11,7 +11,6 @@ and prints events per second, peak RSS and the ratios. Not a test: the numbers d
 """
 
 import argparse
-import copy
 import json
 import os
 import pickle
@@ -48,14 +47,21 @@ else:
         mv.trace(snap)
     n = sum(len(t) for t in snap["device_traces"])
 t2 = time.perf_counter()
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# peak RSS of this process: VmHWM (ru_maxrss would include the parent's peak: Linux carries it
+# across fork+exec, and the parent held the whole snapshot while building it)
+try:
+    with open("/proc/self/status") as f:
+        rss = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+except (OSError, StopIteration):
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({{"entries": n, "load_s": t1 - t0, "work_s": t2 - t1, "total_s": t2 - t0, "peak_rss": rss}}))
 """
 
 
 def build(src, entries):
-    from memory_audit.loader import load_snapshot
-    snap = load_snapshot(src)
+    from memory_audit.loader import _PlainDataUnpickler
+    with open(src, "rb") as f:  # the source as torch wrote it (shared frames), not as we load it
+        snap = _PlainDataUnpickler(f).load()
     trace = snap["device_traces"][0]
     # complete alloc..free pairs only, in trace order, so that every repetition balances
     opened, complete = {}, set()
@@ -77,10 +83,17 @@ def build(src, entries):
     out = []
     span = max(1, (balanced[-1].get("time_us") or 0) - (balanced[0].get("time_us") or 0) + 1)
     for r in range(reps):
-        for e in balanced:  # a fresh dict per entry, as torch writes them
-            e2 = copy.deepcopy(e)
+        # As torch writes a snapshot: a fresh dict per entry and a fresh frames list per
+        # traceback, but one dict per distinct frame, shared by every traceback that has it
+        # (torch's symbolizer dedups frames), so the pickle memoizes each frame once.
+        lists = {}
+        for e in balanced:
+            e2 = dict(e)
             if e2.get("time_us") is not None:
                 e2["time_us"] += r * span
+            frames = e.get("frames")
+            if frames is not None:
+                e2["frames"] = lists.setdefault(id(frames), list(frames))
             out.append(e2)
     snap["device_traces"][0] = out
     return snap
@@ -97,6 +110,9 @@ def main():
         path = os.path.join(tmp, "big.pickle")
         with open(path, "wb") as f:
             pickle.dump(snap, f, protocol=4)
+        if os.environ.get("BENCH_KEEP"):
+            import shutil
+            shutil.copy(path, os.environ["BENCH_KEEP"])
         size = os.path.getsize(path)
         del snap
         results = {}

@@ -91,3 +91,43 @@ class BlockSim:
         if nxt in self.free and self.segment_of.get(nxt) == seg:
             size += self._take_free(nxt)
         self._add_free(start, size, seg)
+
+
+# action codes of trace.ACTIONS, repeated here so that this module stays free of numpy
+_ALLOC, _FREE_REQUESTED, _FREE_COMPLETED, _FREE, _SEG_ALLOC, _SEG_FREE, _SEG_MAP, _SEG_UNMAP = range(1, 9)
+
+
+def replay_blocks_py(act, addr, size, cpu):
+    """The reference replay (the compiled one in _fastcore.c follows it line for line).
+
+    Returns (block, pair), one value per entry: block is the bytes memory_allocated() gained
+    (alloc) or lost (free_requested / free: the matched alloc's block, or the entry's size when
+    the trace never saw the alloc); pair is, for an alloc, the entry that ended it (its free, or
+    a later alloc at the same address while it was live) and, for a free, its alloc; -1 if none.
+    """
+    n = len(act)
+    block, pair = [0] * n, [-1] * n
+    sim, live = BlockSim(), {}
+    for i in range(n):
+        a, ad, sz = act[i], addr[i], size[i]
+        if a == _ALLOC:
+            prev = live.get(ad)
+            if prev is not None:
+                pair[prev] = i
+            block[i] = sz if cpu else sim.alloc(ad, sz)
+            live[ad] = i
+        elif a in (_FREE_REQUESTED, _FREE):
+            j = live.pop(ad, None)
+            if j is None:
+                block[i] = sz
+            else:
+                block[i], pair[i], pair[j] = block[j], j, i
+            if a == _FREE:
+                sim.complete(ad)
+        elif a == _FREE_COMPLETED:
+            sim.complete(ad)
+        elif a in (_SEG_ALLOC, _SEG_MAP):
+            sim.segment_alloc(ad, sz)
+        elif a in (_SEG_FREE, _SEG_UNMAP):
+            sim.segment_free(ad, sz)
+    return block, pair

@@ -13,7 +13,10 @@ reusable `pending_free`. The books balance per device: categories sum to the res
 Whatever no rule names is `unattributed`, listed with its frames, never hidden.
 """
 
+import numpy as np
+
 from .schema import CATEGORIES
+from .trace import A, as_trace
 
 # Sizes the cuBLAS workspace takes (CublasHandlePool.cpp): ":4096:2:16:8" = 8,519,680 B by
 # default, 4096 KiB x 8 = 33,554,432 B on sm90 (measured on an H100, torch 2.11).
@@ -72,27 +75,34 @@ def workspace_sizes(meta):
 
 
 def live_at_end(trace):
-    """{addr: alloc entry} of the allocations still live when the trace ends."""
-    live = {}
-    for e in trace:
-        a = e.get("action")
-        if a == "alloc":
-            live[e["addr"]] = e
-        elif a == "free_requested":
-            live.pop(e["addr"], None)
-    return live
+    """{addr: entry index} of the allocations still live when the trace ends (an alloc not
+    followed by a free_requested at its address)."""
+    t = as_trace(trace)
+    act = t.act
+    idx = np.flatnonzero((act == A["alloc"]) | (act == A["free_requested"]))
+    if not len(idx):
+        return {}
+    addr = t.addr[idx]
+    order = np.lexsort((idx, addr))  # by address, then in trace order
+    last = np.r_[addr[order][1:] != addr[order][:-1], True]
+    ends = idx[order][last]
+    ends = np.sort(ends[act[ends] == A["alloc"]])
+    return dict(zip(t.addr[ends].tolist(), ends.tolist()))
 
 
 def trace_workspaces(trace, meta=None):
     """Addresses of the cuBLAS workspaces in a trace: still live at its end, made inside a GEMM
     call or on a thread with no Python frames (autograd's backward thread, which does the first
     backward GEMM), and of a workspace's size."""
+    t = as_trace(trace)
     sizes = workspace_sizes(meta)
     out = set()
-    for addr, e in live_at_end(trace).items():
-        frames = e.get("frames") or []
+    for addr, i in live_at_end(t).items():
+        if int(t.size[i]) not in sizes:
+            continue
+        frames = t.frames(i)
         top = frames[0].get("filename", "") if frames else ""
-        if (not frames or any(k in top for k in _GEMM_FRAMES)) and e["size"] in sizes:
+        if not frames or any(k in top for k in _GEMM_FRAMES):
             out.add(addr)
     return out
 

@@ -4,7 +4,11 @@ This is the only module that opens snapshot pickles. A snapshot is plain data (d
 str, int, float, bool, None), so the unpickler refuses every global: a pickle that asks for a
 class or a function (os.system, say) fails before anything in it runs.
 
-Normalisation (in place, on the dict torch wrote) covers what is found in the wild:
+Two readers, one result: the compiled decoder (_fastcore.c, plain-data opcodes only, trace
+entries stored as columns) takes the files it fully understands; any other file goes to the
+restricted pickle.Unpickler, whose traces are then turned into the same columns (trace.Trace).
+
+Normalisation (in place; each device trace becomes a trace.Trace) covers what is found in the wild:
   * 2023 files (torch 2.0): blocks carry `history` instead of `frames`, and no `address`;
     trace entries have no `time_us`
   * segments without `frames`, `is_expandable` or `segment_pool_id`
@@ -12,12 +16,12 @@ Normalisation (in place, on the dict torch wrote) covers what is found in the wi
   * empty traces, several devices, expandable segments, `oom` entries
 """
 
-import io
 import json
 import os
 import pickle
 
 from .schema import PHASES
+from .trace import Trace, as_trace, fastcore
 
 
 class SnapshotError(ValueError):
@@ -32,25 +36,56 @@ class _PlainDataUnpickler(pickle.Unpickler):
         raise SnapshotError("refused: the pickle uses persistent ids; snapshots are plain data")
 
 
+def _scan(path):
+    """The compiled decoder's reading of `path` with traces as columns, or None (slow road)."""
+    core = fastcore()
+    if core is None:
+        return None
+    res = core.scan(path)
+    if res is None:
+        return None
+    root, lists, columns, _ = res
+    traces = root.get("device_traces") if isinstance(root, dict) else None
+    for lst, rows in lists:
+        trace = Trace.from_scan(columns, rows)
+        spot = next((i for i, t in enumerate(traces or ()) if t is lst), None)
+        if spot is None:  # entries somewhere else (host traces, say): plain dicts there
+            lst.extend(trace.to_list())
+        else:
+            traces[spot] = trace
+    return root
+
+
 def load_pickle(path):
-    """Read a pickle of plain data only. Raises SnapshotError with a one-line reason."""
+    """Read a pickle of plain data only. Raises SnapshotError with a one-line reason.
+
+    The compiled decoder takes files it fully understands (trace entries become columns);
+    everything else, including every hostile or broken file, goes through the restricted
+    unpickler, which refuses globals and reports what is wrong.
+    """
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            head = f.read(1)
     except IsADirectoryError:
         raise SnapshotError(f"{path}: is a directory, not a snapshot file") from None
     except OSError as e:
         raise SnapshotError(f"{path}: {e.strerror or e}") from None
-    if not data:
+    if not head:
         raise SnapshotError(f"{path}: empty file")
-    if data[:1] != b"\x80":
+    if head != b"\x80":
         raise SnapshotError(f"{path}: not a pickle (no protocol header)")
+    fast = _scan(path)
+    if fast is not None:
+        return fast
     try:
-        return _PlainDataUnpickler(io.BytesIO(data)).load()
+        with open(path, "rb") as f:
+            return _PlainDataUnpickler(f).load()
     except SnapshotError as e:
         raise SnapshotError(f"{path}: {e}") from None
     except (EOFError, pickle.UnpicklingError) as e:
         raise SnapshotError(f"{path}: truncated or corrupt pickle ({e or 'unexpected end'})") from None
+    except OSError as e:
+        raise SnapshotError(f"{path}: {e.strerror or e}") from None
     except Exception as e:  # any other decoding failure is still a bad file, not a crash
         raise SnapshotError(f"{path}: corrupt pickle ({type(e).__name__}: {e})") from None
 
@@ -63,7 +98,7 @@ def normalize(snap, source="snapshot"):
     if not isinstance(snap, dict) or not isinstance(snap.get("segments"), list):
         raise SnapshotError(f"{source}: not a memory snapshot (expected a dict with a 'segments' list)")
     traces = snap.get("device_traces", [])
-    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+    if not isinstance(traces, list) or not all(isinstance(t, (list, Trace)) for t in traces):
         raise SnapshotError(f"{source}: 'device_traces' is not a list of lists")
     snap.setdefault("device_traces", traces)
     for seg in snap["segments"]:
@@ -87,13 +122,18 @@ def normalize(snap, source="snapshot"):
                 history = block.get("history") or []
                 block["frames"] = history[-1].get("frames", []) if history and isinstance(history[-1], dict) else []
             block.setdefault("requested_size", block["size"] if block["state"] != "inactive" else 0)
-    for trace in snap["device_traces"]:
-        for entry in trace:
-            if not isinstance(entry, dict) or "action" not in entry:
+    for d, trace in enumerate(snap["device_traces"]):
+        if not isinstance(trace, Trace):
+            if not all(isinstance(e, dict) and "action" in e for e in trace):
                 raise SnapshotError(f"{source}: a trace entry lacks 'action'")
-            entry.setdefault("frames", [])
-            entry.setdefault("size", 0)
-            entry.setdefault("addr", entry.get("address", 0))
+            trace = snap["device_traces"][d] = as_trace(trace)
+        if trace.n and ("action" not in trace.columns or (trace.columns["action"][0] < 0).any()
+                        or trace.columns["action"][1] is None):
+            raise SnapshotError(f"{source}: a trace entry lacks 'action'")
+        try:
+            trace.addr, trace.size  # integers, or a clear error now rather than a wrong sum later
+        except ValueError as e:
+            raise SnapshotError(f"{source}: {e}") from None
     return snap
 
 

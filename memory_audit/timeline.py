@@ -10,11 +10,11 @@ saved-tensor ledger by address. Addresses are reused all the time, so a name sti
 allocation live at that moment, never to the address.
 """
 
-from .allocator_sim import BlockSim
+import numpy as np
+
 from .attribute import trace_workspaces
 from .schema import CATEGORIES
-
-_FREE = ("free_requested", "free")  # memory_allocated() drops at free_requested, not free_completed
+from .trace import A, FREES, Trace, as_trace
 
 
 def _phase_names(meta):
@@ -33,59 +33,62 @@ def _phase_names(meta):
     return cuts
 
 
-def name_events(trace, cuts):
+def name_events(trace, cuts, cpu=False):
     """Name each alloc event by the phases at which it is live.
 
-    Returns (event_name {index: name}, freed_events {index}, unmatched_free_bytes).
+    Returns (event_name {index: name}, freed (bool per entry: an alloc whose free the trace
+    holds), unmatched_free_bytes). `cpu` only picks which cached replay supplies the pairing.
     """
-    cut_at = {}
-    for n, names, _ in cuts:
-        cut_at.setdefault(n, []).append(names)
-    live, event_name, freed_events = {}, {}, set()
-    unmatched_free = 0
-
-    def name_live(i):
-        for names in cut_at.get(i, ()):
-            for addr, idx in live.items():
-                if addr in names and idx not in event_name:
-                    event_name[idx] = names[addr]
-
-    for i, e in enumerate(trace):
-        name_live(i)
-        a = e["action"]
-        if a == "alloc":
-            live[e["addr"]] = i
-        elif a in _FREE:
-            idx = live.pop(e["addr"], None)
-            if idx is None:
-                unmatched_free += e["size"]
-            else:
-                freed_events.add(idx)
-    name_live(len(trace))
-    return event_name, freed_events, unmatched_free
+    t = as_trace(trace)
+    n = t.n
+    _, pair = t.replayed(cpu)
+    act, addr = t.act, t.addr
+    allocs = np.flatnonzero(act == A["alloc"])
+    ends = pair[allocs]
+    ends = np.where(ends < 0, n + 1, ends)  # still live at the end
+    named = np.zeros(len(allocs), dtype=bool)
+    event_name = {}
+    for cut, names, _ in cuts:
+        if cut > n or not names:
+            continue
+        keys = np.fromiter((k for k in names if isinstance(k, int)), dtype=np.int64)
+        hit = (allocs < cut) & (ends >= cut) & ~named & np.isin(addr[allocs], keys)
+        for j in np.flatnonzero(hit).tolist():
+            event_name[int(allocs[j])] = names[int(addr[allocs[j]])]
+        named |= hit
+    freed = np.zeros(n, dtype=bool)
+    done = allocs[pair[allocs] >= 0]
+    freed[done[np.isin(act[pair[done]], FREES)]] = True
+    frees = np.isin(act, FREES)
+    unmatched_free = int(t.size[frees & (pair < 0)].sum())
+    return event_name, freed, unmatched_free
 
 
 def categorize_trace(snap, meta=None):
-    """Set `category` on every trace entry (in place), so MemoryViz colours by category."""
+    """Set `category` on every trace entry, so MemoryViz colours by category."""
     cuts = _phase_names(meta)
-    for trace in snap.get("device_traces", []):
-        workspaces = trace_workspaces(trace, meta)
-        event_name, freed, _ = name_events(trace, cuts)
-        live = {}
-        for i, e in enumerate(trace):
-            a = e["action"]
-            if a == "alloc":
+    traces = snap.get("device_traces", [])
+    for d, trace in enumerate(traces):
+        t = traces[d] = as_trace(trace)
+        workspaces = trace_workspaces(t, meta)
+        event_name, freed, _ = name_events(t, cuts, cpu=True)
+        act, addr = t.act.tolist(), t.addr.tolist()
+        live, cats = {}, []
+        for i in range(t.n):
+            a = act[i]
+            if a == A["alloc"]:
                 name = event_name.get(i)
                 cat = name.split("/", 1)[0] if name else (
-                    "workspace" if e["addr"] in workspaces else "temporary" if i in freed else "unknown")
-                live[e["addr"]] = cat
-                e["category"] = cat
-            elif a in ("free_requested", "free_completed", "free"):
-                e["category"] = live.get(e["addr"], "unknown")
-                if a != "free_requested":
-                    live.pop(e["addr"], None)
+                    "workspace" if addr[i] in workspaces else "temporary" if freed[i] else "unknown")
+                live[addr[i]] = cat
+            elif a in (A["free_requested"], A["free_completed"], A["free"]):
+                cat = live.get(addr[i], "unknown")
+                if a != A["free_requested"]:
+                    live.pop(addr[i], None)
             else:
-                e["category"] = "unknown"
+                cat = "unknown"
+            cats.append(cat)
+        t.set_values("category", cats)
     return snap
 
 
@@ -98,94 +101,85 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     lines (largest named allocations live at the peak)}, overflow (bool).
     """
     traces = snap.get("device_traces", [])
-    trace = traces[device] if device < len(traces) else []
+    trace = as_trace(traces[device]) if device < len(traces) else Trace({}, 0)
+    n = trace.n
     cuts = _phase_names(meta)
     workspaces = trace_workspaces(trace, meta)
+    cpu = bool((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline"))
+    # block sizes as memory_allocated() counts them (CPU: no caching allocator, exact bytes)
+    block, pair = trace.replayed(cpu)
+    event_name, freed, unmatched_free = name_events(trace, cuts, cpu)
+    act, addr, size = trace.act, trace.addr, trace.size
 
-    event_name, freed_events, unmatched_free = name_events(trace, cuts)
-    def category_of(idx):
-        name = event_name.get(idx)
-        if name is None:
-            e = trace[idx]
-            if e["addr"] in workspaces:
-                return "workspace", "workspace/cublas"
-            return ("temporary", None) if idx in freed_events else ("unattributed", None)
-        cat = name.split("/", 1)[0]
-        return (cat if cat in CATEGORIES else "unattributed"), name
+    # category of every alloc; a free takes its alloc's, or unattributed when the trace never saw it
+    cat_names = list(CATEGORIES)
+    code = {c: k for k, c in enumerate(cat_names)}
+    is_alloc = act == A["alloc"]
+    cat = np.full(n, code["unattributed"], dtype=np.int64)
+    cat[is_alloc & freed] = code["temporary"]
+    cat[is_alloc & np.isin(addr, np.fromiter(workspaces, dtype=np.int64))] = code["workspace"]  # before "freed", as ever
+    names = {}
+    for i, name in event_name.items():
+        c = name.split("/", 1)[0]
+        cat[i] = code[c] if c in code else code["unattributed"]
+        names[i] = name
+    frees = np.isin(act, FREES)
+    matched = frees & (pair >= 0)
+    cat[matched] = cat[pair[matched]]
+    delta = np.where(is_alloc, block, np.where(frees, -block, 0))
+    allocated = np.cumsum(delta)
 
-    # baseline: bytes live before the first entry (0 when recording began before any allocation)
     end_allocated = sum(b["size"] for s in snap["segments"] if s.get("device", 0) == device
                         for b in s["blocks"] if b["state"] == "active_allocated")
     end_reserved = sum(s["total_size"] for s in snap["segments"] if s.get("device", 0) == device)
-    seg_net = sum(e["size"] if e["action"] in ("segment_alloc", "segment_map") else -e["size"]
-                  for e in trace if e["action"] in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"))
-    reserved = end_reserved - seg_net
-    cpu = bool((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline"))
+    seg = np.where(np.isin(act, (A["segment_alloc"], A["segment_map"])), size,
+                   np.where(np.isin(act, (A["segment_free"], A["segment_unmap"])), -size, 0))
+    reserved = end_reserved - int(seg.sum()) + np.cumsum(seg)
 
-    # pass 2: running totals
-    start = 0
-    phase_index = {phase: n for n, _, phase in cuts}
-    if start_phase in phase_index:
-        start = phase_index[start_phase]
-    totals = {c: 0 for c in CATEGORIES}
-    allocated = 0  # relative to what was live before the trace began; fixed up below
-    live, sim = {}, BlockSim()
-    step = max(1, (len(trace) - start) // max_points)
-    series, peak = [], {"bytes": -1, "index": None}
-    for i, e in enumerate(trace):
-        a = e["action"]
-        if a == "alloc":
-            cat, _ = category_of(i)
-            # the block, as memory_allocated() counts it (CPU: no caching allocator, exact bytes)
-            size = e["size"] if cpu else sim.alloc(e["addr"], e["size"])
-            live[e["addr"]] = (i, size, cat)
-            totals[cat] += size
-            allocated += size
-        elif a in _FREE:
-            hit = live.pop(e["addr"], None)
-            if hit is not None:
-                totals[hit[2]] -= hit[1]
-                allocated -= hit[1]
-            else:  # allocated before the trace began
-                totals["unattributed"] -= e["size"]
-                allocated -= e["size"]
-            if a == "free":
-                sim.complete(e["addr"])
-        elif a == "free_completed":
-            sim.complete(e["addr"])
-        elif a in ("segment_alloc", "segment_map"):
-            reserved += e["size"]
-            sim.segment_alloc(e["addr"], e["size"])
-        elif a in ("segment_free", "segment_unmap"):
-            reserved -= e["size"]
-            sim.segment_free(e["addr"], e["size"])
-        if i + 1 < start:
-            continue
-        if allocated > peak["bytes"]:
-            peak = {"bytes": allocated, "index": i, "time_us": e.get("time_us"),
-                    "categories": {c: v for c, v in totals.items() if v}, "_live": dict(live)}
-        if (i - start) % step == 0 or i == len(trace) - 1:
-            series.append({"index": i, "time_us": e.get("time_us"), "allocated": allocated,
-                           "reserved": reserved, "categories": {c: v for c, v in totals.items() if v}})
+    phase_index = {phase: cut for cut, _, phase in cuts}
+    start = phase_index.get(start_phase, 0)
+    lo = max(start - 1, 0)  # the entry just before the start phase counts, as the loop always did
+    step = max(1, (n - start) // max_points)
+    idx = np.arange(lo, n)
+    points = idx[((idx - start) % step == 0) | (idx == n - 1)]
+    peak_i = int(lo + np.argmax(allocated[lo:])) if lo < n else None
+    sample = points if peak_i is None else np.append(points, peak_i)
+    # bytes per category at the sampled entries: one running sum per category present
+    per_cat = {}
+    for k in np.unique(cat[delta != 0]).tolist():
+        per_cat[cat_names[k]] = np.cumsum(np.where(cat == k, delta, 0))[sample]
+
+    def categories_at(j):
+        return {c: int(per_cat[c][j]) for c in cat_names if c in per_cat and per_cat[c][j]}
+
+    def time_at(i):
+        return trace.time_us(int(i))
+
+    series = [{"index": int(i), "time_us": time_at(i), "allocated": int(allocated[i]),
+               "reserved": int(reserved[i]), "categories": categories_at(j)} for j, i in enumerate(points)]
+    peak = {"bytes": -1, "index": None}
+    if peak_i is not None:
+        peak = {"bytes": int(allocated[peak_i]), "index": peak_i, "time_us": time_at(peak_i),
+                "categories": categories_at(len(points))}
     # what was live before the first entry (0 when recording began before any allocation)
-    baseline = end_allocated - allocated
-    for point in series + ([peak] if peak["index"] is not None else []):
+    baseline = end_allocated - (int(allocated[-1]) if n else 0)
+    for point in series + ([peak] if peak_i is not None else []):
         point["allocated" if "allocated" in point else "bytes"] += baseline
         if baseline:
             point["categories"]["unattributed"] = point["categories"].get("unattributed", 0) + baseline
-    if peak["index"] is not None:
+    if peak_i is not None:
+        live = np.flatnonzero(is_alloc[:peak_i + 1] & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
         lines = {}
-        for idx, size, cat in peak.pop("_live").values():
-            _, name = category_of(idx)
-            key = name or cat
-            lines[key] = lines.get(key, 0) + size
+        for i in live.tolist():
+            key = names.get(i) or ("workspace/cublas" if cat[i] == code["workspace"] else cat_names[cat[i]])
+            lines[key] = lines.get(key, 0) + int(block[i])
         if baseline:
             lines["unattributed/before-trace"] = baseline
         peak["lines"] = dict(sorted(lines.items(), key=lambda kv: -kv[1]))
-        peak["action"] = trace[peak["index"]]["action"]
+        peak["action"] = trace.action(peak_i)
         peak["frames"] = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
-                          for f in (trace[peak["index"]].get("frames") or [])[:4]]
-    return {"entries": len(trace), "start_index": start, "baseline_bytes": baseline,
+                          for f in trace.frames(peak_i)[:4]]
+    return {"entries": n, "start_index": start, "baseline_bytes": baseline,
             "unmatched_free_bytes": unmatched_free, "series": series, "phase_index": phase_index,
             "peak": peak, "overflow": bool(unmatched_free) or any(
                 info.get("ring_buffer_full") for info in (meta or {}).get("phases", {}).values())}

@@ -1,0 +1,850 @@
+/* Compiled core of memory_audit: a plain-data pickle decoder that stores trace entries as
+ * columns, and the allocator replay over those columns.
+ *
+ * scan(path) decodes a snapshot pickle without ever calling into Python code: only the opcodes
+ * of plain data (dict, list, tuple, set, str, bytes, int, float, bool, None, memo, framing) are
+ * understood. Anything else (a global, a reduce, a persistent id, protocol-0 text opcodes) or
+ * any inconsistency makes it return None, and the caller falls back to the restricted
+ * pickle.Unpickler, which then refuses or reports the file. So this decoder never decides
+ * that a file is bad; it only decides that it can take the fast road.
+ *
+ * A dict whose first key is "action" (a trace entry, as every torch version writes them) is
+ * not built as a dict: it becomes a row of int64 columns (ints kept as they are, other values
+ * as indexes into a table of distinct objects). Lists of such rows are returned with their
+ * row numbers. Lists used as column values (a traceback's frames) are shared by content, so
+ * a million entries do not keep a million equal frames lists alive.
+ *
+ * replay(action, addr, size, cpu) follows the caching allocator's block rules over a trace
+ * (the same rules as allocator_sim.py, which is the reference) and returns, per entry, the
+ * bytes memory_allocated() gained or lost and the index of the matching alloc / free.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ hash map int64 -> int64 */
+/* open addressing, linear probing, backward-shift deletion; keys are any int64 */
+typedef struct {
+    int64_t *keys;
+    int64_t *vals;
+    uint8_t *used;
+    size_t cap; /* power of two */
+    size_t n;
+} Map;
+
+static int map_init(Map *m, size_t cap) {
+    size_t c = 16;
+    while (c < cap * 2) c <<= 1;
+    m->keys = calloc(c, sizeof(int64_t));
+    m->vals = calloc(c, sizeof(int64_t));
+    m->used = calloc(c, 1);
+    m->cap = c;
+    m->n = 0;
+    return (m->keys && m->vals && m->used) ? 0 : -1;
+}
+
+static void map_free(Map *m) {
+    free(m->keys); free(m->vals); free(m->used);
+    m->keys = m->vals = NULL; m->used = NULL; m->cap = m->n = 0;
+}
+
+static inline size_t map_hash(int64_t k, size_t cap) {
+    uint64_t x = (uint64_t)k;
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+    return (size_t)x & (cap - 1);
+}
+
+static inline int64_t *map_find(Map *m, int64_t k) {
+    size_t i = map_hash(k, m->cap);
+    while (m->used[i]) {
+        if (m->keys[i] == k) return &m->vals[i];
+        i = (i + 1) & (m->cap - 1);
+    }
+    return NULL;
+}
+
+static int map_put(Map *m, int64_t k, int64_t v);
+
+static int map_grow(Map *m) {
+    Map bigger;
+    if (map_init(&bigger, m->cap) < 0) { map_free(&bigger); return -1; }
+    for (size_t i = 0; i < m->cap; i++)
+        if (m->used[i]) map_put(&bigger, m->keys[i], m->vals[i]);
+    map_free(m);
+    *m = bigger;
+    return 0;
+}
+
+static int map_put(Map *m, int64_t k, int64_t v) {
+    if ((m->n + 1) * 2 > m->cap && map_grow(m) < 0) return -1;
+    size_t i = map_hash(k, m->cap);
+    while (m->used[i]) {
+        if (m->keys[i] == k) { m->vals[i] = v; return 0; }
+        i = (i + 1) & (m->cap - 1);
+    }
+    m->used[i] = 1; m->keys[i] = k; m->vals[i] = v; m->n++;
+    return 0;
+}
+
+/* remove k; returns 1 and its value in *out when it was there */
+static int map_pop(Map *m, int64_t k, int64_t *out) {
+    size_t i = map_hash(k, m->cap);
+    while (m->used[i]) {
+        if (m->keys[i] == k) break;
+        i = (i + 1) & (m->cap - 1);
+    }
+    if (!m->used[i]) return 0;
+    if (out) *out = m->vals[i];
+    m->used[i] = 0; m->n--;
+    size_t j = i;
+    for (;;) { /* shift back the entries that probed past the hole */
+        j = (j + 1) & (m->cap - 1);
+        if (!m->used[j]) break;
+        size_t home = map_hash(m->keys[j], m->cap);
+        int between = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (between) continue;
+        m->keys[i] = m->keys[j]; m->vals[i] = m->vals[j]; m->used[i] = 1; m->used[j] = 0;
+        i = j;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------ buffered reader */
+typedef struct {
+    FILE *f;
+    unsigned char *buf;
+    size_t cap, len, pos;
+    uint64_t left; /* bytes of the file not yet in buf */
+} Reader;
+
+/* make n bytes available at r->pos; -1 when the file has fewer */
+static int need_more(Reader *r, size_t n) {
+    if ((uint64_t)n > (uint64_t)(r->len - r->pos) + r->left) return -1;
+    memmove(r->buf, r->buf + r->pos, r->len - r->pos);
+    r->len -= r->pos; r->pos = 0;
+    if (n > r->cap) {
+        unsigned char *b = realloc(r->buf, n);
+        if (!b) return -1;
+        r->buf = b; r->cap = n;
+    }
+    size_t want = r->cap - r->len;
+    if ((uint64_t)want > r->left) want = (size_t)r->left;
+    size_t got = fread(r->buf + r->len, 1, want, r->f);
+    r->len += got; r->left -= got;
+    return (r->len - r->pos >= n) ? 0 : -1;
+}
+
+static inline int need(Reader *r, size_t n) { return (r->len - r->pos >= n) ? 0 : need_more(r, n); }
+
+/* ------------------------------------------------------------------------- decoder state */
+/* A stack value is a PyObject* (owned) or a row: (row << 1) | 1. */
+typedef uintptr_t Val;
+#define IS_ROW(v) ((v) & 1)
+#define ROW_OF(v) ((int64_t)((v) >> 1))
+#define MAKE_ROW(r) ((((Val)(r)) << 1) | 1)
+#define ABSENT INT64_MIN
+#define MAX_COLS 64
+#define MAX_ROWLISTS 256
+
+typedef struct {
+    PyObject *name;   /* str */
+    int kind;         /* 1 int, 2 object */
+    int64_t *data;    /* rows_cap values */
+    PyObject *table;  /* kind 2: list of distinct values */
+    Map ident;        /* kind 2: id(value) -> table index */
+} Column;
+
+typedef struct {
+    PyObject *list;   /* the (empty) list object standing for the rows */
+    int64_t *rows;
+    size_t n, cap;
+} RowList;
+
+typedef struct {
+    Reader rd;
+    Val *stack; size_t sp, scap;
+    size_t *marks; size_t mp, mcap;
+    Val *memo; size_t memo_cap; uint64_t memo_limit, memo_count;
+    Column cols[MAX_COLS]; int ncols;
+    PyObject *keycache[MAX_COLS]; int keycol[MAX_COLS]; int nkeys;
+    int64_t nrows, rows_cap;
+    uint8_t *row_state; /* 0 open, 1 in a list */
+    RowList rl[MAX_ROWLISTS]; int nrl;
+    Map list_memo;     /* id(list) -> memo index, to swap in the shared copy */
+    Map intern;        /* content hash of a list of objects -> index in interned */
+    PyObject *interned;
+    PyObject *action_str;
+} Dec;
+
+static void val_decref(Val v) { if (v && !IS_ROW(v)) Py_DECREF((PyObject *)v); }
+
+static int push(Dec *d, Val v) {
+    if (d->sp == d->scap) {
+        size_t c = d->scap ? d->scap * 2 : 256;
+        Val *s = realloc(d->stack, c * sizeof(Val));
+        if (!s) return -1;
+        d->stack = s; d->scap = c;
+    }
+    d->stack[d->sp++] = v;
+    return 0;
+}
+
+/* push a new reference; NULL (a failed constructor) is an error */
+static int push_obj(Dec *d, PyObject *o) {
+    if (!o) return -1;
+    if (push(d, (Val)o) < 0) { Py_DECREF(o); return -1; }
+    return 0;
+}
+
+static size_t mark_base(Dec *d) { return d->mp ? d->marks[d->mp - 1] : 0; }
+
+static int pop_mark(Dec *d, size_t *k) {
+    if (!d->mp) return -1;
+    *k = d->marks[--d->mp];
+    if (*k > d->sp) return -1;
+    return 0;
+}
+
+static int memo_put(Dec *d, uint64_t idx) {
+    if (d->sp <= mark_base(d) || idx > d->memo_limit) return -1;
+    if (idx >= d->memo_cap) {
+        size_t c = d->memo_cap ? d->memo_cap : 1024;
+        while (c <= idx) c *= 2;
+        Val *m = realloc(d->memo, c * sizeof(Val));
+        if (!m) return -1;
+        memset(m + d->memo_cap, 0, (c - d->memo_cap) * sizeof(Val));
+        d->memo = m; d->memo_cap = c;
+    }
+    Val v = d->stack[d->sp - 1];
+    if (d->memo[idx]) val_decref(d->memo[idx]); else d->memo_count++;
+    if (!IS_ROW(v)) {
+        Py_INCREF((PyObject *)v);
+        if (PyList_CheckExact((PyObject *)v) && map_put(&d->list_memo, (int64_t)v, (int64_t)idx) < 0) return -1;
+    }
+    d->memo[idx] = v;
+    return 0;
+}
+
+static int memo_get(Dec *d, uint64_t idx) {
+    if (idx >= d->memo_cap || !d->memo[idx]) return -1;
+    Val v = d->memo[idx];
+    if (!IS_ROW(v)) Py_INCREF((PyObject *)v);
+    return push(d, v);
+}
+
+/* ---------------------------------------------------------------------------- columns */
+static int grow_rows(Dec *d) {
+    int64_t c = d->rows_cap ? d->rows_cap * 2 : 4096;
+    for (int i = 0; i < d->ncols; i++) {
+        int64_t *p = realloc(d->cols[i].data, (size_t)c * sizeof(int64_t));
+        if (!p) return -1;
+        for (int64_t j = d->rows_cap; j < c; j++) p[j] = d->cols[i].kind == 1 ? ABSENT : -1;
+        d->cols[i].data = p;
+    }
+    uint8_t *s = realloc(d->row_state, (size_t)c);
+    if (!s) return -1;
+    memset(s + d->rows_cap, 0, (size_t)(c - d->rows_cap));
+    d->row_state = s;
+    d->rows_cap = c;
+    return 0;
+}
+
+static int column_for(Dec *d, PyObject *key, PyObject *first_value) {
+    for (int i = 0; i < d->nkeys; i++)
+        if (d->keycache[i] == key) return d->keycol[i];
+    int col = -1;
+    for (int i = 0; i < d->ncols; i++) {
+        int eq = PyObject_RichCompareBool(d->cols[i].name, key, Py_EQ);
+        if (eq < 0) return -1;
+        if (eq) { col = i; break; }
+    }
+    if (col < 0) {
+        if (d->ncols == MAX_COLS) return -1;
+        Column *c = &d->cols[d->ncols];
+        memset(c, 0, sizeof(*c));
+        int overflow = 0;
+        long long x = PyLong_CheckExact(first_value) ? PyLong_AsLongLongAndOverflow(first_value, &overflow) : 0;
+        c->kind = (PyLong_CheckExact(first_value) && !overflow && x != ABSENT) ? 1 : 2;
+        if (PyErr_Occurred()) return -1;
+        c->data = malloc((size_t)d->rows_cap * sizeof(int64_t));
+        if (!c->data) return -1;
+        for (int64_t j = 0; j < d->rows_cap; j++) c->data[j] = c->kind == 1 ? ABSENT : -1;
+        if (c->kind == 2) {
+            c->table = PyList_New(0);
+            if (!c->table || map_init(&c->ident, 64) < 0) return -1;
+        }
+        Py_INCREF(key);
+        c->name = key;
+        col = d->ncols++;
+    }
+    if (d->nkeys < MAX_COLS) {
+        Py_INCREF(key);
+        d->keycache[d->nkeys] = key;
+        d->keycol[d->nkeys++] = col;
+    }
+    return col;
+}
+
+/* One object for all equal lists of the same objects (a traceback's frames). Returns a new
+ * reference to the shared list, or to v itself. */
+static PyObject *share_list(Dec *d, PyObject *v) {
+    Py_ssize_t n = PyList_GET_SIZE(v);
+    uint64_t h = 1469598103934665603ULL ^ (uint64_t)n;
+    for (Py_ssize_t i = 0; i < n; i++) { h ^= (uint64_t)(uintptr_t)PyList_GET_ITEM(v, i); h *= 1099511628211ULL; }
+    int64_t *hit = map_find(&d->intern, (int64_t)h);
+    if (hit) {
+        PyObject *s = PyList_GET_ITEM(d->interned, *hit);
+        if (s != v && PyList_GET_SIZE(s) == n) {
+            Py_ssize_t i = 0;
+            while (i < n && PyList_GET_ITEM(s, i) == PyList_GET_ITEM(v, i)) i++;
+            if (i == n) {
+                int64_t *mi = map_find(&d->list_memo, (int64_t)(uintptr_t)v);
+                if (mi && (uint64_t)*mi < d->memo_cap && d->memo[*mi] == (Val)v) {
+                    Py_INCREF(s);
+                    d->memo[*mi] = (Val)s;
+                    Py_DECREF(v);
+                }
+                Py_INCREF(s);
+                return s;
+            }
+        }
+    } else {
+        if (PyList_Append(d->interned, v) < 0) return NULL;
+        if (map_put(&d->intern, (int64_t)h, PyList_GET_SIZE(d->interned) - 1) < 0) return NULL;
+    }
+    Py_INCREF(v);
+    return v;
+}
+
+/* row[key] = value; 0 ok, -1 give up on the fast road */
+static int row_set(Dec *d, int64_t row, PyObject *key, PyObject *value) {
+    if (!PyUnicode_CheckExact(key)) return -1;
+    int col = column_for(d, key, value);
+    if (col < 0) return -1;
+    Column *c = &d->cols[col];
+    if (c->kind == 1) {
+        if (!PyLong_CheckExact(value)) return -1;
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow || x == ABSENT || PyErr_Occurred()) return -1;
+        c->data[row] = x;
+        return 0;
+    }
+    PyObject *v = PyList_CheckExact(value) ? share_list(d, value) : (Py_INCREF(value), value);
+    if (!v) return -1;
+    int64_t *hit = map_find(&c->ident, (int64_t)(uintptr_t)v);
+    if (hit) {
+        c->data[row] = *hit;
+    } else {
+        if (PyList_Append(c->table, v) < 0) { Py_DECREF(v); return -1; }
+        int64_t idx = PyList_GET_SIZE(c->table) - 1;
+        if (map_put(&c->ident, (int64_t)(uintptr_t)v, idx) < 0) { Py_DECREF(v); return -1; }
+        c->data[row] = idx;
+    }
+    Py_DECREF(v);
+    return 0;
+}
+
+static RowList *rowlist_of(Dec *d, PyObject *list) {
+    for (int i = 0; i < d->nrl; i++)
+        if (d->rl[i].list == list) return &d->rl[i];
+    return NULL;
+}
+
+/* append items[0:n] to the container `target` (a list, or a list of rows) */
+static int do_appends(Dec *d, Val target, Val *items, size_t n) {
+    if (IS_ROW(target) || !PyList_CheckExact((PyObject *)target)) return -1;
+    PyObject *list = (PyObject *)target;
+    RowList *rl = rowlist_of(d, list);
+    int rows = n && IS_ROW(items[0]);
+    for (size_t i = 0; i < n; i++)
+        if ((IS_ROW(items[i]) != 0) != rows) return -1;
+    if (!n) return 0;
+    if (!rows) {
+        if (rl) return -1;
+        for (size_t i = 0; i < n; i++)
+            if (PyList_Append(list, (PyObject *)items[i]) < 0) return -1;
+        return 0;
+    }
+    if (!rl) {
+        if (PyList_GET_SIZE(list) != 0 || d->nrl == MAX_ROWLISTS) return -1;
+        rl = &d->rl[d->nrl++];
+        memset(rl, 0, sizeof(*rl));
+        Py_INCREF(list);
+        rl->list = list;
+    }
+    if (rl->n + n > rl->cap) {
+        size_t c = rl->cap ? rl->cap : 1024;
+        while (c < rl->n + n) c *= 2;
+        int64_t *p = realloc(rl->rows, c * sizeof(int64_t));
+        if (!p) return -1;
+        rl->rows = p; rl->cap = c;
+    }
+    for (size_t i = 0; i < n; i++) {
+        int64_t r = ROW_OF(items[i]);
+        if (d->row_state[r]) return -1; /* the same entry twice: not what torch writes */
+        d->row_state[r] = 1;
+        rl->rows[rl->n++] = r;
+    }
+    return 0;
+}
+
+/* setitems on stack[k-1] from the pairs stack[k:sp] */
+static int do_setitems(Dec *d, size_t k) {
+    if (k == 0 || (d->sp - k) % 2) return -1;
+    Val target = d->stack[k - 1];
+    for (size_t i = k; i < d->sp; i += 2) {
+        Val kv = d->stack[i], vv = d->stack[i + 1];
+        if (IS_ROW(kv) || IS_ROW(vv)) return -1;
+        if (IS_ROW(target)) {
+            if (row_set(d, ROW_OF(target), (PyObject *)kv, (PyObject *)vv) < 0) return -1;
+        } else {
+            if (!PyDict_CheckExact((PyObject *)target)) return -1;
+            if (PyDict_SetItem((PyObject *)target, (PyObject *)kv, (PyObject *)vv) < 0) return -1;
+        }
+    }
+    while (d->sp > k) val_decref(d->stack[--d->sp]);
+    return 0;
+}
+
+/* Is the dict just created a trace entry? Its first key is "action". Looks ahead without
+ * consuming: [memo op] MARK <key>, skipping FRAME opcodes. */
+static int peek_is_entry(Dec *d) {
+    Reader *r = &d->rd;
+    need(r, 64); /* best effort: fewer bytes near the end is fine */
+    size_t p = r->pos, end = r->len;
+    int stage = 0; /* 0: memo op or MARK, 1: key */
+    while (p < end) {
+        unsigned char op = r->buf[p];
+        if (op == 0x95) { p += 9; continue; } /* FRAME */
+        if (stage == 0) {
+            if (op == 'q') { p += 2; continue; }
+            if (op == 'r') { p += 5; continue; }
+            if (op == 0x94) { p += 1; continue; }
+            if (op != '(') return 0;
+            p += 1; stage = 1; continue;
+        }
+        if (op == 0x8c) {
+            return p + 8 <= end && r->buf[p + 1] == 6 && memcmp(r->buf + p + 2, "action", 6) == 0;
+        }
+        if (op == 'h' || op == 'j') {
+            uint64_t idx;
+            if (op == 'h') { if (p + 2 > end) return 0; idx = r->buf[p + 1]; }
+            else { if (p + 5 > end) return 0; idx = (uint64_t)r->buf[p + 1] | (uint64_t)r->buf[p + 2] << 8 |
+                                                   (uint64_t)r->buf[p + 3] << 16 | (uint64_t)r->buf[p + 4] << 24; }
+            if (idx >= d->memo_cap || !d->memo[idx] || IS_ROW(d->memo[idx])) return 0;
+            PyObject *k = (PyObject *)d->memo[idx];
+            return PyUnicode_CheckExact(k) && PyUnicode_Compare(k, d->action_str) == 0;
+        }
+        return 0;
+    }
+    return 0;
+}
+
+static uint64_t le(const unsigned char *p, int n) {
+    uint64_t x = 0;
+    for (int i = n - 1; i >= 0; i--) x = (x << 8) | p[i];
+    return x;
+}
+
+static PyObject *long_from_le(const unsigned char *p, size_t n) {
+    if (n == 0) return PyLong_FromLong(0);
+    if (n <= 8) {
+        uint64_t x = le(p, (int)n);
+        if (n < 8 && (p[n - 1] & 0x80)) x |= ~(uint64_t)0 << (8 * n); /* sign-extend */
+        return PyLong_FromLongLong((long long)x);
+    }
+    PyObject *b = PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)n);
+    if (!b) return NULL;
+    PyObject *r = PyObject_CallMethod((PyObject *)&PyLong_Type, "from_bytes", "Os", b, "little");
+    Py_DECREF(b);
+    if (!r) return NULL;
+    if (p[n - 1] & 0x80) { /* two's complement */
+        PyObject *one = PyLong_FromLong(1), *sh = PyLong_FromSize_t(8 * n), *m = NULL, *out = NULL;
+        if (one && sh) m = PyNumber_Lshift(one, sh);
+        if (m) out = PyNumber_Subtract(r, m);
+        Py_XDECREF(one); Py_XDECREF(sh); Py_XDECREF(m); Py_DECREF(r);
+        return out;
+    }
+    return r;
+}
+
+/* Run the machine to STOP. 0 ok (result on the stack), -1 give up. */
+static int run(Dec *d) {
+    Reader *r = &d->rd;
+    for (;;) {
+        if (need(r, 1) < 0) return -1;
+        unsigned char op = r->buf[r->pos++];
+        const unsigned char *a;
+        size_t k;
+        switch (op) {
+        case 0x80: if (need(r, 1) < 0 || r->buf[r->pos] > 5) return -1; r->pos += 1; break; /* PROTO */
+        case 0x95: if (need(r, 8) < 0) return -1; r->pos += 8; break;                      /* FRAME */
+        case '.': return (d->sp > mark_base(d) && !IS_ROW(d->stack[d->sp - 1])) ? 0 : -1;   /* STOP */
+        case '(':                                                                             /* MARK */
+            if (d->mp == d->mcap) {
+                size_t c = d->mcap ? d->mcap * 2 : 64;
+                size_t *m = realloc(d->marks, c * sizeof(size_t));
+                if (!m) return -1;
+                d->marks = m; d->mcap = c;
+            }
+            d->marks[d->mp++] = d->sp;
+            break;
+        case '0':                                                                             /* POP */
+            if (d->mp && d->marks[d->mp - 1] == d->sp) { d->mp--; break; }
+            if (d->sp <= mark_base(d)) return -1;
+            val_decref(d->stack[--d->sp]);
+            break;
+        case '1':                                                                             /* POP_MARK */
+            if (pop_mark(d, &k) < 0) return -1;
+            while (d->sp > k) val_decref(d->stack[--d->sp]);
+            break;
+        case '2': if (d->sp <= mark_base(d)) return -1;                                                      /* DUP */
+                  { Val v = d->stack[d->sp - 1]; if (!IS_ROW(v)) Py_INCREF((PyObject *)v);
+                    if (push(d, v) < 0) { val_decref(v); return -1; } } break;
+        case 'N': Py_INCREF(Py_None); if (push_obj(d, Py_None) < 0) return -1; break;
+        case 0x88: Py_INCREF(Py_True); if (push_obj(d, Py_True) < 0) return -1; break;
+        case 0x89: Py_INCREF(Py_False); if (push_obj(d, Py_False) < 0) return -1; break;
+        case 'J': case 'K': case 'M': {                                                       /* BININT* */
+            int w = op == 'J' ? 4 : op == 'K' ? 1 : 2;
+            if (need(r, w) < 0) return -1;
+            uint64_t x = le(r->buf + r->pos, w);
+            r->pos += w;
+            long v = op == 'J' ? (long)(int32_t)(uint32_t)x : (long)x;
+            if (push_obj(d, PyLong_FromLong(v)) < 0) return -1;
+            break;
+        }
+        case 0x8a: case 0x8b: {                                                               /* LONG1/4 */
+            int w = op == 0x8a ? 1 : 4;
+            if (need(r, w) < 0) return -1;
+            uint64_t n = le(r->buf + r->pos, w);
+            if (op == 0x8b && (n & 0x80000000ULL)) return -1;
+            r->pos += w;
+            if (need(r, (size_t)n) < 0) return -1;
+            a = r->buf + r->pos; r->pos += n;
+            if (push_obj(d, long_from_le(a, (size_t)n)) < 0) return -1;
+            break;
+        }
+        case 'G': {                                                                           /* BINFLOAT */
+            if (need(r, 8) < 0) return -1;
+            double x = PyFloat_Unpack8((const char *)(r->buf + r->pos), 0);
+            r->pos += 8;
+            if (x == -1.0 && PyErr_Occurred()) return -1;
+            if (push_obj(d, PyFloat_FromDouble(x)) < 0) return -1;
+            break;
+        }
+        case 0x8c: case 'X': case 0x8d: case 'C': case 'B': case 0x8e: case 0x96: {       /* str, bytes */
+            int w = (op == 0x8c || op == 'C') ? 1 : (op == 'X' || op == 'B') ? 4 : 8;
+            if (need(r, w) < 0) return -1;
+            uint64_t n = le(r->buf + r->pos, w);
+            r->pos += w;
+            if (n > (uint64_t)PY_SSIZE_T_MAX || need(r, (size_t)n) < 0) return -1;
+            a = r->buf + r->pos; r->pos += n;
+            PyObject *o;
+            if (op == 0x8c || op == 'X' || op == 0x8d)
+                o = PyUnicode_DecodeUTF8((const char *)a, (Py_ssize_t)n, "surrogatepass");
+            else if (op == 0x96)
+                o = PyByteArray_FromStringAndSize((const char *)a, (Py_ssize_t)n);
+            else
+                o = PyBytes_FromStringAndSize((const char *)a, (Py_ssize_t)n);
+            if (push_obj(d, o) < 0) return -1;
+            break;
+        }
+        case ')': if (push_obj(d, PyTuple_New(0)) < 0) return -1; break;                     /* EMPTY_TUPLE */
+        case 0x85: case 0x86: case 0x87: case 't': {                                          /* TUPLE* */
+            if (op == 't') { if (pop_mark(d, &k) < 0) return -1; }
+            else { size_t n = op - 0x84; if (d->sp < n || d->sp - n < mark_base(d)) return -1; k = d->sp - n; }
+            PyObject *t = PyTuple_New((Py_ssize_t)(d->sp - k));
+            if (!t) return -1;
+            for (size_t i = k; i < d->sp; i++) {
+                if (IS_ROW(d->stack[i])) { Py_DECREF(t); return -1; }
+                PyTuple_SET_ITEM(t, (Py_ssize_t)(i - k), (PyObject *)d->stack[i]);
+            }
+            d->sp = k;
+            if (push_obj(d, t) < 0) return -1;
+            break;
+        }
+        case ']': if (push_obj(d, PyList_New(0)) < 0) return -1; break;                      /* EMPTY_LIST */
+        case 'l': {                                                                           /* LIST */
+            if (pop_mark(d, &k) < 0) return -1;
+            PyObject *l = PyList_New(0);
+            if (!l) return -1;
+            int rc = do_appends(d, (Val)l, d->stack + k, d->sp - k);
+            while (d->sp > k) val_decref(d->stack[--d->sp]);
+            if (rc < 0 || push_obj(d, l) < 0) return -1;
+            break;
+        }
+        case '}':                                                                             /* EMPTY_DICT */
+            if (peek_is_entry(d)) {
+                if (d->nrows == d->rows_cap && grow_rows(d) < 0) return -1;
+                if (push(d, MAKE_ROW(d->nrows)) < 0) return -1;
+                d->nrows++;
+            } else if (push_obj(d, PyDict_New()) < 0) return -1;
+            break;
+        case 'd': {                                                                           /* DICT */
+            if (pop_mark(d, &k) < 0) return -1;
+            PyObject *o = PyDict_New();
+            if (!o) return -1;
+            /* move the pairs above a new dict and reuse setitems */
+            size_t n = d->sp - k;
+            if (push(d, 0) < 0) { Py_DECREF(o); return -1; }
+            memmove(d->stack + k + 1, d->stack + k, n * sizeof(Val));
+            d->stack[k] = (Val)o;
+            if (do_setitems(d, k + 1) < 0) return -1;
+            break;
+        }
+        case 0x8f: if (push_obj(d, PySet_New(NULL)) < 0) return -1; break;                   /* EMPTY_SET */
+        case 0x90: {                                                                          /* ADDITEMS */
+            if (pop_mark(d, &k) < 0 || k <= mark_base(d)) return -1;
+            Val s = d->stack[k - 1];
+            if (IS_ROW(s) || !PySet_CheckExact((PyObject *)s)) return -1;
+            for (size_t i = k; i < d->sp; i++)
+                if (IS_ROW(d->stack[i]) || PySet_Add((PyObject *)s, (PyObject *)d->stack[i]) < 0) return -1;
+            while (d->sp > k) val_decref(d->stack[--d->sp]);
+            break;
+        }
+        case 0x91: {                                                                          /* FROZENSET */
+            if (pop_mark(d, &k) < 0) return -1;
+            PyObject *s = PyFrozenSet_New(NULL);
+            if (!s) return -1;
+            for (size_t i = k; i < d->sp; i++)
+                if (IS_ROW(d->stack[i]) || PySet_Add(s, (PyObject *)d->stack[i]) < 0) { Py_DECREF(s); return -1; }
+            while (d->sp > k) val_decref(d->stack[--d->sp]);
+            if (push_obj(d, s) < 0) return -1;
+            break;
+        }
+        case 'a':                                                                             /* APPEND */
+            if (d->sp < 2 || d->sp - 1 <= mark_base(d)) return -1;
+            if (do_appends(d, d->stack[d->sp - 2], d->stack + d->sp - 1, 1) < 0) return -1;
+            val_decref(d->stack[--d->sp]);
+            break;
+        case 'e':                                                                             /* APPENDS */
+            if (pop_mark(d, &k) < 0 || k <= mark_base(d)) return -1;
+            if (do_appends(d, d->stack[k - 1], d->stack + k, d->sp - k) < 0) return -1;
+            while (d->sp > k) val_decref(d->stack[--d->sp]);
+            break;
+        case 's':                                                                             /* SETITEM */
+            if (d->sp < 3 || d->sp - 2 <= mark_base(d)) return -1;
+            if (do_setitems(d, d->sp - 2) < 0) return -1;
+            break;
+        case 'u':                                                                             /* SETITEMS */
+            if (pop_mark(d, &k) < 0 || k <= mark_base(d)) return -1;
+            if (do_setitems(d, k) < 0) return -1;
+            break;
+        case 'q': case 'r': case 'h': case 'j': {                                             /* BINPUT, BINGET */
+            int w = (op == 'q' || op == 'h') ? 1 : 4;
+            if (need(r, w) < 0) return -1;
+            uint64_t idx = le(r->buf + r->pos, w);
+            r->pos += w;
+            if ((op == 'q' || op == 'r' ? memo_put(d, idx) : memo_get(d, idx)) < 0) return -1;
+            break;
+        }
+        case 0x94: if (memo_put(d, d->memo_count) < 0) return -1; break;                   /* MEMOIZE */
+        default:
+            return -1; /* globals, reduce, persistent ids, text opcodes: the restricted unpickler decides */
+        }
+    }
+}
+
+static void dec_free(Dec *d) {
+    while (d->sp) val_decref(d->stack[--d->sp]);
+    free(d->stack); free(d->marks);
+    for (size_t i = 0; i < d->memo_cap; i++) if (d->memo[i]) val_decref(d->memo[i]);
+    free(d->memo);
+    for (int i = 0; i < d->ncols; i++) {
+        Py_XDECREF(d->cols[i].name); Py_XDECREF(d->cols[i].table);
+        free(d->cols[i].data); map_free(&d->cols[i].ident);
+    }
+    for (int i = 0; i < d->nkeys; i++) Py_XDECREF(d->keycache[i]);
+    for (int i = 0; i < d->nrl; i++) { Py_XDECREF(d->rl[i].list); free(d->rl[i].rows); }
+    free(d->row_state);
+    map_free(&d->list_memo); map_free(&d->intern);
+    Py_XDECREF(d->interned); Py_XDECREF(d->action_str);
+    free(d->rd.buf);
+}
+
+/* (root, [(list, rows)], [(name, kind, data, table)], nrows); column buffers are freed as
+ * they are copied out, to keep the peak low */
+static PyObject *build_result(Dec *d) {
+    PyObject *lists = PyList_New(0), *cols = PyList_New(0), *out = NULL;
+    if (!lists || !cols) goto done;
+    for (int i = 0; i < d->nrl; i++) {
+        PyObject *rows = PyBytes_FromStringAndSize((const char *)d->rl[i].rows, (Py_ssize_t)(d->rl[i].n * sizeof(int64_t)));
+        if (!rows) goto done;
+        free(d->rl[i].rows); d->rl[i].rows = NULL;
+        PyObject *t = Py_BuildValue("(ON)", d->rl[i].list, rows);
+        if (!t || PyList_Append(lists, t) < 0) { Py_XDECREF(t); goto done; }
+        Py_DECREF(t);
+    }
+    for (int i = 0; i < d->ncols; i++) {
+        Column *c = &d->cols[i];
+        PyObject *data = PyBytes_FromStringAndSize((const char *)c->data, (Py_ssize_t)(d->nrows * sizeof(int64_t)));
+        if (!data) goto done;
+        free(c->data); c->data = NULL;
+        PyObject *t = Py_BuildValue("(OiNO)", c->name, c->kind, data, c->table ? c->table : Py_None);
+        if (!t || PyList_Append(cols, t) < 0) { Py_XDECREF(t); goto done; }
+        Py_DECREF(t);
+    }
+    out = Py_BuildValue("(OOOL)", (PyObject *)d->stack[d->sp - 1], lists, cols, (long long)d->nrows);
+done:
+    Py_XDECREF(lists); Py_XDECREF(cols);
+    return out;
+}
+
+static PyObject *py_scan(PyObject *self, PyObject *args) {
+    PyObject *pathobj;
+    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &pathobj)) return NULL;
+    FILE *f = fopen(PyBytes_AS_STRING(pathobj), "rb");
+    Py_DECREF(pathobj);
+    if (!f) Py_RETURN_NONE;
+    Dec d;
+    memset(&d, 0, sizeof d);
+    PyObject *result = NULL;
+    long long size = -1;
+    if (fseek(f, 0, SEEK_END) == 0) size = ftell(f);
+    if (size < 0 || fseek(f, 0, SEEK_SET) != 0) goto done;
+    d.rd.f = f; d.rd.cap = 1 << 20; d.rd.buf = malloc(d.rd.cap); d.rd.left = (uint64_t)size;
+    d.memo_limit = (uint64_t)size + 16; /* every memo op takes a byte at least */
+    d.interned = PyList_New(0);
+    d.action_str = PyUnicode_FromString("action");
+    if (!d.rd.buf || !d.interned || !d.action_str || map_init(&d.list_memo, 1024) < 0 || map_init(&d.intern, 1024) < 0)
+        goto done;
+    if (run(&d) == 0) result = build_result(&d);
+done:
+    dec_free(&d);
+    fclose(f);
+    if (!result) {
+        PyErr_Clear(); /* any failure means: take the restricted unpickler instead */
+        Py_RETURN_NONE;
+    }
+    return result;
+}
+
+/* ---------------------------------------------------------------- allocator replay */
+enum { A_OTHER, A_ALLOC, A_FREE_REQUESTED, A_FREE_COMPLETED, A_FREE, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP, A_SEG_UNMAP };
+#define MIN_BLOCK 512
+#define SMALL_SIZE (1 << 20)
+
+typedef struct { Map freem, free_by_end, seg_of, segs, used; } Sim;
+
+static int64_t round_size(int64_t n) { return n < MIN_BLOCK ? MIN_BLOCK : MIN_BLOCK * ((n + MIN_BLOCK - 1) / MIN_BLOCK); }
+static int should_split(int64_t block, int64_t rounded) {
+    int64_t rem = block - rounded;
+    return rounded <= SMALL_SIZE ? rem >= MIN_BLOCK : rem > SMALL_SIZE;
+}
+static int add_free(Sim *s, int64_t start, int64_t size, int64_t seg) {
+    return (map_put(&s->freem, start, size) < 0 || map_put(&s->free_by_end, start + size, start) < 0 ||
+            map_put(&s->seg_of, start, seg) < 0) ? -1 : 0;
+}
+static int64_t take_free(Sim *s, int64_t start) {
+    int64_t size = 0;
+    map_pop(&s->freem, start, &size);
+    map_pop(&s->free_by_end, start + size, NULL);
+    return size;
+}
+static int sim_alloc(Sim *s, int64_t addr, int64_t nbytes, int64_t *out) {
+    int64_t rounded = round_size(nbytes);
+    if (!map_find(&s->freem, addr)) { *out = rounded; return map_put(&s->used, addr, rounded); }
+    int64_t seg = *map_find(&s->seg_of, addr);
+    int64_t size = take_free(s, addr);
+    if (size >= rounded && should_split(size, rounded)) {
+        if (add_free(s, addr + rounded, size - rounded, seg) < 0) return -1;
+        size = rounded;
+    }
+    *out = size;
+    return (map_put(&s->used, addr, size) < 0 || map_put(&s->seg_of, addr, seg) < 0) ? -1 : 0;
+}
+static int sim_complete(Sim *s, int64_t addr) {
+    int64_t size;
+    if (!map_pop(&s->used, addr, &size)) return 0;
+    int64_t *segp = map_find(&s->seg_of, addr);
+    if (!segp || !map_find(&s->segs, *segp)) return 0;
+    int64_t seg = *segp, start = addr;
+    int64_t *prev = map_find(&s->free_by_end, start);
+    if (prev) {
+        int64_t p = *prev, *ps = map_find(&s->seg_of, p);
+        if (ps && *ps == seg) { size += take_free(s, p); start = p; }
+    }
+    int64_t nxt = start + size, *ns = map_find(&s->seg_of, nxt);
+    if (map_find(&s->freem, nxt) && ns && *ns == seg) size += take_free(s, nxt);
+    return add_free(s, start, size, seg);
+}
+static int sim_segment_alloc(Sim *s, int64_t addr, int64_t size) {
+    return (map_put(&s->segs, addr, size) < 0) ? -1 : add_free(s, addr, size, addr);
+}
+static void sim_segment_free(Sim *s, int64_t addr, int64_t size) {
+    map_pop(&s->segs, addr, NULL);
+    int64_t *f = map_find(&s->freem, addr);
+    if (f && *f == size) { take_free(s, addr); map_pop(&s->seg_of, addr, NULL); }
+}
+
+static PyObject *py_replay(PyObject *self, PyObject *args) {
+    Py_buffer act, addr, size;
+    int cpu;
+    if (!PyArg_ParseTuple(args, "y*y*y*p", &act, &addr, &size, &cpu)) return NULL;
+    PyObject *result = NULL, *block_b = NULL, *pair_b = NULL;
+    Sim s; Map live;
+    memset(&s, 0, sizeof s); memset(&live, 0, sizeof live);
+    Py_ssize_t n = act.len;
+    if (addr.len != n * 8 || size.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "replay: columns differ in length");
+        goto done;
+    }
+    block_b = PyBytes_FromStringAndSize(NULL, n * 8);
+    pair_b = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (!block_b || !pair_b) goto done;
+    if (map_init(&s.freem, 1024) < 0 || map_init(&s.free_by_end, 1024) < 0 || map_init(&s.seg_of, 1024) < 0 ||
+        map_init(&s.segs, 64) < 0 || map_init(&s.used, 1024) < 0 || map_init(&live, 1024) < 0) {
+        PyErr_NoMemory(); goto done;
+    }
+    const uint8_t *A = act.buf;
+    const int64_t *ad = addr.buf, *sz = size.buf;
+    int64_t *block = (int64_t *)PyBytes_AS_STRING(block_b), *pair = (int64_t *)PyBytes_AS_STRING(pair_b);
+    int err = 0;
+    for (Py_ssize_t i = 0; i < n && !err; i++) {
+        block[i] = 0; pair[i] = -1;
+        int64_t j;
+        switch (A[i]) {
+        case A_ALLOC: {
+            int64_t *prev = map_find(&live, ad[i]);
+            if (prev) pair[*prev] = i; /* overwritten while live: the old one is never freed */
+            int64_t b = sz[i];
+            if (!cpu) err = sim_alloc(&s, ad[i], sz[i], &b);
+            block[i] = b;
+            if (!err) err = map_put(&live, ad[i], i);
+            break;
+        }
+        case A_FREE_REQUESTED: case A_FREE:
+            if (map_pop(&live, ad[i], &j)) { block[i] = block[j]; pair[i] = j; pair[j] = i; }
+            else block[i] = sz[i];
+            if (A[i] == A_FREE) err = sim_complete(&s, ad[i]);
+            break;
+        case A_FREE_COMPLETED: err = sim_complete(&s, ad[i]); break;
+        case A_SEG_ALLOC: case A_SEG_MAP: err = sim_segment_alloc(&s, ad[i], sz[i]); break;
+        case A_SEG_FREE: case A_SEG_UNMAP: sim_segment_free(&s, ad[i], sz[i]); break;
+        default: break;
+        }
+    }
+    if (err) { PyErr_NoMemory(); goto done; }
+    result = Py_BuildValue("(OO)", block_b, pair_b);
+done:
+    Py_XDECREF(block_b); Py_XDECREF(pair_b);
+    map_free(&s.freem); map_free(&s.free_by_end); map_free(&s.seg_of); map_free(&s.segs); map_free(&s.used);
+    map_free(&live);
+    PyBuffer_Release(&act); PyBuffer_Release(&addr); PyBuffer_Release(&size);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", py_scan, METH_VARARGS,
+     "scan(path) -> (root, [(list, rows)], [(name, kind, data, table)], nrows), or None: take the slow road"},
+    {"replay", py_replay, METH_VARARGS,
+     "replay(action_u8, addr_i64, size_i64, cpu) -> (block bytes per entry, matching entry per entry)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastcore", "memory_audit's compiled core", -1, methods};
+
+PyMODINIT_FUNC PyInit__fastcore(void) { return PyModule_Create(&module); }

@@ -1,0 +1,233 @@
+"""One device's trace, stored by column.
+
+A trace can hold millions of entries; as a list of dicts it costs about 9x its pickle. Here
+each key is one int64 column: ints as they are (ABSENT where an entry lacks the key), any other
+value as an index into a table of the distinct values (-1 where absent). Entries still read as
+dicts (`trace[i]`, iteration) for code that wants them; the replay and attribution work on the
+columns.
+
+`act` codes the actions the allocator replay understands; every other action ('snapshot',
+'oom', 'annotate', ...) is OTHER and kept by name in the `action` column.
+"""
+
+import os
+
+import numpy as np
+
+from .allocator_sim import replay_blocks_py
+
+try:  # built by `pip install -e .` (setup.py); without it the pure-Python twins give the same results
+    from . import _fastcore
+except ImportError:  # pragma: no cover - depends on the machine
+    _fastcore = None
+
+
+def fastcore():
+    """The compiled core, or None when it is not built or MEMORY_AUDIT_PURE_PYTHON is set."""
+    return None if os.environ.get("MEMORY_AUDIT_PURE_PYTHON") else _fastcore
+
+ABSENT = np.iinfo(np.int64).min
+ACTIONS = ("other", "alloc", "free_requested", "free_completed", "free",
+           "segment_alloc", "segment_free", "segment_map", "segment_unmap")
+A = {name: i for i, name in enumerate(ACTIONS)}
+FREES = (A["free_requested"], A["free"])  # memory_allocated() drops here (not at free_completed)
+
+
+class Trace:
+    """Columns {key: (values int64 array, table list or None)} of n entries, in key order."""
+
+    def __init__(self, columns, n):
+        self.columns = dict(columns)
+        self.n = int(n)
+        for key, (values, _) in self.columns.items():
+            if len(values) != self.n:
+                raise ValueError(f"trace column {key!r} has {len(values)} values for {self.n} entries")
+        self._act = self._addr = self._size = None
+        self._replayed = {}
+
+    # ---- building
+    @classmethod
+    def from_dicts(cls, entries):
+        """From a list of entry dicts (a snapshot torch wrote, or one built in a test)."""
+        n = len(entries)
+        keys = {}
+        for e in entries:
+            for k in e:
+                keys.setdefault(k, None)
+        columns = {}
+        for k in keys:
+            vals = [e.get(k, _MISSING) for e in entries]
+            if all(v is _MISSING or (type(v) is int and ABSENT < v < 2 ** 63) for v in vals):
+                columns[k] = (np.array([ABSENT if v is _MISSING else v for v in vals], dtype=np.int64), None)
+            else:
+                table, index, codes = [], {}, np.empty(n, dtype=np.int64)
+                for i, v in enumerate(vals):
+                    if v is _MISSING:
+                        codes[i] = -1
+                        continue
+                    j = index.get(id(v))
+                    if j is None:
+                        j = index[id(v)] = len(table)
+                        table.append(v)
+                    codes[i] = j
+                columns[k] = (codes, table)
+        return cls(columns, n)
+
+    @classmethod
+    def from_scan(cls, columns, rows):
+        """From the compiled decoder's columns [(key, kind, bytes, table)] and this list's rows."""
+        rows = np.frombuffer(rows, dtype=np.int64)
+        contiguous = len(rows) == 0 or (rows[-1] - rows[0] == len(rows) - 1 and bool(np.all(np.diff(rows) == 1)))
+        out = {}
+        for key, kind, data, table in columns:
+            values = np.frombuffer(data, dtype=np.int64)
+            values = values[rows[0]:rows[0] + len(rows)] if contiguous and len(rows) else values[rows]
+            if len(values) and (values == (ABSENT if kind == 1 else -1)).all():
+                continue  # a key only other lists' entries have
+            out[key] = (values, table if kind == 2 else None)
+        return cls(out, len(rows))
+
+    # ---- reading
+    def __len__(self):
+        return self.n
+
+    def __bool__(self):
+        return self.n > 0
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.entry(j) for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError("trace index out of range")
+        return self.entry(i)
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield self.entry(i)
+
+    def __eq__(self, other):
+        if isinstance(other, Trace):
+            other = list(other)
+        return isinstance(other, list) and len(other) == self.n and all(a == b for a, b in zip(self, other))
+
+    def value(self, key, i, default=None):
+        col = self.columns.get(key)
+        if col is None:
+            return default
+        v = col[0][i]
+        if col[1] is None:
+            return default if v == ABSENT else int(v)
+        return default if v < 0 else col[1][v]
+
+    def entry(self, i):
+        """Entry i as the dict torch wrote (plus the defaults `normalize` gives)."""
+        e = {}
+        for key, (values, table) in self.columns.items():
+            v = values[i]
+            if table is None:
+                if v != ABSENT:
+                    e[key] = int(v)
+            elif v >= 0:
+                e[key] = table[v]
+        e.setdefault("frames", [])
+        e.setdefault("size", 0)
+        e.setdefault("addr", e.get("address", 0))
+        return e
+
+    def frames(self, i):
+        return self.value("frames", i) or []
+
+    def to_list(self):
+        return [self.entry(i) for i in range(self.n)]
+
+    # ---- numeric views for the replay
+    def _ints(self, key, default=0):
+        col = self.columns.get(key)
+        if col is None:
+            return np.full(self.n, default, dtype=np.int64)
+        values, table = col
+        if table is None:
+            return np.where(values == ABSENT, default, values)
+        out = np.empty(self.n, dtype=np.int64)
+        for j, v in enumerate(table):
+            if type(v) is not int and v is not None:
+                raise ValueError(f"a trace entry has a non-integer {key!r} ({type(v).__name__})")
+        lut = np.array([default if v is None else v for v in table] or [0], dtype=np.int64)
+        out[:] = np.where(values < 0, default, lut[np.maximum(values, 0)])
+        return out
+
+    @property
+    def act(self):
+        if self._act is None:
+            col = self.columns.get("action")
+            if col is None or col[1] is None:
+                self._act = np.zeros(self.n, dtype=np.uint8)
+            else:
+                lut = np.array([A.get(v, 0) if isinstance(v, str) else 0 for v in col[1]] or [0], dtype=np.uint8)
+                self._act = np.where(col[0] < 0, 0, lut[np.maximum(col[0], 0)]).astype(np.uint8)
+        return self._act
+
+    @property
+    def addr(self):
+        if self._addr is None:
+            self._addr = self._ints("addr") if "addr" in self.columns else self._ints("address")
+        return self._addr
+
+    @property
+    def size(self):
+        if self._size is None:
+            self._size = self._ints("size")
+        return self._size
+
+    def action(self, i):
+        return self.value("action", i)
+
+    def time_us(self, i):
+        return self.value("time_us", i)
+
+    def replayed(self, cpu=False):
+        """(block, pair) int64 arrays: see allocator_sim.replay_blocks_py. Cached."""
+        key = bool(cpu)
+        if key not in self._replayed:
+            act, addr, size = (np.ascontiguousarray(x) for x in (self.act, self.addr, self.size))
+            core = fastcore()
+            if core is not None:
+                block, pair = core.replay(act, addr, size, key)
+                block, pair = np.frombuffer(block, dtype=np.int64), np.frombuffer(pair, dtype=np.int64)
+            else:
+                block, pair = replay_blocks_py(act.tolist(), addr.tolist(), size.tolist(), key)
+                block, pair = np.array(block, dtype=np.int64), np.array(pair, dtype=np.int64)
+            self._replayed[key] = (block, pair)
+        return self._replayed[key]
+
+    def set_values(self, key, values):
+        """Set `key` on every entry (a list of n values), e.g. a category per entry."""
+        table, index, codes = [], {}, np.empty(self.n, dtype=np.int64)
+        for i, v in enumerate(values):
+            j = index.get(v)
+            if j is None:
+                j = index[v] = len(table)
+                table.append(v)
+            codes[i] = j
+        self.columns[key] = (codes, table)
+
+
+class _Missing:
+    __slots__ = ()
+
+
+_MISSING = _Missing()
+
+
+def as_trace(trace):
+    """A Trace from a Trace or a list of entry dicts."""
+    return trace if isinstance(trace, Trace) else Trace.from_dicts(list(trace))
+
+
+def plain(snap):
+    """The snapshot with its traces as lists of dicts again (to pickle it for MemoryViz)."""
+    out = dict(snap)
+    out["device_traces"] = [t.to_list() if isinstance(t, Trace) else t for t in snap.get("device_traces", [])]
+    return out
