@@ -76,18 +76,23 @@ def workspace_sizes(meta):
 
 def live_at_end(trace):
     """{addr: entry index} of the allocations still live when the trace ends (an alloc not
-    followed by a free_requested at its address)."""
+    followed by a free_requested at its address). Computed once per trace."""
     t = as_trace(trace)
-    act = t.act
-    idx = np.flatnonzero((act == A["alloc"]) | (act == A["free_requested"]))
-    if not len(idx):
-        return {}
-    addr = t.addr[idx]
-    order = np.lexsort((idx, addr))  # by address, then in trace order
-    last = np.r_[addr[order][1:] != addr[order][:-1], True]
-    ends = idx[order][last]
-    ends = np.sort(ends[act[ends] == A["alloc"]])
-    return dict(zip(t.addr[ends].tolist(), ends.tolist()))
+    if "live_at_end" not in t.cache:
+        act = t.act
+        if not (act == A["free"]).any():
+            # the replay's pairing ends an alloc at its free_requested (or at a later alloc at
+            # the same address), which is this rule exactly when there are no legacy `free`s
+            ends = np.flatnonzero((act == A["alloc"]) & (t.pairing() < 0))
+        else:
+            idx = np.flatnonzero((act == A["alloc"]) | (act == A["free_requested"]))
+            addr = t.addr[idx]
+            order = np.lexsort((idx, addr))  # by address, then in trace order
+            last = np.r_[addr[order][1:] != addr[order][:-1], True] if len(idx) else np.zeros(0, bool)
+            ends = idx[order][last]
+            ends = np.sort(ends[act[ends] == A["alloc"]])
+        t.cache["live_at_end"] = dict(zip(t.addr[ends].tolist(), ends.tolist()))
+    return t.cache["live_at_end"]
 
 
 def trace_workspaces(trace, meta=None):

@@ -140,14 +140,20 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     start = phase_index.get(start_phase, 0)
     lo = max(start - 1, 0)  # the entry just before the start phase counts, as the loop always did
     step = max(1, (n - start) // max_points)
-    idx = np.arange(lo, n)
-    points = idx[((idx - start) % step == 0) | (idx == n - 1)]
+    points = np.arange(lo + (start - lo) % step, n, step)
+    if n > lo and (not len(points) or points[-1] != n - 1):
+        points = np.append(points, n - 1)
     peak_i = int(lo + np.argmax(allocated[lo:])) if lo < n else None
     sample = points if peak_i is None else np.append(points, peak_i)
-    # bytes per category at the sampled entries: one running sum per category present
+    # bytes per category at the sampled entries: a running sum over each category's entries
     per_cat = {}
-    for k in np.unique(cat[delta != 0]).tolist():
-        per_cat[cat_names[k]] = np.cumsum(np.where(cat == k, delta, 0))[sample]
+    moving = np.flatnonzero(delta)
+    order = moving[np.argsort(cat[moving], kind="stable")]
+    bounds = np.flatnonzero(np.diff(cat[order])) + 1
+    for group in np.split(order, bounds) if len(order) else []:
+        run = np.cumsum(delta[group])
+        at = np.searchsorted(group, sample, side="right") - 1
+        per_cat[cat_names[cat[group[0]]]] = np.where(at >= 0, run[np.maximum(at, 0)], 0)
 
     def categories_at(j):
         return {c: int(per_cat[c][j]) for c in cat_names if c in per_cat and per_cat[c][j]}

@@ -44,6 +44,7 @@ class Trace:
                 raise ValueError(f"trace column {key!r} has {len(values)} values for {self.n} entries")
         self._act = self._addr = self._size = None
         self._replayed = {}
+        self.cache = {}  # results derived from the columns (live_at_end), computed once
 
     # ---- building
     @classmethod
@@ -201,6 +202,14 @@ class Trace:
                 block, pair = np.array(block, dtype=np.int64), np.array(pair, dtype=np.int64)
             self._replayed[key] = (block, pair)
         return self._replayed[key]
+
+    def pairing(self):
+        """The replay's pair column (it does not depend on `cpu`): from a replay already made,
+        else from the cheap one that skips the block simulation."""
+        for cpu in (False, True):
+            if cpu in self._replayed:
+                return self._replayed[cpu][1]
+        return self.replayed(True)[1]
 
     def set_values(self, key, values):
         """Set `key` on every entry (a list of n values), e.g. a category per entry."""

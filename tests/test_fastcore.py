@@ -1,0 +1,167 @@
+"""The compiled core against its pure-Python twins: same snapshots, same replay, same answers.
+
+_fastcore is built by `pip install -e .` (requirements.txt). Where it could not be built these
+tests skip, unless MEMORY_AUDIT_REQUIRE_FASTCORE is set (CI sets it), where they fail.
+"""
+
+import glob
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from conftest import EXAMPLES, FOREIGN
+from memory_audit import trace as trace_mod
+from memory_audit.allocator_sim import replay_blocks_py
+from memory_audit.attribute import attribute
+from memory_audit.loader import SnapshotError, load_snapshot
+from memory_audit.timeline import replay
+from memory_audit.trace import ABSENT, Trace, plain
+
+core = trace_mod._fastcore
+if core is None:
+    if os.environ.get("MEMORY_AUDIT_REQUIRE_FASTCORE"):
+        raise RuntimeError("memory_audit._fastcore is not built (pip install -e .)")
+    pytest.skip("memory_audit._fastcore is not built on this machine", allow_module_level=True)
+
+SNAPSHOTS = sorted(glob.glob(os.path.join(FOREIGN, "*.pickle"))) + \
+    sorted(glob.glob(os.path.join(EXAMPLES, "*", "*.pickle")))
+TINY = os.path.join(EXAMPLES, "cuda-tiny-fp16-manual", "step2_end.pickle")
+
+
+def _pure(monkeypatch):
+    monkeypatch.setenv("MEMORY_AUDIT_PURE_PYTHON", "1")
+
+
+def _restricted(path):
+    from memory_audit.loader import _PlainDataUnpickler
+    with open(path, "rb") as f:
+        return _PlainDataUnpickler(f).load()
+
+
+def _as_read(res):
+    """The compiled decoder's result with its row lists turned back into lists of dicts."""
+    root, lists, columns, _ = res
+    for lst, rows in lists:
+        t = Trace.from_scan(columns, rows)
+        lst.extend({k: v for k, v in _raw(t, i).items()} for i in range(t.n))
+    return root
+
+
+def _raw(t, i):
+    """Entry i exactly as stored (no normalisation defaults)."""
+    e = {}
+    for key, (values, table) in t.columns.items():
+        v = values[i]
+        if table is None:
+            if v != ABSENT:
+                e[key] = int(v)
+        elif v >= 0:
+            e[key] = table[v]
+    return e
+
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=os.path.basename)
+def test_decoder_reads_what_pickle_reads(path):
+    res = core.scan(path)
+    assert res is not None, "a snapshot torch wrote must take the compiled road"
+    root, lists, _, nrows = res
+    assert sum(len(np.frombuffer(r, np.int64)) for _, r in lists) == nrows
+    assert _as_read(res) == _restricted(path)
+
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=os.path.basename)
+def test_same_attribution_and_replay_either_road(path, monkeypatch):
+    fast = load_snapshot(path)
+    assert all(isinstance(t, Trace) for t in fast["device_traces"])
+    got = (attribute(fast), [replay(fast, device=d, max_points=300) for d in range(len(fast["device_traces"]))])
+    _pure(monkeypatch)
+    slow = load_snapshot(path)
+    assert plain(slow) == plain(fast)
+    want = (attribute(slow), [replay(slow, device=d, max_points=300) for d in range(len(slow["device_traces"]))])
+    assert got == want
+
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=os.path.basename)
+def test_compiled_replay_equals_reference(path):
+    for t in load_snapshot(path)["device_traces"]:
+        for cpu in (False, True):
+            block, pair = core.replay(t.act, t.addr, t.size, cpu)
+            ref_block, ref_pair = replay_blocks_py(t.act.tolist(), t.addr.tolist(), t.size.tolist(), cpu)
+            assert np.frombuffer(block, np.int64).tolist() == ref_block
+            assert np.frombuffer(pair, np.int64).tolist() == ref_pair
+
+
+def test_replay_block_rules_by_hand():
+    """One 2 MiB segment: a 4-byte request gets 512 B; a 1.5 MiB request leaves 0.5 MiB, which is
+    not split off in the large pool (<= 1 MiB would remain), so its block is the whole rest."""
+    act = np.array([5, 1, 1, 2, 3, 1], dtype=np.uint8)  # seg_alloc, alloc, alloc, free_req, free_done, alloc
+    mib = 2 ** 20
+    addr = np.array([0, 0, 512, 512, 512, 512], dtype=np.int64)
+    size = np.array([2 * mib, 4, 3 * mib // 2, 3 * mib // 2, 3 * mib // 2, 100], dtype=np.int64)
+    block, pair = (np.frombuffer(x, np.int64).tolist() for x in core.replay(act, addr, size, False))
+    assert block == [0, 512, 2 * mib - 512, 2 * mib - 512, 0, 512]
+    assert pair == [-1, -1, 3, 2, -1, -1]
+    assert (block, pair) == replay_blocks_py(act.tolist(), addr.tolist(), size.tolist(), False)
+
+
+def test_hostile_pickle_never_takes_the_compiled_road(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Creates:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    bad = tmp_path / "evil.pickle"
+    bad.write_bytes(pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "x": Creates()}]]}))
+    assert core.scan(str(bad)) is None
+    with pytest.raises(SnapshotError, match="refused"):
+        load_snapshot(str(bad))
+    assert not marker.exists()
+
+
+def test_mutated_files_are_read_alike_or_left_to_the_unpickler(tmp_path):
+    """500 corrupted copies of a real snapshot (flipped bytes, cuts, splices): the compiled
+    decoder either declines (None) or returns exactly what the restricted unpickler returns.
+    It never crashes and never accepts what the unpickler rejects."""
+    data = open(TINY, "rb").read()
+    rng = random.Random(1234)
+    path = tmp_path / "m.pickle"
+    taken = 0
+    for k in range(500):
+        b = bytearray(data)
+        kind = k % 3
+        if kind == 0:
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        elif kind == 1:
+            b = b[:rng.randrange(1, len(b))]
+        else:
+            i, j = sorted(rng.randrange(len(b)) for _ in range(2))
+            b = b[:i] + b[j:]
+        path.write_bytes(bytes(b))
+        res = core.scan(str(path))
+        try:
+            want = _restricted(str(path))
+        except Exception:
+            assert res is None, f"mutation {k}: compiled decoder accepted a file the unpickler rejects"
+            continue
+        if res is not None:
+            taken += 1
+            assert _as_read(res) == want, f"mutation {k}"
+    assert taken > 0  # some single-byte changes leave a valid pickle; those must read alike
+
+
+def test_trace_columns_round_trip():
+    entries = [{"action": "alloc", "addr": 2 ** 40, "size": 512, "frames": [{"name": "f"}]},
+               {"action": "free_requested", "addr": 2 ** 40, "size": 512, "time_us": 7, "note": None},
+               {"action": "oom", "device_free": 0}]
+    t = Trace.from_dicts(entries)
+    assert t.columns["addr"][1] is None and t.columns["note"][1] is not None  # ints vs objects
+    assert [_raw(t, i) for i in range(3)] == entries
+    assert t[2] == {"action": "oom", "device_free": 0, "frames": [], "size": 0, "addr": 0}
+    assert t.act.tolist() == [1, 2, 0] and t.time_us(0) is None and t.time_us(1) == 7
+    t.set_values("category", ["a", "b", "a"])
+    assert [e["category"] for e in t] == ["a", "b", "a"]
