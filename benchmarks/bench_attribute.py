@@ -3,11 +3,16 @@
     python benchmarks/bench_attribute.py [SNAPSHOT] [--entries=1000000]
 
 Builds a snapshot of at least --entries trace entries by replaying the audited step of a real
-snapshot (default: the committed CUDA example) over and over, writes it to a temporary file,
-then times, each in a fresh process so peak RSS is its own:
-  ours:   load (restricted unpickler) + attribute() + replay()
+snapshot (default: the committed CUDA example) over and over, as torch would have written it
+(a dict per entry and a frames list per traceback, one dict per distinct frame), writes it to a
+temporary file, then times, each in a fresh process:
+  ours:   load_snapshot() (the compiled decoder when built, else the restricted unpickler)
+          + attribute() + replay()
   torch:  pickle.load + torch.cuda._memory_viz.trace()
-and prints events per second, peak RSS and the ratios. Not a test: the numbers depend on the machine.
+(--fresh-frames: every entry gets its own frame dicts, a file bigger than torch would write)
+and prints events per second, peak RSS (the child's own VmHWM) and the ratios.
+MEMORY_AUDIT_PURE_PYTHON=1 times our pure-Python road instead. Not a test: the numbers depend
+on the machine.
 """
 
 import argparse
@@ -58,7 +63,7 @@ print(json.dumps({{"entries": n, "load_s": t1 - t0, "work_s": t2 - t1, "total_s"
 """
 
 
-def build(src, entries):
+def build(src, entries, fresh_frames=False):
     from memory_audit.loader import _PlainDataUnpickler
     with open(src, "rb") as f:  # the source as torch wrote it (shared frames), not as we load it
         snap = _PlainDataUnpickler(f).load()
@@ -92,7 +97,9 @@ def build(src, entries):
             if e2.get("time_us") is not None:
                 e2["time_us"] += r * span
             frames = e.get("frames")
-            if frames is not None:
+            if frames is not None and fresh_frames:  # a harder file than torch writes: no sharing
+                e2["frames"] = [dict(f) for f in frames]
+            elif frames is not None:
                 e2["frames"] = lists.setdefault(id(frames), list(frames))
             out.append(e2)
     snap["device_traces"][0] = out
@@ -104,8 +111,10 @@ def main():
     p.add_argument("snapshot", nargs="?", default=os.path.join(ROOT, "snapshots", "examples",
                                                               "cuda-tiny-fp16-manual", "step2_end.pickle"))
     p.add_argument("--entries", type=int, default=1_000_000)
+    p.add_argument("--fresh-frames", action="store_true",
+                   help="a new dict per frame per entry (no sharing, unlike torch): the worst case")
     args = p.parse_args()
-    snap = build(args.snapshot, args.entries)
+    snap = build(args.snapshot, args.entries, args.fresh_frames)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "big.pickle")
         with open(path, "wb") as f:

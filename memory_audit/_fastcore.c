@@ -24,6 +24,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#if PY_VERSION_HEX < 0x030B0000 /* PyFloat_Unpack8 became public in 3.11 */
+#define PyFloat_Unpack8(p, le) _PyFloat_Unpack8((const unsigned char *)(p), (le))
+#endif
+
 /* ------------------------------------------------------------------ hash map int64 -> int64 */
 /* open addressing, linear probing, backward-shift deletion; keys are any int64 */
 typedef struct {

@@ -21,6 +21,7 @@ GiB = 2 ** 30
 def cmd_attribute(args):
     from .attribute import attribute, check_against_meta
     from .timeline import categorize_trace, replay
+    from .trace import plain
     pairs, run_dir = find_snapshots(args.path)
     meta = load_meta(run_dir)
     out = {}
@@ -60,7 +61,7 @@ def cmd_attribute(args):
             categorize_trace(snap, meta)
             dest = os.path.splitext(path)[0] + ".categorized.pickle"
             with open(dest, "wb") as f:
-                pickle.dump(snap, f, protocol=4)
+                pickle.dump(plain(snap), f, protocol=4)  # lists of dicts, as MemoryViz reads them
             if not args.json:
                 print(f"wrote {dest}")
     if args.json:
