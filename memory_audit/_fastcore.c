@@ -151,6 +151,7 @@ typedef uintptr_t Val;
 #define ABSENT INT64_MIN
 #define MAX_COLS 64
 #define MAX_ROWLISTS 256
+#define RECENT 4096 /* direct-mapped: where each recent list/dict sits in the memo */
 
 typedef struct {
     PyObject *name;   /* str */
@@ -176,9 +177,11 @@ typedef struct {
     int64_t nrows, rows_cap;
     uint8_t *row_state; /* 0 open, 1 in a list */
     RowList rl[MAX_ROWLISTS]; int nrl;
-    Map list_memo;     /* id(list) -> memo index, to swap in the shared copy */
+    struct { uintptr_t ptr; uint64_t idx; } recent[RECENT]; /* recently memoized lists and dicts */
     Map intern;        /* content hash of a list of objects -> index in interned */
     PyObject *interned;
+    Map dict_intern;   /* content hash of a small dict -> index in dicts */
+    PyObject *dicts;
     PyObject *action_str;
 } Dec;
 
@@ -225,7 +228,11 @@ static int memo_put(Dec *d, uint64_t idx) {
     if (d->memo[idx]) val_decref(d->memo[idx]); else d->memo_count++;
     if (!IS_ROW(v)) {
         Py_INCREF((PyObject *)v);
-        if (PyList_CheckExact((PyObject *)v) && map_put(&d->list_memo, (int64_t)v, (int64_t)idx) < 0) return -1;
+        if (PyList_CheckExact((PyObject *)v) || PyDict_CheckExact((PyObject *)v)) {
+            size_t slot = (v >> 4) & (RECENT - 1);
+            d->recent[slot].ptr = v;
+            d->recent[slot].idx = idx;
+        }
     }
     d->memo[idx] = v;
     return 0;
@@ -291,10 +298,79 @@ static int column_for(Dec *d, PyObject *key, PyObject *first_value) {
     return col;
 }
 
-/* One object for all equal lists of the same objects (a traceback's frames). Returns a new
- * reference to the shared list, or to v itself. */
+/* The memo's reference to `old` (if it is a recent one) becomes a reference to `canon`, so
+ * that `old` is freed once its other users let go of it. */
+static void swap_memo(Dec *d, PyObject *old, PyObject *canon) {
+    size_t slot = ((uintptr_t)old >> 4) & (RECENT - 1);
+    uint64_t idx = d->recent[slot].idx;
+    if (d->recent[slot].ptr == (uintptr_t)old && idx < d->memo_cap && d->memo[idx] == (Val)old) {
+        Py_INCREF(canon);
+        d->memo[idx] = (Val)canon;
+        Py_DECREF(old);
+        d->recent[slot].ptr = 0;
+    }
+}
+
+static int same_value(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) return PyObject_RichCompareBool(a, b, Py_EQ) == 1;
+    return 0;
+}
+
+/* One object for all equal small dicts (a frame: name, filename, line) whose keys and string
+ * values are shared objects. Returns a new reference to the shared dict, or to o itself. */
+static PyObject *share_dict(Dec *d, PyObject *o) {
+    Py_ssize_t n = PyDict_GET_SIZE(o), pos = 0;
+    PyObject *k, *v;
+    uint64_t h = 0x9e3779b97f4a7c15ULL ^ (uint64_t)n;
+    if (n > 8) goto keep;
+    while (PyDict_Next(o, &pos, &k, &v)) {
+        uint64_t x = (uint64_t)(uintptr_t)v;
+        if (PyLong_CheckExact(v)) {
+            int overflow = 0;
+            long long y = PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (overflow || (y == -1 && PyErr_Occurred())) { PyErr_Clear(); goto keep; }
+            x = (uint64_t)y * 0x9e3779b97f4a7c15ULL + 1;
+        }
+        h = (h ^ (uint64_t)(uintptr_t)k) * 1099511628211ULL;
+        h = (h ^ x) * 1099511628211ULL;
+    }
+    int64_t *hit = map_find(&d->dict_intern, (int64_t)h);
+    if (!hit) {
+        if (PyList_Append(d->dicts, o) < 0 || map_put(&d->dict_intern, (int64_t)h, PyList_GET_SIZE(d->dicts) - 1) < 0) {
+            PyErr_Clear();
+        }
+        goto keep;
+    }
+    PyObject *s = PyList_GET_ITEM(d->dicts, *hit);
+    if (s == o || PyDict_GET_SIZE(s) != n) goto keep;
+    Py_ssize_t pa = 0, pb = 0;
+    PyObject *ka, *va, *kb, *vb;
+    while (PyDict_Next(s, &pa, &ka, &va) && PyDict_Next(o, &pb, &kb, &vb))
+        if (ka != kb || !same_value(va, vb)) goto keep;
+    swap_memo(d, o, s);
+    Py_INCREF(s);
+    return s;
+keep:
+    Py_INCREF(o);
+    return o;
+}
+
+/* One object for all equal lists of the same objects (a traceback's frames), after sharing
+ * their frame dicts. Returns a new reference to the shared list, or to v itself. */
 static PyObject *share_list(Dec *d, PyObject *v) {
     Py_ssize_t n = PyList_GET_SIZE(v);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(v, i);
+        if (!PyDict_CheckExact(item)) continue;
+        PyObject *c = share_dict(d, item);
+        if (c != item) {
+            PyList_SET_ITEM(v, i, c);
+            Py_DECREF(item);
+        } else {
+            Py_DECREF(c);
+        }
+    }
     uint64_t h = 1469598103934665603ULL ^ (uint64_t)n;
     for (Py_ssize_t i = 0; i < n; i++) { h ^= (uint64_t)(uintptr_t)PyList_GET_ITEM(v, i); h *= 1099511628211ULL; }
     int64_t *hit = map_find(&d->intern, (int64_t)h);
@@ -304,12 +380,7 @@ static PyObject *share_list(Dec *d, PyObject *v) {
             Py_ssize_t i = 0;
             while (i < n && PyList_GET_ITEM(s, i) == PyList_GET_ITEM(v, i)) i++;
             if (i == n) {
-                int64_t *mi = map_find(&d->list_memo, (int64_t)(uintptr_t)v);
-                if (mi && (uint64_t)*mi < d->memo_cap && d->memo[*mi] == (Val)v) {
-                    Py_INCREF(s);
-                    d->memo[*mi] = (Val)s;
-                    Py_DECREF(v);
-                }
+                swap_memo(d, v, s);
                 Py_INCREF(s);
                 return s;
             }
@@ -664,8 +735,8 @@ static void dec_free(Dec *d) {
     for (int i = 0; i < d->nkeys; i++) Py_XDECREF(d->keycache[i]);
     for (int i = 0; i < d->nrl; i++) { Py_XDECREF(d->rl[i].list); free(d->rl[i].rows); }
     free(d->row_state);
-    map_free(&d->list_memo); map_free(&d->intern);
-    Py_XDECREF(d->interned); Py_XDECREF(d->action_str);
+    map_free(&d->intern); map_free(&d->dict_intern);
+    Py_XDECREF(d->interned); Py_XDECREF(d->dicts); Py_XDECREF(d->action_str);
     free(d->rd.buf);
 }
 
@@ -712,8 +783,10 @@ static PyObject *py_scan(PyObject *self, PyObject *args) {
     d.rd.f = f; d.rd.cap = 1 << 20; d.rd.buf = malloc(d.rd.cap); d.rd.left = (uint64_t)size;
     d.memo_limit = (uint64_t)size + 16; /* every memo op takes a byte at least */
     d.interned = PyList_New(0);
+    d.dicts = PyList_New(0);
     d.action_str = PyUnicode_FromString("action");
-    if (!d.rd.buf || !d.interned || !d.action_str || map_init(&d.list_memo, 1024) < 0 || map_init(&d.intern, 1024) < 0)
+    if (!d.rd.buf || !d.interned || !d.dicts || !d.action_str || map_init(&d.intern, 1024) < 0 ||
+        map_init(&d.dict_intern, 1024) < 0)
         goto done;
     if (run(&d) == 0) result = build_result(&d);
 done:

@@ -165,3 +165,19 @@ def test_trace_columns_round_trip():
     assert t.act.tolist() == [1, 2, 0] and t.time_us(0) is None and t.time_us(1) == 7
     t.set_values("category", ["a", "b", "a"])
     assert [e["category"] for e in t] == ["a", "b", "a"]
+
+
+def test_equal_frames_are_one_object(tmp_path):
+    """A writer that makes fresh frame dicts for every entry (torch shares them) still gets one
+    frames list per distinct stack, so a long trace does not keep a dict per frame per entry."""
+    files = ["a.py", "b.py"]  # shared strings, as a pickle memoizes them
+    entries = [{"action": "alloc", "addr": 512 * i, "size": 512,
+                "frames": [{"name": "f", "filename": files[i % 2], "line": 10 + i % 2},
+                           {"name": "main", "filename": files[0], "line": 1}]} for i in range(200)]
+    path = tmp_path / "fresh.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [entries]}, protocol=4))
+    res = core.scan(str(path))
+    frames_table = next(table for name, _, _, table in res[2] if name == "frames")
+    assert len(frames_table) == 2
+    assert frames_table[0][1] is frames_table[1][1]  # the shared `main` frame
+    assert _as_read(res) == _restricted(str(path))
