@@ -35,7 +35,7 @@ def test_audit_writes_three_snapshots_and_meta(cpu_run):
 def test_snapshots_load_with_torch_memory_viz(cpu_run, phase):
     with open(os.path.join(cpu_run, f"{phase}.pickle"), "rb") as f:
         snap = pickle.load(f)  # our own file, written by this test session
-    assert "Total" in memory_viz.segsum(snap) or memory_viz.segsum(snap)
+    assert f"segments: {len(snap['segments'])}\n" in memory_viz.segsum(snap)
     assert memory_viz.trace(snap)
     assert "<html" in memory_viz.trace_plot(snap).lower()
 
