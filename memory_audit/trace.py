@@ -122,8 +122,8 @@ class Trace:
             return default if v == ABSENT else int(v)
         return default if v < 0 else col[1][v]
 
-    def entry(self, i):
-        """Entry i as the dict torch wrote (plus the defaults `normalize` gives)."""
+    def entry(self, i, defaults=True):
+        """Entry i as the dict torch wrote (plus, with `defaults`, what `normalize` fills in)."""
         e = {}
         for key, (values, table) in self.columns.items():
             v = values[i]
@@ -132,6 +132,8 @@ class Trace:
                     e[key] = int(v)
             elif v >= 0:
                 e[key] = table[v]
+        if not defaults:
+            return e
         e.setdefault("frames", [])
         e.setdefault("size", 0)
         e.setdefault("addr", e.get("address", 0))

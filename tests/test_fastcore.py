@@ -46,21 +46,13 @@ def _as_read(res):
     root, lists, columns, _ = res
     for lst, rows in lists:
         t = Trace.from_scan(columns, rows)
-        lst.extend({k: v for k, v in _raw(t, i).items()} for i in range(t.n))
+        lst.extend(_raw(t, i) for i in range(t.n))
     return root
 
 
 def _raw(t, i):
     """Entry i exactly as stored (no normalisation defaults)."""
-    e = {}
-    for key, (values, table) in t.columns.items():
-        v = values[i]
-        if table is None:
-            if v != ABSENT:
-                e[key] = int(v)
-        elif v >= 0:
-            e[key] = table[v]
-    return e
+    return t.entry(i, defaults=False)
 
 
 @pytest.mark.parametrize("path", SNAPSHOTS, ids=os.path.basename)
