@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from memory_audit.schema import check_model_config
+
 
 @dataclass
 class GPTConfig:
@@ -32,18 +34,7 @@ class GPTConfig:
 
     def validate(self):
         """Raise ValueError with a one-line reason if this config cannot build a model."""
-        for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.attention not in ("manual", "sdpa"):
-            raise ValueError(f"attention must be 'manual' or 'sdpa', got {self.attention!r}")
-        if self.activation not in ("gelu", "relu"):
-            raise ValueError(f"activation must be 'gelu' or 'relu', got {self.activation!r}")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        check_model_config(asdict(self))
 
 
 # Model shapes; vocab 50304 and no biases as nanoGPT trains them. The small ones run on a CPU.

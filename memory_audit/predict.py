@@ -16,7 +16,7 @@ What is saved for backward depends on the device's autocast policy (measured, se
 from .allocator_sim import round_size
 from .attribute import workspace_size_from_env
 from .gap_sim import predicted_gaps
-from .schema import PHASES
+from .schema import PHASES, check_model_config
 
 GiB = 2 ** 30
 
@@ -108,19 +108,13 @@ def _numel(shape):
 
 
 def _validate(cfg):
-    for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "gradient_accumulation_steps"):
+    """The model rules model.py applies, plus the run's own keys."""
+    check_model_config(cfg)
+    for k in ("batch_size", "gradient_accumulation_steps"):
         if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1:
             raise ValueError(f"{k} must be a positive integer, got {cfg[k]!r}")
-    if cfg["n_embd"] % cfg["n_head"]:
-        raise ValueError(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}")
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
-    if cfg["attention"] not in ("manual", "sdpa"):
-        raise ValueError(f"attention must be manual or sdpa, got {cfg['attention']!r}")
-    if cfg["activation"] not in ("gelu", "relu"):
-        raise ValueError(f"activation must be gelu or relu, got {cfg['activation']!r}")
-    if not 0 <= cfg["dropout"] < 1:
-        raise ValueError(f"dropout must be in [0, 1), got {cfg['dropout']!r}")
 
 
 def predict(config=None, device=None, gaps_bytes=None):

@@ -1,14 +1,31 @@
 """The plain-dict formats that cross module boundaries, described once.
 
-Snapshot dicts are kept exactly as torch wrote them (see torch/cuda/memory.py); this module
-describes only what memory_audit itself writes: meta.json, attributions, ledgers, reports.
-All byte counts are Python ints.
+Snapshot dicts are kept as torch wrote them (see torch/cuda/memory.py), except that each device
+trace is held as columns (trace.Trace); this module describes what memory_audit itself writes
+(meta.json, attributions, ledgers, reports) and the model-config rules that both model.py and
+the torch-free predictor apply. All byte counts are Python ints.
 """
 
 from typing import TypedDict
 
 META_SCHEMA_VERSION = 1
 REPORT_SCHEMA_VERSION = 1
+
+def check_model_config(cfg):
+    """Raise ValueError with a one-line reason if a model config (a dict) cannot build a GPT."""
+    for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        value = cfg[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if cfg["n_embd"] % cfg["n_head"]:
+        raise ValueError(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}")
+    if cfg["attention"] not in ("manual", "sdpa"):
+        raise ValueError(f"attention must be 'manual' or 'sdpa', got {cfg['attention']!r}")
+    if cfg["activation"] not in ("gelu", "relu"):
+        raise ValueError(f"activation must be 'gelu' or 'relu', got {cfg['activation']!r}")
+    if not 0.0 <= float(cfg["dropout"]) < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {cfg['dropout']!r}")
+
 
 PHASES = ("step2_start", "step2_before_backward", "step2_end")
 
