@@ -215,7 +215,8 @@ static int pop_mark(Dec *d, size_t *k) {
 }
 
 static int memo_put(Dec *d, uint64_t idx) {
-    if (d->sp <= mark_base(d) || idx > d->memo_limit) return -1;
+    /* writers number the memo 0, 1, 2, ...: far-off indexes (a memory bomb) go to the slow road */
+    if (d->sp <= mark_base(d) || idx > d->memo_limit || idx > d->memo_count + (1u << 20)) return -1;
     if (idx >= d->memo_cap) {
         size_t c = d->memo_cap ? d->memo_cap : 1024;
         while (c <= idx) c *= 2;
@@ -631,12 +632,12 @@ static int run(Dec *d) {
         case 0x85: case 0x86: case 0x87: case 't': {                                          /* TUPLE* */
             if (op == 't') { if (pop_mark(d, &k) < 0) return -1; }
             else { size_t n = op - 0x84; if (d->sp < n || d->sp - n < mark_base(d)) return -1; k = d->sp - n; }
+            for (size_t i = k; i < d->sp; i++)
+                if (IS_ROW(d->stack[i])) return -1;
             PyObject *t = PyTuple_New((Py_ssize_t)(d->sp - k));
             if (!t) return -1;
-            for (size_t i = k; i < d->sp; i++) {
-                if (IS_ROW(d->stack[i])) { Py_DECREF(t); return -1; }
+            for (size_t i = k; i < d->sp; i++) /* the tuple takes over the stack's references */
                 PyTuple_SET_ITEM(t, (Py_ssize_t)(i - k), (PyObject *)d->stack[i]);
-            }
             d->sp = k;
             if (push_obj(d, t) < 0) return -1;
             break;

@@ -173,3 +173,27 @@ def test_equal_frames_are_one_object(tmp_path):
     assert len(frames_table) == 2
     assert frames_table[0][1] is frames_table[1][1]  # the shared `main` frame
     assert _as_read(res) == _restricted(str(path))
+
+
+@pytest.mark.parametrize("data", [
+    # a trace-entry-shaped dict inside a tuple: not where torch puts entries
+    pickle.dumps({"segments": [], "x": ({"action": "alloc", "addr": 1},)}, protocol=4),
+    # the same entry dict appended twice (through the memo)
+    pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1}] * 2]}, protocol=4),
+], ids=["entry-in-tuple", "entry-twice"])
+def test_odd_but_valid_pickles_take_the_slow_road(tmp_path, data):
+    path = tmp_path / "odd.pickle"
+    path.write_bytes(data)
+    assert core.scan(str(path)) is None
+    assert _restricted(str(path)) == pickle.loads(data)
+
+
+def test_memo_bomb_is_declined_and_reported(tmp_path):
+    """A memo index two billion slots away: the decoder declines it rather than allocate 16 GB;
+    the unpickler then fails on it (MemoryError here) or reads an empty dict, which is no
+    snapshot: either way the user gets one line."""
+    path = tmp_path / "bomb.pickle"
+    path.write_bytes(b"\x80\x04}r\x00\x00\x00\x80.")
+    assert core.scan(str(path)) is None
+    with pytest.raises(SnapshotError, match="corrupt pickle|not a memory snapshot"):
+        load_snapshot(str(path))
