@@ -50,7 +50,7 @@ def _scan(path):
         trace = Trace.from_scan(columns, rows)
         spot = next((i for i, t in enumerate(traces or ()) if t is lst), None)
         if spot is None:  # entries somewhere else (host traces, say): plain dicts there
-            lst.extend(trace.to_list())
+            lst.extend(trace.entry(i, defaults=False) for i in range(trace.n))
         else:
             traces[spot] = trace
     return root

@@ -197,3 +197,14 @@ def test_memo_bomb_is_declined_and_reported(tmp_path):
     assert core.scan(str(path)) is None
     with pytest.raises(SnapshotError, match="corrupt pickle|not a memory snapshot"):
         load_snapshot(str(path))
+
+
+def test_entries_outside_device_traces_stay_dicts(tmp_path):
+    """torch 2.14 writes host_traces too: entries there are read back as plain dicts."""
+    entry = {"action": "alloc", "addr": 4096, "size": 8, "stream": 0}
+    snap = {"segments": [], "device_traces": [[dict(entry)]], "host_traces": [[dict(entry), dict(entry)]]}
+    path = tmp_path / "host.pickle"
+    path.write_bytes(pickle.dumps(snap, protocol=4))
+    assert core.scan(str(path)) is not None
+    got = load_snapshot(str(path))
+    assert isinstance(got["device_traces"][0], Trace) and got["host_traces"] == snap["host_traces"]
