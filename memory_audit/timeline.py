@@ -33,15 +33,15 @@ def _phase_names(meta):
     return cuts
 
 
-def name_events(trace, cuts, cpu=False):
+def name_events(trace, cuts):
     """Name each alloc event by the phases at which it is live.
 
     Returns (event_name {index: name}, freed (bool per entry: an alloc whose free the trace
-    holds), unmatched_free_bytes). `cpu` only picks which cached replay supplies the pairing.
+    holds), unmatched_free_bytes).
     """
     t = as_trace(trace)
     n = t.n
-    _, pair = t.replayed(cpu)
+    pair = t.pairing()
     act, addr = t.act, t.addr
     allocs = np.flatnonzero(act == A["alloc"])
     ends = pair[allocs]
@@ -71,7 +71,7 @@ def categorize_trace(snap, meta=None):
     for d, trace in enumerate(traces):
         t = traces[d] = as_trace(trace)
         workspaces = trace_workspaces(t, meta)
-        event_name, freed, _ = name_events(t, cuts, cpu=True)
+        event_name, freed, _ = name_events(t, cuts)
         act, addr = t.act.tolist(), t.addr.tolist()
         live, cats = {}, []
         for i in range(t.n):
@@ -108,7 +108,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     cpu = bool((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline"))
     # block sizes as memory_allocated() counts them (CPU: no caching allocator, exact bytes)
     block, pair = trace.replayed(cpu)
-    event_name, freed, unmatched_free = name_events(trace, cuts, cpu)
+    event_name, freed, unmatched_free = name_events(trace, cuts)
     act, addr, size = trace.act, trace.addr, trace.size
 
     # category of every alloc; a free takes its alloc's, or unattributed when the trace never saw it
@@ -118,11 +118,9 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     cat = np.full(n, code["unattributed"], dtype=np.int64)
     cat[is_alloc & freed] = code["temporary"]
     cat[is_alloc & np.isin(addr, np.fromiter(workspaces, dtype=np.int64))] = code["workspace"]  # before "freed", as ever
-    names = {}
     for i, name in event_name.items():
         c = name.split("/", 1)[0]
         cat[i] = code[c] if c in code else code["unattributed"]
-        names[i] = name
     frees = np.isin(act, FREES)
     matched = frees & (pair >= 0)
     cat[matched] = cat[pair[matched]]
@@ -177,7 +175,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
         live = np.flatnonzero(is_alloc[:peak_i + 1] & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
         lines = {}
         for i in live.tolist():
-            key = names.get(i) or ("workspace/cublas" if cat[i] == code["workspace"] else cat_names[cat[i]])
+            key = event_name.get(i) or ("workspace/cublas" if cat[i] == code["workspace"] else cat_names[cat[i]])
             lines[key] = lines.get(key, 0) + int(block[i])
         if baseline:
             lines["unattributed/before-trace"] = baseline

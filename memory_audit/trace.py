@@ -61,17 +61,7 @@ class Trace:
             if all(v is _MISSING or (type(v) is int and ABSENT < v < 2 ** 63) for v in vals):
                 columns[k] = (np.array([ABSENT if v is _MISSING else v for v in vals], dtype=np.int64), None)
             else:
-                table, index, codes = [], {}, np.empty(n, dtype=np.int64)
-                for i, v in enumerate(vals):
-                    if v is _MISSING:
-                        codes[i] = -1
-                        continue
-                    j = index.get(id(v))
-                    if j is None:
-                        j = index[id(v)] = len(table)
-                        table.append(v)
-                    codes[i] = j
-                columns[k] = (codes, table)
+                columns[k] = _encode(vals, id)  # by identity: values may be unhashable (frames lists)
         return cls(columns, n)
 
     @classmethod
@@ -108,11 +98,6 @@ class Trace:
         for i in range(self.n):
             yield self.entry(i)
 
-    def __eq__(self, other):
-        if isinstance(other, Trace):
-            other = list(other)
-        return isinstance(other, list) and len(other) == self.n and all(a == b for a, b in zip(self, other))
-
     def value(self, key, i, default=None):
         col = self.columns.get(key)
         if col is None:
@@ -124,14 +109,7 @@ class Trace:
 
     def entry(self, i, defaults=True):
         """Entry i as the dict torch wrote (plus, with `defaults`, what `normalize` fills in)."""
-        e = {}
-        for key, (values, table) in self.columns.items():
-            v = values[i]
-            if table is None:
-                if v != ABSENT:
-                    e[key] = int(v)
-            elif v >= 0:
-                e[key] = table[v]
+        e = {key: v for key in self.columns if (v := self.value(key, i, _MISSING)) is not _MISSING}
         if not defaults:
             return e
         e.setdefault("frames", [])
@@ -153,13 +131,11 @@ class Trace:
         values, table = col
         if table is None:
             return np.where(values == ABSENT, default, values)
-        out = np.empty(self.n, dtype=np.int64)
-        for j, v in enumerate(table):
-            if type(v) is not int and v is not None:
-                raise ValueError(f"a trace entry has a non-integer {key!r} ({type(v).__name__})")
+        bad = next((v for v in table if type(v) is not int and v is not None), _MISSING)
+        if bad is not _MISSING:
+            raise ValueError(f"a trace entry has a non-integer {key!r} ({type(bad).__name__})")
         lut = np.array([default if v is None else v for v in table] or [0], dtype=np.int64)
-        out[:] = np.where(values < 0, default, lut[np.maximum(values, 0)])
-        return out
+        return np.where(values < 0, default, lut[np.maximum(values, 0)])
 
     @property
     def act(self):
@@ -214,15 +190,8 @@ class Trace:
         return self.replayed(True)[1]
 
     def set_values(self, key, values):
-        """Set `key` on every entry (a list of n values), e.g. a category per entry."""
-        table, index, codes = [], {}, np.empty(self.n, dtype=np.int64)
-        for i, v in enumerate(values):
-            j = index.get(v)
-            if j is None:
-                j = index[v] = len(table)
-                table.append(v)
-            codes[i] = j
-        self.columns[key] = (codes, table)
+        """Set `key` on every entry (a list of n hashable values), e.g. a category per entry."""
+        self.columns[key] = _encode(values, lambda v: v)
 
 
 class _Missing:
@@ -230,6 +199,22 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _encode(values, ident):
+    """(codes, table): each value's index in a table of the distinct ones (by `ident`); -1 for
+    _MISSING."""
+    table, index, codes = [], {}, np.empty(len(values), dtype=np.int64)
+    for i, v in enumerate(values):
+        if v is _MISSING:
+            codes[i] = -1
+            continue
+        j = index.get(ident(v))
+        if j is None:
+            j = index[ident(v)] = len(table)
+            table.append(v)
+        codes[i] = j
+    return codes, table
 
 
 def as_trace(trace):
