@@ -11,11 +11,17 @@ What is saved for backward depends on the device's autocast policy (measured, se
       low-precision log_softmax and an fp32 copy for nll_loss
   cpu + float16/bfloat16: softmax and LayerNorm outputs are low precision, log_softmax is fp32
   float32 (either device): no casts, so weights are saved as themselves (not activations)
+
+The ledger is assembled from small parts: steady-state lines (weights, buffers, grads, optimizer
+state, inputs, workspaces), the activations each model part saves (parts.py), the levers'
+rules over each block's lines (levers.py: activation checkpointing), and the lines of the
+peak (backward.py). Lines carry no state between parts: data flows one way.
 """
 
-from .allocator_sim import round_size
 from .attribute import workspace_size_from_env
 from .gap_sim import predicted_gaps
+from .levers import checkpointed, forward_flops, recompute_flops
+from .parts import DTYPE_BYTES, POLICIES, block, embedding, head, line, round_block, shape_facts  # noqa: F401
 from .schema import PHASES, check_model_config
 
 GiB = 2 ** 30
@@ -32,27 +38,11 @@ GPUS = {
     "RTX4090": ((8, 9), 25_386_352_640),
 }
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
-
-# Autocast policies, per (device type, autocast on). Measured with the saved-tensor ledger:
-# CUDA on torch 2.11 (H100), CPU on torch 2.13.
-POLICIES = {
-    # softmax output dtype, log_softmax output dtype, nll_loss keeps an fp32 copy, weight copies saved
-    ("cuda", True): {"softmax": "fp32", "log_softmax": "low", "nll_fp32_copy": True, "weight_copies": True},
-    ("cpu", True): {"softmax": "low", "log_softmax": "fp32", "nll_fp32_copy": False, "weight_copies": True},
-    ("cuda", False): {"softmax": "fp32", "log_softmax": "fp32", "nll_fp32_copy": False, "weight_copies": False},
-    ("cpu", False): {"softmax": "fp32", "log_softmax": "fp32", "nll_fp32_copy": False, "weight_copies": False},
-}
-
 DEFAULTS = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False,
                 dropout=0.0, batch_size=12, gradient_accumulation_steps=1, dtype="float16",
                 attention="manual", activation="gelu", optimizer_impl="fused", set_to_none=True,
-                keep_logits=True, grad_clip=1.0)
-
-
-def round_block(nbytes, device_type):
-    """Bytes the CUDA caching allocator hands out for a request; CPU memory is not rounded."""
-    return round_size(nbytes) if device_type == "cuda" else nbytes
+                keep_logits=True, grad_clip=1.0, activation_checkpointing="none", ac_every=1,
+                sac_save_ops="")
 
 
 def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11",
@@ -117,185 +107,64 @@ def _validate(cfg):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
 
 
-def predict(config=None, device=None, gaps_bytes=None):
-    """The predicted ledger for one audited training step.
+def grad_phases(cfg):
+    """The phases gradients are allocated in: kept all step unless zero_grad sets them to None."""
+    keep = not cfg["set_to_none"]
+    return [p for p, alive in (("step2_start", keep),
+                               ("step2_before_backward", keep or cfg["gradient_accumulation_steps"] > 1),
+                               ("step2_end", keep)) if alive]
 
-    Args:
-        config: train.py keys (missing ones take DEFAULTS: the reference run).
-        device: device_facts() dict; default an H100.
-        gaps_bytes: measured allocator gaps at steady state, to use instead of the allocator
-            model's (gap_sim.py); they depend on allocation history.
-    Returns:
-        {"config", "device", "ledger": [line...], "totals": {...}} with integer bytes.
-    """
-    cfg = dict(DEFAULTS)
-    cfg.update({k: v for k, v in (config or {}).items() if k in DEFAULTS})
-    _validate(cfg)
-    dev = device or device_facts()
-    dt = dev["type"]
-    B, T, d, nh, L, V = (cfg["batch_size"], cfg["block_size"], cfg["n_embd"], cfg["n_head"],
-                         cfg["n_layer"], cfg["vocab_size"])
-    autocast = cfg["dtype"] != "float32"
-    pol = POLICIES[(dt, autocast)]
-    lowp = cfg["dtype"] if autocast else "float32"
-    a = DTYPE_BYTES[lowp]  # bytes per element of matmul outputs
-    sm = ("float32" if pol["softmax"] == "fp32" else lowp)
-    ledger = []
 
-    def line(key, nbytes, dtype, shape, formula, phases, note=""):
-        alloc = round_block(abs(int(nbytes)), dt) if nbytes else 0
-        ledger.append({"key": key, "category": key.split("/", 1)[0], "bytes": int(nbytes),
-                       "allocated": alloc if nbytes >= 0 else -alloc, "dtype": dtype,
-                       "shape": shape, "formula": formula, "phases": list(phases), "note": note})
-
-    every = PHASES
-    grads_at = [p for p, alive in (("step2_start", not cfg["set_to_none"]),
-                                   ("step2_before_backward", not cfg["set_to_none"] or cfg["gradient_accumulation_steps"] > 1),
-                                   ("step2_end", not cfg["set_to_none"])) if alive]
-    params = param_shapes(cfg)
-    # -- steady state: weights, buffers, grads, optimizer state, inputs, workspaces
-    for name, shape in params:
-        line(f"weights/{name}", 4 * _numel(shape), "float32", shape, "4*" + "*".join(map(str, shape)), every)
+def steady_lines(s, cfg, dev, params):
+    """Weights, buffers, grads, optimizer state, the batch, the loss and the cuBLAS workspaces."""
+    dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
+    out = [line(s, f"weights/{n}", 4 * _numel(sh), "float32", sh, "4*" + "*".join(map(str, sh)), PHASES)
+           for n, sh in params]
     if cfg["attention"] == "manual":
-        for i in range(L):
-            line(f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
-                 "4*T^2 (causal mask)", every)
-    for name, shape in params:
-        if grads_at:
-            line(f"grads/{name}", 4 * _numel(shape), "float32", shape, "4*numel", grads_at)
-    step_on_device = dt == "cpu" or cfg["optimizer_impl"] == "fused"
+        out += [line(s, f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
+                     "4*T^2 (causal mask)", PHASES) for i in range(L)]
+    grads_at = grad_phases(cfg)
+    if grads_at:
+        out += [line(s, f"grads/{n}", 4 * _numel(sh), "float32", sh, "4*numel", grads_at) for n, sh in params]
     for state in ("exp_avg", "exp_avg_sq"):
-        for name, shape in params:
-            line(f"optimizer/{state}/{name}", 4 * _numel(shape), "float32", shape, "4*numel", every)
-    if step_on_device:
-        for name, _ in params:
-            line(f"optimizer/step/{name}", 4, "float32", [], "4 (0-dim step count)", every,
-                 "fused AdamW keeps `step` on the device" if dt == "cuda" else "")
+        out += [line(s, f"optimizer/{state}/{n}", 4 * _numel(sh), "float32", sh, "4*numel", PHASES) for n, sh in params]
+    if dt == "cpu" or cfg["optimizer_impl"] == "fused":  # where AdamW keeps its `step` tensors
+        out += [line(s, f"optimizer/step/{n}", 4, "float32", [], "4 (0-dim step count)", PHASES,
+                     "fused AdamW keeps `step` on the device" if dt == "cuda" else "") for n, _ in params]
     if cfg["dtype"] == "float16":
-        line("optimizer/grad_scaler/scale", 4, "float32", [1], "4", every)
-        line("optimizer/grad_scaler/growth_tracker", 4, "int32", [1], "4", every)
-    line("inputs/x", 8 * B * T, "int64", [B, T], "8*B*T", every)
-    line("inputs/y", 8 * B * T, "int64", [B, T], "8*B*T", every)
-    line("temporary/loss", 4, "float32", [], "4 (the loss the loop holds)", every)
-    for i in range(dev["workspaces"]):
-        line("workspace/cublas", dev["workspace_bytes"], "uint8", [dev["workspace_bytes"]],
-             "CUBLAS_WORKSPACE_CONFIG size", every, ("forward thread", "backward thread")[i])
+        out.append(line(s, "optimizer/grad_scaler/scale", 4, "float32", [1], "4", PHASES))
+        out.append(line(s, "optimizer/grad_scaler/growth_tracker", 4, "int32", [1], "4", PHASES))
+    out.append(line(s, "inputs/x", 8 * B * T, "int64", [B, T], "8*B*T", PHASES))
+    out.append(line(s, "inputs/y", 8 * B * T, "int64", [B, T], "8*B*T", PHASES))
+    out.append(line(s, "temporary/loss", 4, "float32", [], "4 (the loss the loop holds)", PHASES))
+    out += [line(s, "workspace/cublas", dev["workspace_bytes"], "uint8", [dev["workspace_bytes"]],
+                 "CUBLAS_WORKSPACE_CONFIG size", PHASES, ("forward thread", "backward thread")[i])
+            for i in range(dev["workspaces"])]
+    return out
 
-    # -- activations live before backward
-    bb = ("step2_before_backward",)
-    Ne = B * T * d
 
-    def act(key, nbytes, dtype, shape, formula, note=""):
-        line(f"activations/{key}", nbytes, dtype, shape, formula, bb, note)
+def activation_lines(s, cfg):
+    """What the forward leaves saved for backward, and each checkpointed block's recomputation.
 
-    def layer_norm(mod):
-        act(f"{mod}/native_layer_norm.input", 4 * Ne, "float32", [B, T, d], "4*B*T*d", "fp32 residual stream")
-        act(f"{mod}/native_layer_norm.result1", 4 * B * T, "float32", [B, T, 1], "4*B*T", "mean")
-        act(f"{mod}/native_layer_norm.result2", 4 * B * T, "float32", [B, T, 1], "4*B*T", "rstd")
+    Returns (lines in forward order, {block index: lines its backward recomputes}).
+    """
+    lines, recomputed = embedding(s), {}
+    for i in range(cfg["n_layer"]):
+        kept, redo = checkpointed(s, cfg, i, block(s, i))
+        lines += kept
+        if redo:
+            recomputed[i] = redo
+    return lines + head(s, cfg["keep_logits"]), recomputed
 
-    def linear(mod, n_in, n_out, input_saved_here=True, input_note=""):
-        op = "addmm" if cfg["bias"] else "mm"
-        x_attr, w_attr = ("mat1", "mat2") if cfg["bias"] else ("self", "mat2")
-        if pol["weight_copies"]:
-            act(f"{mod}/{op}.{w_attr}", a * n_in * n_out, lowp, [n_in, n_out], f"{a}*{n_in}*{n_out}",
-                "low-precision weight copy (autocast cache)")
-        if input_saved_here:
-            act(f"{mod}/{op}.{x_attr}", a * B * T * n_in, lowp, [B * T, n_in], f"{a}*B*T*{n_in}", input_note)
 
-    drop = cfg["dropout"] > 0
-
-    def dropout(mod, numel, dtype, shape, formula):
-        """A dropout's saved mask: CUDA keeps a bool mask, CPU the scaled noise in the input's dtype."""
-        if not drop:
-            return
-        if dt == "cuda":
-            act(f"{mod}/native_dropout.result1", numel, "bool", shape, formula, "dropout mask")
-        else:
-            act(f"{mod}/mul.other", DTYPE_BYTES[dtype] * numel, dtype, shape, f"{DTYPE_BYTES[dtype]}*{formula}",
-                "dropout noise (mask / (1-p))")
-
-    act("wpe/embedding.indices", 8 * T, "int64", [T], "8*T", "position ids")
-    dropout("drop", Ne, "float32", [B, T, d], "B*T*d")
-    for i in range(L):
-        h = f"h.{i}"
-        layer_norm(f"{h}.ln_1")
-        linear(f"{h}.attn.c_attn", d, 3 * d, input_note="LayerNorm output" + (", cast" if autocast else ""))
-        Na = B * nh * T * T
-        if cfg["attention"] == "sdpa" and drop and dt == "cpu":
-            # CPU SDPA with dropout in training runs the math fallback, in fp32 even under autocast
-            act(f"{h}.attn/bmm.self", 4 * Ne, "float32", [B * nh, T, d // nh], "4*B*T*d", "q (math SDPA)")
-            act(f"{h}.attn/bmm.mat2", 4 * Ne, "float32", [B * nh, d // nh, T], "4*B*T*d", "k^T (math SDPA)")
-            act(f"{h}.attn/safe_softmax.result", 4 * Na, "float32", [B, nh, T, T], "4*B*n_head*T^2")
-            act(f"{h}.attn/mul.other", 4 * Na, "float32", [B, nh, T, T], "4*B*n_head*T^2", "dropout noise")
-            act(f"{h}.attn/bmm.mat2#2", 4 * Ne, "float32", [B * nh, T, d // nh], "4*B*T*d", "v (math SDPA)")
-            act(f"{h}.attn/bmm.self#2", 4 * Na, "float32", [B * nh, T, T], "4*B*n_head*T^2", "dropout output")
-            linear(f"{h}.attn.c_proj", d, d, input_note="attention output, back in the autocast dtype")
-        elif cfg["attention"] == "manual":
-            act(f"{h}.attn/bmm.self", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "q, made contiguous")
-            act(f"{h}.attn/bmm.mat2", a * Ne, lowp, [B * nh, d // nh, T], f"{a}*B*T*d", "k^T, made contiguous")
-            act(f"{h}.attn/masked_fill.mask", T * T, "bool", [1, 1, T, T], "T^2", "bias[:T,:T] == 0")
-            act(f"{h}.attn/softmax.result", DTYPE_BYTES[sm] * Na, sm, [B, nh, T, T],
-                f"{DTYPE_BYTES[sm]}*B*n_head*T^2")
-            dropout(f"{h}.attn.attn_dropout", Na, sm, [B, nh, T, T], "B*n_head*T^2")
-            if sm != lowp:  # CUDA autocast: att @ v casts the fp32 probabilities back down
-                act(f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
-                    "softmax output cast for att @ v")
-            elif drop:  # att @ v saves the dropout's output, a new tensor
-                act(f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
-                    "attention dropout output")
-            act(f"{h}.attn/bmm.mat2#2", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "v, made contiguous")
-            if dt == "cpu":
-                act(f"{h}.attn/mul.other", 8, "float64", [], "8",
-                    "the 1/sqrt(hs) scalar, a CPU tensor")
-            linear(f"{h}.attn.c_proj", d, d, input_note="heads side by side (contiguous copy)")
-        else:
-            backend = dev["sdpa_backend"]
-            if dt == "cuda" and not autocast and backend in ("cudnn", "flash"):
-                backend = "efficient"  # flash and cuDNN kernels take no fp32 (measured: H100 picks efficient)
-            sd = {"cudnn": "scaled_dot_product_cudnn_attention", "flash": "scaled_dot_product_flash_attention",
-                  "efficient": "scaled_dot_product_efficient_attention",
-                  "flash_cpu": "scaled_dot_product_flash_attention_for_cpu"}[backend]
-            act(f"{h}.attn/{sd}.key", a * 3 * Ne, lowp, [B, nh, T, d // nh], f"{a}*3*B*T*d",
-                "q, k, v: views of the c_attn output")
-            lse_T = T if backend != "efficient" else 32 * ((T + 31) // 32)
-            act(f"{h}.attn/{sd}.{'log_sumexp' if backend == 'efficient' else 'logsumexp'}",
-                4 * B * nh * lse_T, "float32", [B, nh, lse_T], "4*B*n_head*T")
-            act(f"{h}.attn/{sd}.output", a * Ne, lowp, [B, nh, T, d // nh], f"{a}*B*T*d",
-                "also c_proj's input: the transpose back is already contiguous")
-            if backend == "cudnn":  # measured on H100; efficient attention saves none on the device
-                act(f"{h}.attn/{sd}.philox_offset", 8, "int64", [], "8")
-                act(f"{h}.attn/{sd}.philox_seed", 8, "int64", [], "8")
-            linear(f"{h}.attn.c_proj", d, d, input_saved_here=False)
-        dropout(f"{h}.attn.resid_dropout", Ne, lowp, [B, T, d], "B*T*d")
-        layer_norm(f"{h}.ln_2")
-        linear(f"{h}.mlp.c_fc", d, 4 * d, input_note="LayerNorm output" + (", cast" if autocast else ""))
-        if cfg["activation"] == "gelu":
-            act(f"{h}.mlp.act/gelu.self", a * 4 * Ne, lowp, [B, T, 4 * d], f"{a}*4*B*T*d", "GELU input")
-            linear(f"{h}.mlp.c_proj", 4 * d, d, input_note="GELU output")
-        else:
-            act(f"{h}.mlp.act/relu.result", a * 4 * Ne, lowp, [B, T, 4 * d], f"{a}*4*B*T*d",
-                "ReLU output, also c_proj's input")
-            linear(f"{h}.mlp.c_proj", 4 * d, d, input_saved_here=False)
-        dropout(f"{h}.mlp.dropout", Ne, lowp, [B, T, d], "B*T*d")
-    layer_norm("ln_f")
-    linear("lm_head", d, V, input_note="LayerNorm output" + (", cast" if autocast else ""))
-    Nl = B * T * V
-    lsm = "float32" if pol["log_softmax"] == "fp32" else lowp
-    act("gpt/log_softmax.result", DTYPE_BYTES[lsm] * Nl, lsm, [B * T, V], f"{DTYPE_BYTES[lsm]}*B*T*V")
-    if pol["nll_fp32_copy"]:
-        act("gpt/nll_loss.self", 4 * Nl, "float32", [B * T, V], "4*B*T*V", "fp32 copy for nll_loss")
-    act("gpt/nll_loss.total_weight", 4, "float32", [], "4")
-    if dt == "cpu":
-        act("gpt/div.other", 8, "int64", [], "8", "gradient_accumulation_steps, a CPU tensor")
-    if cfg["keep_logits"]:
-        act("lm_head/output", a * Nl, lowp, [B, T, V], f"{a}*B*T*V", "logits held by the training loop")
-
-    # -- the peak: the start of backward, when cross-entropy's gradient appears
+def start_of_backward(s, cfg):
+    """The peak of an eager step: the start of backward, when cross-entropy's gradient appears."""
+    B, T, Nl, dt = s["B"], s["T"], s["Nl"], s["dt"]
     extras = [("inputs/next_batch", 2 * 8 * B * T, "2*8*B*T", "prefetched X, Y")]
     if cfg["dtype"] == "float16":
         extras.append(("temporary/scaled_loss", 4, "4", "scaler.scale(loss)"))
     extras.append(("temporary/grad_seed", 4, "4", "ones_like(loss) for backward"))
-    if pol["nll_fp32_copy"]:
+    if s["pol"]["nll_fp32_copy"]:
         extras.append(("temporary/grad_into_nll", 4, "4", "d loss / d nll output"))
         extras.append(("temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
     else:  # the peak comes one node later, at log_softmax's backward; nll_loss has let go
@@ -305,11 +174,42 @@ def predict(config=None, device=None, gaps_bytes=None):
         extras.append(("released/nll_loss.total_weight", -4, "-4", ""))
         if dt == "cpu":
             extras.append(("released/div.other", -8, "-8", ""))
-    for key, nbytes, formula, note in extras:
-        line(key, nbytes, "", [], formula, ("peak",), note)
+    return [line(s, key, nbytes, "", [], formula, ("peak",), note) for key, nbytes, formula, note in extras]
 
-    return {"config": cfg, "device": dev, "ledger": ledger,
-            "totals": _totals(ledger, params, dt, gaps_bytes, cfg)}
+
+_LEVER_FIELDS = ("region", "alias", "graph")
+
+
+def _plain(l):
+    return {k: v for k, v in l.items() if k not in _LEVER_FIELDS}
+
+
+def predict(config=None, device=None, gaps_bytes=None):
+    """The predicted ledger for one audited training step.
+
+    Args:
+        config: train.py keys (missing ones take DEFAULTS: the reference run).
+        device: device_facts() dict; default an H100.
+        gaps_bytes: measured allocator gaps at steady state, to use instead of the allocator
+            model's (gap_sim.py); they depend on allocation history.
+    Returns:
+        {"config", "device", "ledger": [line...], "totals": {...}, "backward": {...}} with
+        integer bytes.
+    """
+    cfg = dict(DEFAULTS)
+    cfg.update({k: v for k, v in (config or {}).items() if k in DEFAULTS})
+    _validate(cfg)
+    dev = device or device_facts()
+    s = shape_facts(cfg, dev)
+    params = param_shapes(cfg)
+    acts, recomputed = activation_lines(s, cfg)
+    from .backward import peak_lines  # the backward model builds on the lines above
+    peak, backward = peak_lines(s, cfg, params, acts, recomputed, start_of_backward(s, cfg))
+    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
+    totals = _totals(ledger, params, dev["type"], gaps_bytes, cfg)
+    totals["recompute_flops"] = recompute_flops(s, cfg)
+    totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
+    return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward}
 
 
 def _sum(ledger, phase, field="bytes", category=None):
