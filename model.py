@@ -7,17 +7,24 @@ memory are config options:
   attention = "manual": fp32 causal-mask buffer per layer, masked_fill, softmax, dropout
   attention = "sdpa":   F.scaled_dot_product_attention (flash / memory-efficient kernels)
   activation = "gelu" | "relu"
+  activation_checkpointing = "none" | "full" | "selective" | "sac", on every ac_every-th block:
+    full:      torch.utils.checkpoint around the block: only its input is kept
+    selective: checkpoint around the attention core (Korthikanti's selective recomputation)
+    sac:       selective activation checkpointing: the block keeps the outputs of sac_save_ops
 """
 
 import math
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass, asdict
+from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
 
-from memory_audit.schema import check_model_config
+from memory_audit.schema import check_model_config, sac_ops
 
 
 @dataclass
@@ -31,10 +38,31 @@ class GPTConfig:
     bias: bool = False  # biases in Linear and LayerNorm layers, as GPT-2 has them
     attention: str = "manual"  # "manual" | "sdpa"
     activation: str = "gelu"  # "gelu" | "relu"
+    activation_checkpointing: str = "none"  # "none" | "full" | "selective" | "sac"
+    ac_every: int = 1  # checkpoint blocks 0, ac_every, 2*ac_every, ...
+    sac_save_ops: str = ""  # comma-separated aten ops whose outputs SAC keeps; "" = schema.SAC_DEFAULT_OPS
 
     def validate(self):
         """Raise ValueError with a one-line reason if this config cannot build a model."""
         check_model_config(asdict(self))
+        for name in sac_ops(asdict(self)):
+            if not hasattr(torch.ops.aten, name):
+                raise ValueError(f"sac_save_ops: {name!r} is not an aten op")
+
+
+def no_contexts():
+    return nullcontext(), nullcontext()
+
+
+def run_checkpointed(module, fn, *args):
+    """Run fn(*args) under non-reentrant activation checkpointing with the module's contexts.
+
+    `module.ac_context_fn` makes the (forward, recompute) context pair; the audit wraps it to see
+    what SAC keeps and to label the recomputation. The RNG state is kept only where a dropout
+    needs it (saving it allocates a tensor per region and changes nothing without dropout).
+    """
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=module.ac_context_fn,
+                      preserve_rng_state=module.ac_preserve_rng)
 
 
 # Model shapes; vocab 50304 and no biases as nanoGPT trains them. The small ones run on a CPU.
@@ -82,6 +110,9 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.manual = config.attention == "manual"
+        self.checkpoint_core = False  # set by Block for selective recomputation
+        self.ac_context_fn = no_contexts
+        self.ac_preserve_rng = config.dropout > 0
         if self.manual:
             # fp32 lower-triangular mask, one per layer: 4 * block_size^2 bytes each
             mask = torch.tril(torch.ones(config.block_size, config.block_size))
@@ -94,18 +125,25 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if self.checkpoint_core:  # selective recomputation: keep q, k, v, recompute the rest
+            y = run_checkpointed(self, self.core, q, k, v)
+        else:
+            y = self.core(q, k, v)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+    def core(self, q, k, v):
+        """Attention proper, (B, nh, T, hs) in and out: the part that grows with T^2."""
+        T, hs = q.size(-2), q.size(-1)
         if self.manual:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
             att = F.softmax(att, dim=-1)
             att = self.attn_dropout(att)
-            y = att @ v  # (B, nh, T, hs)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
-        return self.resid_dropout(self.c_proj(y))
+            return att @ v  # (B, nh, T, hs)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
 
 
 class MLP(nn.Module):
@@ -123,14 +161,35 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, checkpointing="none"):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.checkpointing = checkpointing  # this block's mode: none | full | selective | sac
+        self.attn.checkpoint_core = checkpointing == "selective"
+        self.ac_preserve_rng = config.dropout > 0
+        self.ac_context_fn = no_contexts
+        if checkpointing == "sac":
+            self.sac_save = {getattr(torch.ops.aten, n) for n in sac_ops(asdict(config))}
+            self.sac_observer = None  # the audit's callback (op, output) for every output SAC keeps
+            self.ac_context_fn = partial(create_selective_checkpoint_contexts, self.sac_policy)
+
+    def sac_policy(self, ctx, op, *args, **kwargs):
+        """Keep the outputs of the listed ops; recompute everything else in backward."""
+        if op.overloadpacket in self.sac_save:
+            if self.sac_observer is not None and not ctx.is_recompute:
+                self.sac_observer(op, ctx.op_output)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     def forward(self, x):
+        if self.checkpointing in ("full", "sac"):
+            return run_checkpointed(self, self.inner, x)
+        return self.inner(x)
+
+    def inner(self, x):
         x = x + self.attn(self.ln_1(x))
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -146,7 +205,8 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, config.activation_checkpointing if i % config.ac_every == 0 else "none")
+                             for i in range(config.n_layer)]),
             ln_f=LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

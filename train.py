@@ -42,6 +42,9 @@ dropout = 0.0
 bias = False
 attention = "manual"  # manual | sdpa
 activation = "gelu"  # gelu | relu
+activation_checkpointing = "none"  # none | full | selective (attention core) | sac (selective activation checkpointing)
+ac_every = 1  # checkpoint every ac_every-th block (0, ac_every, ...)
+sac_save_ops = ""  # sac: comma-separated aten ops whose outputs are kept; "" = mm, addmm, bmm and the SDPA kernels
 # adamw optimizer
 learning_rate = 6e-4
 max_iters = 600000
@@ -118,7 +121,8 @@ if audit and compile:
     fail("--audit with compile=True is not supported: compiled graphs hide the saved tensors")
 config = {k: globals()[k] for k in config_keys}
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
-                  vocab_size=vocab_size, dropout=dropout, attention=attention, activation=activation)
+                  vocab_size=vocab_size, dropout=dropout, attention=attention, activation=activation,
+                  activation_checkpointing=activation_checkpointing, ac_every=ac_every, sac_save_ops=sac_save_ops)
 try:
     GPTConfig(**model_args).validate()
 except ValueError as e:
@@ -167,7 +171,8 @@ recording = None
 if audit:
     from memory_audit.recorder import AuditRecording, AuditError
     if not run_name:
-        run_name = f"{preset}-{dtype}-{attention}-{activation}-b{batch_size}-t{block_size}-{datetime.now():%Y%m%d-%H%M%S}"
+        _ac = "" if activation_checkpointing == "none" else f"-ac{activation_checkpointing}{ac_every if ac_every > 1 else ''}"
+        run_name = f"{preset}-{dtype}-{attention}-{activation}{_ac}-b{batch_size}-t{block_size}-{datetime.now():%Y%m%d-%H%M%S}"
     run_dir = os.path.join(audit_dir, run_name)
     _n = 1
     while os.path.exists(run_dir):  # never overwrite an earlier run

@@ -25,13 +25,42 @@ def check_model_config(cfg):
         raise ValueError(f"activation must be 'gelu' or 'relu', got {cfg['activation']!r}")
     if not 0.0 <= float(cfg["dropout"]) < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {cfg['dropout']!r}")
+    check_checkpointing(cfg)
+
+
+AC_MODES = ("none", "full", "selective", "sac")
+# SAC's default policy keeps the outputs of the matmuls and of the attention kernels (seed 002's
+# "compute intensive" policy, with the SDPA kernels this project's GPUs and CPUs pick)
+SAC_DEFAULT_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                   "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def sac_ops(cfg):
+    """The aten op names (without overload) SAC saves, as a tuple."""
+    text = cfg.get("sac_save_ops") or ""
+    return tuple(n.strip() for n in text.split(",") if n.strip()) or SAC_DEFAULT_OPS
+
+
+def check_checkpointing(cfg):
+    """The activation-checkpointing keys: mode, ac_every, sac_save_ops (names checked for syntax
+    here; model.py also checks that each is an aten op, which needs torch)."""
+    mode = cfg.get("activation_checkpointing", "none")
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}, got {mode!r}")
+    every = cfg.get("ac_every", 1)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"ac_every must be an integer of at least 1, got {every!r}")
+    for name in sac_ops(cfg):
+        if not name.isidentifier():
+            raise ValueError(f"sac_save_ops: {name!r} is not an aten op name (e.g. mm,bmm,addmm)")
 
 
 PHASES = ("step2_start", "step2_before_backward", "step2_end")
 
 # Categories an active or cached byte can land in, in the order tables print them.
 CATEGORIES = (
-    "weights", "buffers", "grads", "optimizer", "inputs", "activations",
+    "weights", "buffers", "grads", "optimizer", "inputs", "activations", "recomputed",
     "workspace", "temporary", "gaps", "cached_free", "pending_free", "unattributed",
 )
 
