@@ -8,6 +8,7 @@ has no caching allocator: each live allocation becomes its own segment with one 
 
 import re
 
+RECOMPUTE_RANGE = "memory_audit::recompute:"  # recorder._RecomputeLabel's profiler range
 _FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<name>.*)$")
 
 
@@ -29,18 +30,22 @@ def timeline_events(prof, markers):
     """Allocation events of a finished profile and the times of the named markers.
 
     Returns (events, marker_times): events is a time-ordered list of
-    (t_ns, "alloc"|"free", addr, size, frames, category); marker_times maps marker -> t_ns.
+    (t_ns, "alloc"|"free", addr, size, frames, category, user_metadata); marker_times maps
+    marker -> t_ns. user_metadata is "recompute:<module>" for an allocation made inside a
+    labelled recomputation (as CUDA's allocator records it), else "".
     """
     from torch._C._profiler import _EventType
     from torch.profiler._memory_profiler import Action, TensorKey
 
     mp = prof._memory_profile()
-    stacks, marker_times = {}, {}
+    stacks, marker_times, ranges = {}, {}, []
     for event in mp._op_tree.sorted_nodes:
         if event.tag == _EventType.TorchOp:
             name = _name(event)
             if name in markers and name not in marker_times:
                 marker_times[name] = event.start_time_ns
+            if name.startswith(RECOMPUTE_RANGE):  # a range across Python frames: nothing nests in it
+                ranges.append((event.start_time_ns, event.end_time_ns, name[len("memory_audit::"):]))
         if event.tag == _EventType.Allocation:
             key = TensorKey.from_allocation(event.extra_fields)
             if key and event.extra_fields.alloc_size > 0:
@@ -63,10 +68,11 @@ def timeline_events(prof, markers):
             category = category.name.lower() if category is not None else "unknown"
             t_alloc = t if action == Action.CREATE else -1
             live[key] = (key.storage.ptr, size)
-            events.append((t_alloc, "alloc", key.storage.ptr, size, stacks.get(key, []), category))
+            label = next((text for a, b, text in ranges if a <= t <= b), "") if ranges else ""
+            events.append((t_alloc, "alloc", key.storage.ptr, size, stacks.get(key, []), category, label))
         elif action == Action.DESTROY and key in live:
             addr, size0 = live.pop(key)
-            events.append((t, "free", addr, size0, stacks.get(key, []), None))
+            events.append((t, "free", addr, size0, stacks.get(key, []), None, ""))
         # INCREMENT_VERSION: an in-place write, the same bytes stay allocated
     events.sort(key=lambda e: (e[0], 0 if e[1] == "free" else 1))
     return events, marker_times
@@ -75,7 +81,7 @@ def timeline_events(prof, markers):
 def snapshot_at(events, t_cut):
     """The snapshot dict of the allocations live at time t_cut (ns), with the trace up to it."""
     trace, live = [], {}
-    for t, action, addr, size, frames, category in events:
+    for t, action, addr, size, frames, category, label in events:
         if t > t_cut:
             break
         time_us = max(t, 0) // 1000
@@ -83,6 +89,8 @@ def snapshot_at(events, t_cut):
             live[addr] = (size, frames)
             trace.append({"action": "alloc", "addr": addr, "size": size, "stream": 0,
                           "frames": frames, "time_us": time_us, "category": category})
+            if label:
+                trace[-1]["user_metadata"] = label
         else:
             live.pop(addr, None)
             for a in ("free_requested", "free_completed"):

@@ -93,15 +93,91 @@ def _short_module(path):
     return path[len("transformer."):] if path.startswith("transformer.") else (path or "gpt")
 
 
+class _Region:
+    """Wraps a checkpoint's forward context: notes the autograd sequence numbers of the nodes made
+    inside the region, whose saved tensors the checkpoint keeps as placeholders (reading them
+    would run the recomputation, so the graph walk must not)."""
+
+    def __init__(self, inner, windows):
+        self.inner, self.windows = inner, windows
+
+    def __enter__(self):
+        self.start = torch._C._autograd._get_sequence_nr()
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        self.windows.append((self.start, torch._C._autograd._get_sequence_nr()))
+        return self.inner.__exit__(*exc)
+
+
+class _RecomputeLabel:
+    """Wraps a checkpoint's recompute context: every allocation of the recomputation carries
+    `recompute:<module>` (CUDA: the allocator's memory metadata; CPU: a profiler range that
+    cpu_timeline copies into the trace entries' user_metadata)."""
+
+    def __init__(self, inner, module, cuda):
+        self.inner, self.label, self.cuda = inner, f"recompute:{module}", cuda
+        self.range = None
+
+    def __enter__(self):
+        if self.cuda and hasattr(torch.cuda.memory, "_set_memory_metadata"):
+            torch.cuda.memory._set_memory_metadata(self.label)
+        elif not self.cuda:
+            self.range = torch.profiler.record_function(MARKER_PREFIX + self.label)
+            self.range.__enter__()
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            if self.range is not None:
+                self.range.__exit__(None, None, None)
+            elif self.cuda and hasattr(torch.cuda.memory, "_set_memory_metadata"):
+                torch.cuda.memory._set_memory_metadata("")
+
+
+@contextmanager
+def checkpoint_observers(model, windows, keep, cuda):
+    """For the audited forward, wrap every checkpointing module's `ac_context_fn` (model.py's
+    convention) so its region is noted and its recomputation labelled, and let SAC blocks report
+    the outputs they keep through `keep(op, output)`. Restores the modules on exit; contexts
+    already made keep labelling the backward."""
+    wrapped = []
+    for name, m in model.named_modules():
+        fn = getattr(m, "ac_context_fn", None)
+        if fn is None:
+            continue
+
+        def context_fn(fn=fn, name=name):
+            fwd, rec = fn()
+            return _Region(fwd, windows), _RecomputeLabel(rec, _short_module(name), cuda)
+        wrapped.append((m, fn, getattr(m, "sac_observer", None)))
+        m.ac_context_fn = context_fn
+        if hasattr(m, "sac_observer"):
+            m.sac_observer = keep
+    try:
+        yield
+    finally:
+        for m, fn, observer in wrapped:
+            m.ac_context_fn = fn
+            if hasattr(m, "sac_observer"):
+                m.sac_observer = observer
+
+
 @contextmanager
 def saved_tensor_ledger(model, out, device):
     """Record every tensor autograd saves for backward in this forward, deduplicated by storage.
 
     Fills `out` with SavedTensor dicts once `label(loss)` has walked the graph. The hooks return
     each tensor unchanged, so the forward computes exactly what it computes without them.
+    Activation checkpointing: a region's own saved tensors are not stored (the graph walk skips
+    its nodes); its inputs are (`checkpoint.input`), and so are the outputs SAC keeps
+    (`<op>.sac_output`).
     """
     stack = []
     first_seen = {}  # storage data_ptr -> record, in forward order
+    windows = []  # [start, end) autograd sequence numbers of checkpointed regions
 
     def pre(mod, args):
         stack.append(names[mod])
@@ -109,14 +185,26 @@ def saved_tensor_ledger(model, out, device):
     def post(mod, args, output):
         stack.pop()
 
-    def pack(t):
+    def record(t, op=None, held=False):
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr not in first_seen:
             first_seen[ptr] = {"module": stack[-1] if stack else "", "data_ptr": ptr, "device": str(t.device),
                                "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
                                "shape": list(t.shape)}
+            if op:
+                first_seen[ptr]["op"] = op
+            if held:
+                first_seen[ptr]["held"] = True
+
+    def pack(t):
+        record(t)
         return t
+
+    def keep(op, output):  # SAC: an output the policy keeps for backward
+        tensors = [output] if torch.is_tensor(output) else [t for t in output if torch.is_tensor(t)]
+        for i, t in enumerate(tensors):
+            record(t, f"{op.overloadpacket.__name__}.sac_output{i if len(tensors) > 1 else ''}")
 
     names = {m: n for n, m in model.named_modules()}
     handles = []
@@ -127,13 +215,10 @@ def saved_tensor_ledger(model, out, device):
     def label(loss, held=None):
         """Name each saved storage; `held` maps a module path to an output the caller keeps."""
         for module, t in (held or {}).items():
-            st = t.untyped_storage()
-            if st.data_ptr() not in first_seen:
-                first_seen[st.data_ptr()] = {"module": module, "data_ptr": st.data_ptr(), "nbytes": st.nbytes(),
-                                             "device": str(t.device),
-                                             "dtype": str(t.dtype).replace("torch.", ""),
-                                             "shape": list(t.shape), "held": True}
-        savers, tensor_info = _graph_savers(loss.grad_fn)
+            stack.append(module)
+            record(t, held=True)
+            stack.pop()
+        savers, tensor_info = _graph_savers(loss.grad_fn, windows)
         # Wrapped Python scalars (x * 0.125) are saved without calling pack hooks: name their
         # module after the nearest earlier node whose module is known (nodes are numbered in
         # forward order).
@@ -150,7 +235,9 @@ def saved_tensor_ledger(model, out, device):
             if rec["device"] != device:  # wrapped CPU scalars of a CUDA run live in host memory
                 continue
             found = sorted(savers.get(ptr, []))
-            op = _op_name(found[0][1], found[0][2]) if found else ("output" if rec.get("held") else "unknown")
+            # packed but held by no autograd node: what torch.utils.checkpoint keeps of its inputs
+            op = (_op_name(found[0][1], found[0][2]) if found else rec.get("op") or
+                  ("output" if rec.get("held") else "checkpoint.input" if windows else "unknown"))
             module = _short_module(rec["module"])
             base = f"activations/{module}/{op}"
             used[base] = used.get(base, 0) + 1
@@ -162,15 +249,35 @@ def saved_tensor_ledger(model, out, device):
                         "shape": rec["shape"]})
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                checkpoint_observers(model, windows, keep, device.startswith("cuda")):
             yield label
     finally:
         for h in handles:
             h.remove()
 
 
-def _graph_savers(root):
-    """Walk the autograd graph from `root`.
+def _saved_values(node, in_region):
+    """(attribute, tensor or list) of what a graph node saved. Inside a checkpointed region the
+    raw SavedTensor's `data` is read: it is what the node holds itself (wrapped scalars), None for
+    what the checkpoint packed, and reading it never runs the recomputation."""
+    out = []
+    for attr in dir(node):
+        if in_region and attr.startswith("_raw_saved_"):
+            raw = getattr(node, attr)
+            value = [r.data for r in raw] if isinstance(raw, (list, tuple)) else raw.data
+            out.append(("_saved_" + attr[len("_raw_saved_"):], value))
+        elif not in_region and attr.startswith("_saved_"):
+            try:
+                out.append((attr, getattr(node, attr)))
+            except Exception:  # released or not unpackable: nothing to name
+                continue
+    return out
+
+
+def _graph_savers(root, skip=()):
+    """Walk the autograd graph from `root`; nodes whose sequence number falls in a `skip`
+    window [start, end) (checkpointed regions) are read through their raw saved tensors.
 
     Returns (savers, info): storage data_ptr -> [(sequence_nr, grad_fn name, attribute)], and
     data_ptr -> {data_ptr, nbytes, dtype, shape} of that storage.
@@ -181,13 +288,9 @@ def _graph_savers(root):
         if node is None or node in seen:
             continue
         seen.add(node)
-        for attr in dir(node):
-            if not attr.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, attr)
-            except Exception:  # released or not unpackable: nothing to name
-                continue
+        seq = node._sequence_nr()
+        in_region = any(a <= seq < b for a, b in skip)
+        for attr, value in _saved_values(node, in_region):
             for t in value if isinstance(value, (list, tuple)) else [value]:
                 if torch.is_tensor(t):
                     st = t.untyped_storage()

@@ -33,6 +33,21 @@ def _phase_names(meta):
     return cuts
 
 
+def recompute_labels(t):
+    """{alloc index: module} for allocations made while a checkpoint recomputed (the recorder
+    labels them `recompute:<module>` in the entries' user_metadata)."""
+    col = t.columns.get("user_metadata")
+    if col is None or col[1] is None:
+        return {}
+    values, table = col
+    out = {}
+    for j, text in enumerate(table):
+        if isinstance(text, str) and text.startswith("recompute:"):
+            for i in np.flatnonzero((values == j) & (t.act == A["alloc"])).tolist():
+                out[i] = text[len("recompute:"):]
+    return out
+
+
 def name_events(trace, cuts):
     """Name each alloc event by the phases at which it is live.
 
@@ -56,6 +71,8 @@ def name_events(trace, cuts):
         for j in np.flatnonzero(hit).tolist():
             event_name[int(allocs[j])] = names[int(addr[allocs[j]])]
         named |= hit
+    for i, label in recompute_labels(t).items():  # what a checkpoint recomputed in backward
+        event_name.setdefault(i, "recomputed/" + label)
     freed = np.zeros(n, dtype=bool)
     done = allocs[pair[allocs] >= 0]
     freed[done[np.isin(act[pair[done]], FREES)]] = True
