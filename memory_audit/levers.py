@@ -54,7 +54,8 @@ def selective(s, i, lines):
         if l.get("alias"):  # the same storage, now first saved by the op outside the core
             kept.append(dict(l, key=l["alias"], region="", alias="",
                              note="attention output, saved by c_proj (the core is recomputed)"))
-    return kept, [l for l in lines if l.get("region") == "core" and not l.get("graph")]
+    return kept, {"new": [l for l in lines if l.get("region") == "core" and not l.get("graph")
+                          and l.get("input_alias") != "core"], "freed": []}
 
 
 def sac_outputs(s, i):
@@ -63,21 +64,30 @@ def sac_outputs(s, i):
     h, mm = f"h.{i}", "addmm" if s["bias"] else "mm"
     out = []
 
-    def add(op, mod, nbytes, dtype, shape, formula, suffix=""):
-        out.append((op, act(s, f"{mod}/{op}.sac_output{suffix}", nbytes, dtype, shape, formula, "kept by SAC")))
+    def add(op, mod, nbytes, dtype, shape, formula, suffix="", feeds=""):
+        """feeds: the saved line that is this same storage (recomputing it allocates nothing)."""
+        out.append((op, act(s, f"{mod}/{op}.sac_output{suffix}", nbytes, dtype, shape, formula, "kept by SAC",
+                            feeds=feeds)))
 
-    add(mm, f"{h}.attn.c_attn", a * 3 * Ne, lowp, [B * T, 3 * d], f"{a}*3*B*T*d")
-    if s["attention"] == "manual" or (s["drop"] and s["dt"] == "cpu"):  # math SDPA computes in fp32
+    math = s["attention"] == "manual" or (s["drop"] and s["dt"] == "cpu")  # math SDPA computes in fp32
+    backend, sd = sdpa_kernel(s, s["autocast"])
+    add(mm, f"{h}.attn.c_attn", a * 3 * Ne, lowp, [B * T, 3 * d], f"{a}*3*B*T*d",
+        feeds="" if math else f"activations/{h}.attn/{sd}.key")
+    if math:
         w, dt = (a, lowp) if s["attention"] == "manual" else (4, "float32")
         add("bmm", f"{h}.attn", w * Na, dt, [B * nh, T, T], f"{w}*B*n_head*T^2")
         add("bmm", f"{h}.attn", w * Ne, dt, [B * nh, T, d // nh], f"{w}*B*T*d")
     else:
-        backend, sd = sdpa_kernel(s, s["autocast"])
-        add("_" + sd, f"{h}.attn", a * Ne, lowp, [B, nh, T, d // nh], f"{a}*B*T*d", "0")
-        add("_" + sd, f"{h}.attn", 4 * B * nh * T, "float32", [B, nh, T], "4*B*n_head*T", "1")
+        add("_" + sd, f"{h}.attn", a * Ne, lowp, [B, nh, T, d // nh], f"{a}*B*T*d", "0",
+            feeds=f"activations/{h}.attn/{sd}.output")
+        add("_" + sd, f"{h}.attn", 4 * B * nh * T, "float32", [B, nh, T], "4*B*n_head*T", "1",
+            feeds=f"activations/{h}.attn/{sd}.{'log_sumexp' if backend == 'efficient' else 'logsumexp'}")
     add(mm, f"{h}.attn.c_proj", a * Ne, lowp, [B * T, d], f"{a}*B*T*d")
-    add(mm, f"{h}.mlp.c_fc", a * 4 * Ne, lowp, [B * T, 4 * d], f"{a}*4*B*T*d")
-    add(s["activation"], f"{h}.mlp.act", a * 4 * Ne, lowp, [B, T, 4 * d], f"{a}*4*B*T*d")
+    gelu = s["activation"] == "gelu"
+    add(mm, f"{h}.mlp.c_fc", a * 4 * Ne, lowp, [B * T, 4 * d], f"{a}*4*B*T*d",
+        feeds=f"activations/{h}.mlp.act/gelu.self" if gelu else "")
+    add(s["activation"], f"{h}.mlp.act", a * 4 * Ne, lowp, [B, T, 4 * d], f"{a}*4*B*T*d",
+        feeds=linear_input_key(s, f"{h}.mlp.c_proj") if gelu else f"activations/{h}.mlp.act/relu.result")
     add(mm, f"{h}.mlp.c_proj", a * Ne, lowp, [B * T, d], f"{a}*B*T*d")
     return out
 
@@ -96,19 +106,24 @@ def sac(s, i, lines, ops):
     if unknown:
         raise ValueError(f"sac_save_ops: the predictor models SAC for {', '.join(SAC_MODELLED)}; "
                          f"not for {', '.join(unknown)}")
-    keep = [l for op, l in sac_outputs(s, i) if op in ops]
-    return [checkpoint_input(s, i)] + _numbered(keep) + [l for l in lines if l.get("graph")], \
-        [l for l in lines if not l.get("graph")]
+    keep = _numbered([l for op, l in sac_outputs(s, i) if op in ops])
+    fed = {l["feeds"] for l in keep if l["feeds"]}
+    # recomputation allocates what SAC did not keep; a kept output nothing saved is dropped
+    # from SAC's cache once the recomputation has consumed it
+    redo = {"new": [l for l in lines if not l.get("graph") and l.get("input_alias") != "block" and l["key"] not in fed],
+            "freed": [l for l in keep if not l["feeds"]]}
+    return [checkpoint_input(s, i)] + keep + [l for l in lines if l.get("graph")], redo
 
 
 def checkpointed(s, cfg, i, lines):
-    """(kept until backward, recomputed in backward) for block i under the config's mode."""
+    """(kept until backward, recomputation) for block i under the config's mode; the
+    recomputation is {"new": lines it allocates, "freed": kept lines it lets go}, or None."""
     mode = block_mode(cfg, i)
     if mode == "none":
-        return lines, []
+        return lines, None
     if mode == "full":
         return [checkpoint_input(s, i)] + [l for l in lines if l.get("graph")], \
-            [l for l in lines if not l.get("graph")]
+            {"new": [l for l in lines if not l.get("graph") and l.get("input_alias") != "block"], "freed": []}
     if mode == "selective":
         return selective(s, i, lines)
     return sac(s, i, lines, sac_ops(cfg))

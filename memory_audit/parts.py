@@ -2,12 +2,14 @@
 
 Every function takes the step's shape facts `s` (from `shape_facts`) and returns a list of
 activation lines in forward order, the order autograd saves them. A line is a plain dict
-(schema.LedgerLine) with three fields the levers read and the ledger drops:
+(schema.LedgerLine) with four fields the levers read and the ledger drops:
   region  "core" for the attention core (what selective recomputation recomputes), else ""
   alias   the key this storage keeps if its first saver is recomputed and a later op outside
           the region saves it too (SDPA's output is also c_proj's input)
   graph   True for what the graph node holds itself (CPU's wrapped Python scalars): no
           checkpoint can drop it
+  input_alias  "block" or "core" where the tensor is that checkpointed region's own input (a
+          block's ln_1 input; SDPA's q/k/v for the attention core): recomputing it allocates nothing
 """
 
 from .allocator_sim import round_size
@@ -62,7 +64,8 @@ def act(s, key, nbytes, dtype, shape, formula, note="", **extra):
 
 def layer_norm(s, mod):
     B, T, d, Ne = s["B"], s["T"], s["d"], s["Ne"]
-    return [act(s, f"{mod}/native_layer_norm.input", 4 * Ne, "float32", [B, T, d], "4*B*T*d", "fp32 residual stream"),
+    return [act(s, f"{mod}/native_layer_norm.input", 4 * Ne, "float32", [B, T, d], "4*B*T*d", "fp32 residual stream",
+                input_alias="block" if mod.endswith("ln_1") else ""),  # ln_1 saves the block's input
             act(s, f"{mod}/native_layer_norm.result1", 4 * B * T, "float32", [B, T, 1], "4*B*T", "mean"),
             act(s, f"{mod}/native_layer_norm.result2", 4 * B * T, "float32", [B, T, 1], "4*B*T", "rstd")]
 
@@ -153,7 +156,7 @@ def sdpa_attention(s, h):
     backend, sd = sdpa_kernel(s, s["autocast"])
     core = dict(region="core")
     out = [act(s, f"{h}.attn/{sd}.key", a * 3 * Ne, lowp, [B, nh, T, d // nh], f"{a}*3*B*T*d",
-               "q, k, v: views of the c_attn output", **core)]
+               "q, k, v: views of the c_attn output", input_alias="core", **core)]
     lse_T = T if backend != "efficient" else 32 * ((T + 31) // 32)
     out.append(act(s, f"{h}.attn/{sd}.{'log_sumexp' if backend == 'efficient' else 'logsumexp'}",
                    4 * B * nh * lse_T, "float32", [B, nh, lse_T], "4*B*n_head*T", **core))

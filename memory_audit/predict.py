@@ -177,7 +177,7 @@ def start_of_backward(s, cfg):
     return [line(s, key, nbytes, "", [], formula, ("peak",), note) for key, nbytes, formula, note in extras]
 
 
-_LEVER_FIELDS = ("region", "alias", "graph")
+_LEVER_FIELDS = ("region", "alias", "graph", "input_alias", "feeds")
 
 
 def _plain(l):

@@ -14,6 +14,7 @@ profiler's memory timeline is turned into the same schema (one segment per live 
 since CPU memory has no caching allocator).
 """
 
+import bisect
 import json
 import os
 import pickle
@@ -179,11 +180,15 @@ def saved_tensor_ledger(model, out, device):
     first_seen = {}  # storage data_ptr -> record, in forward order
     windows = []  # [start, end) autograd sequence numbers of checkpointed regions
 
+    seq_log = []  # (next autograd sequence number, module running from then on)
+
     def pre(mod, args):
         stack.append(names[mod])
+        seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1]))
 
     def post(mod, args, output):
         stack.pop()
+        seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1] if stack else ""))
 
     def record(t, op=None, held=False):
         st = t.untyped_storage()
@@ -220,15 +225,14 @@ def saved_tensor_ledger(model, out, device):
             stack.pop()
         savers, tensor_info = _graph_savers(loss.grad_fn, windows)
         # Wrapped Python scalars (x * 0.125) are saved without calling pack hooks: name their
-        # module after the nearest earlier node whose module is known (nodes are numbered in
-        # forward order).
-        module_at_seq = sorted((min(savers[p])[0], rec["module"]) for p, rec in first_seen.items() if p in savers)
+        # module after the module that was running when their node was made (nodes are
+        # numbered in forward order, and the hooks logged where each module began and ended).
+        starts = [seq for seq, _ in seq_log]
         for ptr, found in savers.items():
             if ptr in first_seen:
                 continue
-            seq = min(found)[0]
-            earlier = [m for s, m in module_at_seq if s <= seq]
-            first_seen[ptr] = {"module": earlier[-1] if earlier else "", "inferred_module": True,
+            at = bisect.bisect_right(starts, min(found)[0]) - 1
+            first_seen[ptr] = {"module": seq_log[at][1] if at >= 0 else "", "inferred_module": True,
                                **tensor_info[ptr]}
         used = {}
         for ptr, rec in first_seen.items():
