@@ -1,4 +1,4 @@
-"""python -m memory_audit {attribute,predict,fit,report,sweep} ...
+"""python -m memory_audit {attribute,predict,fit,report,diff,sweep,accuracy} ...
 
 Every failure the user can cause ends in one line on stderr and exit status 2.
 """
@@ -121,7 +121,8 @@ def cmd_predict(args, extra):
                  if "h.0." in l["key"] or not l["key"].startswith(
                      ("activations/h.", "weights/transformer.h.", "grads/transformer.h.", "optimizer/"))]))
     print("(layers 1.. repeat layer 0's lines; --json lists every line)")
-    print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items()]))
+    print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items() if isinstance(v, int)]))
+    print(f"peak at: {pred['backward']['peak_at']}")
 
 
 def cmd_fit(args, extra):
@@ -167,6 +168,12 @@ def cmd_report(args):
         print(f"wrote {os.path.join(args.run_dir, 'report.md')} and report.json")
 
 
+def cmd_diff(args):
+    from .diff import diff, diff_text, load_side
+    d = diff(load_side(args.a), load_side(args.b))
+    print(json.dumps(d, indent=1) if args.json else diff_text(d))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m memory_audit", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -186,6 +193,10 @@ def main(argv=None):
     r = sub.add_parser("report", help="predicted vs actual for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
+    df = sub.add_parser("diff", help="two audits (or an audit and a `predict --json` file) line by line")
+    df.add_argument("a", help="run directory or prediction JSON (the baseline)")
+    df.add_argument("b", help="run directory or prediction JSON (with the lever)")
+    df.add_argument("--json", nargs="?", const="-", choices=["-"], default=None, help="JSON on stdout")
     s = sub.add_parser("sweep", help="audit a grid of configs and record predicted vs actual")
     s.add_argument("--grid", default=None)
     s.add_argument("--configs", default=None, help="a JSON file: a list of train.py override dicts")
@@ -208,6 +219,8 @@ def main(argv=None):
             cmd_fit(args, extra)
         elif args.cmd == "report":
             cmd_report(args)
+        elif args.cmd == "diff":
+            cmd_diff(args)
         elif args.cmd == "accuracy":
             from .sweep import accuracy_table
             print("\n\n".join(accuracy_table(path) for path in args.results))

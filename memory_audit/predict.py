@@ -265,4 +265,11 @@ def published_formulas(cfg, workspace_bytes=0):
         "korthikanti2022": {"steady_state": steady, "activations": korthikanti,
                             "peak": steady + korthikanti,
                             "formula": "act per layer s*b*h*(34+5*a*s/h), all 16-bit"},
+        # selective recomputation drops the 5as/h attention term; full keeps 2sbh per layer
+        "korthikanti2022_selective": {"steady_state": steady, "activations": L * 34 * T * B * d,
+                                      "peak": steady + L * 34 * T * B * d,
+                                      "formula": "act per layer s*b*h*34 (attention core recomputed)"},
+        "korthikanti2022_full": {"steady_state": steady, "activations": L * 2 * T * B * d,
+                                 "peak": steady + L * 2 * T * B * d,
+                                 "formula": "act per layer 2*s*b*h (block inputs only, 16-bit)"},
     }

@@ -162,6 +162,8 @@ def reconcile(run_dir):
         "peak": peak,
         "series": rp.get("series", []),
         "phase_index": rp.get("phase_index", {}),
+        "cost": {"recompute_flops": t["recompute_flops"], "forward_flops": t["forward_flops"],
+                 "peak_at": pred["backward"]["peak_at"]},
         "other_formulas": {name: {**f, "actual_activations": totals["activations"]["actual"],
                                   "actual_peak": totals["peak"]["actual"]} for name, f in formulas.items()},
         "checks": {

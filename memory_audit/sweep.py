@@ -40,9 +40,21 @@ def grid(name):
                 dict(base, dtype="float32", attention="sdpa", batch_size=4),
                 dict(base, dtype="float16", attention="sdpa"),
                 dict(preset="gpt2-large", batch_size=10, dtype="float16", attention="manual")]
+    if name == "cpu-ac":  # every checkpointing mode, both attentions, fp32 and bf16, and every 2nd block
+        rows = [dict(preset="cpu-tiny", batch_size=2, device="cpu", activation_checkpointing=m, **c)
+                for m in ("full", "selective", "sac")
+                for c in _product(attention=["manual", "sdpa"], dtype=["float32", "bfloat16"])]
+        return rows + [dict(preset="cpu-tiny", batch_size=2, device="cpu", n_layer=3, activation_checkpointing=m,
+                            ac_every=2) for m in ("full", "selective", "sac")]
     if name == "smoke":  # one tiny CPU run, for tests
         return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
-    raise ValueError(f"unknown grid {name!r}; one of cpu-small, gpt2-sizes, variants, smoke")
+    if name == "gpu-ac":  # for a lent GPU: GPT-2 small and medium, fp16, full and selective
+        return [dict(preset=p, batch_size=12, dtype="float16", attention=a, activation_checkpointing=m)
+                for p in ("gpt2", "gpt2-medium") for a in ("manual", "sdpa") for m in ("none", "full", "selective")]
+    raise ValueError(f"unknown grid {name!r}; one of {', '.join(GRIDS)}")
+
+
+GRIDS = ("cpu-small", "cpu-ac", "gpt2-sizes", "variants", "gpu-ac", "smoke")
 
 
 def _args(cfg):
@@ -94,7 +106,7 @@ def row_for(cfg, status, run_dir, log, wall, plain):
     rec = reconcile(run_dir)
     row.update({"run": rec["run"], "device": rec["device"].get("name"), "torch": rec["torch_version"],
                 "params": rec["params"], "totals": rec["totals"], "unattributed_bytes": rec["unattributed_bytes"],
-                "checks": rec["checks"]})
+                "checks": rec["checks"], "cost": rec["cost"]})
     acts = [r for r in rec["rows"] if r["phase"] == "step2_before_backward" and r["category"] == "activations"]
     steady = [r for r in rec["rows"] if r["phase"] == "step2_start" and r["category"] not in ("gaps",)]
     row["activation_lines"] = len(acts)

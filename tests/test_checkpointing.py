@@ -1,0 +1,113 @@
+"""Activation checkpointing: training unchanged, bad input refused, every byte named and predicted."""
+
+import json
+
+import pytest
+
+from conftest import load_json, run_cli, run_train
+from memory_audit.predict import device_facts, predict, published_formulas
+from memory_audit.reconcile import reconcile
+
+TINY = ["--device=cpu", "--preset=cpu-tiny", "--batch_size=2", "--max_iters=3", "--dtype=float32"]
+
+
+def test_losses_bitwise_equal_in_every_mode(tmp_path):
+    """Recomputation replays the forward exactly (dropout included: the RNG state is restored)."""
+    losses = {}
+    for mode in ("none", "full", "selective", "sac"):
+        p = run_train(*TINY, "--dropout=0.1", f"--activation_checkpointing={mode}",
+                      f"--losses_out={tmp_path}/{mode}.json")
+        assert p.returncode == 0, p.stderr[-2000:]
+        losses[mode] = load_json(tmp_path / f"{mode}.json")
+    assert len(losses["none"]) == 3
+    assert losses["full"] == losses["none"] and losses["selective"] == losses["none"] and losses["sac"] == losses["none"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--activation_checkpointing=most"], "activation_checkpointing must be one of none, full, selective, sac"),
+    (["--ac_every=0"], "ac_every must be an integer of at least 1"),
+    (["--activation_checkpointing=sac", "--sac_save_ops=mm,not_an_op"], "'not_an_op' is not an aten op"),
+])
+def test_bad_checkpointing_input_is_one_line(args, message):
+    p = run_train(*TINY, *args)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in p.stderr, p.stderr
+    assert "tokens per iteration" not in p.stdout  # refused before any work
+    q = run_cli("predict", "--gpu=cpu", *args)
+    assert q.returncode == 2 and "Traceback" not in q.stderr, q.stderr
+    ok = run_cli("predict", "--gpu=cpu", "--preset=cpu-tiny", "--activation_checkpointing=sac")  # text output
+    assert ok.returncode == 0 and "peak at: " in ok.stdout, ok.stderr
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "sac"])
+def test_audit_names_every_byte_and_matches_prediction(audits, mode):
+    run = audits(f"ac-{mode}", "--dtype=float32", "--attention=manual", f"--activation_checkpointing={mode}")
+    rec = reconcile(run)
+    assert rec["unattributed_bytes"] == 0
+    wrong = [(r["phase"], r["key"], r["predicted"], r["actual"]) for r in rec["rows"] if r["diff"] != 0]
+    assert wrong == []
+    assert rec["totals"]["peak"]["diff"] == 0
+    keys = [r["key"] for r in rec["rows"] if r["phase"] == "step2_before_backward"]
+    assert "activations/h.0/checkpoint.input" in keys or "activations/h.0.attn/checkpoint.input" in keys
+    if mode == "sac":
+        assert "activations/h.0.attn.c_attn/mm.sac_output" in keys
+    # the recomputation is named as such in the replay of the whole step
+    assert any(p["categories"].get("recomputed") for p in rec["series"])
+
+
+def test_full_checkpointing_moves_the_peak_into_the_backward(audits):
+    rec = reconcile(audits("ac-full", "--dtype=float32", "--attention=manual", "--activation_checkpointing=full"))
+    assert rec["cost"]["peak_at"] == "backward of h.0"
+    assert rec["peak"]["categories"]["recomputed"] > 0  # measured: recomputed tensors live at the peak
+
+
+def test_diff_none_against_full(audits, tmp_path):
+    none = audits("fp32-manual-gelu", "--dtype=float32", "--attention=manual", "--activation=gelu")
+    full = audits("ac-full", "--dtype=float32", "--attention=manual", "--activation_checkpointing=full")
+    p = run_cli("diff", none, full, "--json", "-")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    bb = {l["key"]: l for l in d["phases"]["step2_before_backward"]["lines"]}
+    assert bb["activations/h.0.attn/softmax.result"]["diff"] == -bb["activations/h.0.attn/softmax.result"]["a"] < 0
+    assert bb["activations/h.1/checkpoint.input"]["a"] == 0 and bb["activations/h.1/checkpoint.input"]["diff"] == 4 * 2 * 64 * 64
+    assert d["totals"]["activations"]["diff"] < 0 and d["totals"]["peak"]["diff"] < 0
+    assert d["totals"]["activations"]["diff"] == (d["phases"]["step2_before_backward"]["categories"]["activations"]["diff"])
+    # an audit against its own prediction: nothing left over
+    pred = tmp_path / "pred.json"
+    q = run_cli("predict", "--gpu=cpu", "--preset=cpu-tiny", "--batch_size=2", "--dtype=float32",
+                "--activation_checkpointing=full", "--json")
+    pred.write_text(q.stdout)
+    r = run_cli("diff", full, str(pred), "--json", "-")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert all(v["diff"] == 0 for v in d["totals"].values())
+    assert all(ph["lines"] == [] for ph in d["phases"].values())
+    bad = run_cli("diff", full, "--json", str(pred))  # --json takes no file name
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_full_checkpointing_activations_by_hand():
+    """GPT-2 small, the reference batch on an A100: full AC keeps each block's fp32 input and
+    what lies outside the blocks; summed here from the shapes, not from the predictor's lines."""
+    B, T, d, L, V = 12, 1024, 768, 12, 50304
+    cfg = dict(batch_size=B, dtype="float16", attention="manual", activation_checkpointing="full")
+    t = predict(cfg, device_facts("cuda", gpu="A100"))["totals"]
+    outside = (8 * T  # position ids
+               + 4 * B * T * d + 2 * 4 * B * T  # ln_f input, mean, rstd
+               + 2 * V * d + 2 * B * T * d  # lm_head's fp16 weight copy and input
+               + 2 * B * T * V + 4 * B * T * V + 4  # log_softmax (fp16), nll_loss's fp32 copy, total_weight
+               + 2 * B * T * V)  # the logits the loop holds
+    assert t["activations_bytes"] == L * 4 * B * T * d + outside
+    assert t["recompute_flops"] == L * (2 * B * T * d * 8 * d + 4 * B * T * T * d)
+
+
+def test_korthikanti_selective_and_full_columns():
+    f = published_formulas(dict(batch_size=12))
+    s, b, h, L = 1024, 12, 768, 12
+    assert f["korthikanti2022_selective"]["activations"] == L * 34 * s * b * h
+    assert f["korthikanti2022_full"]["activations"] == L * 2 * s * b * h
+
+
+def test_sac_op_the_predictor_does_not_model_is_refused():
+    with pytest.raises(ValueError, match="not for native_layer_norm"):
+        predict(dict(activation_checkpointing="sac", sac_save_ops="mm,native_layer_norm"), device_facts("cpu"))
