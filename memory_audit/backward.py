@@ -10,15 +10,24 @@ changes from the before-backward ledger, and the peak is the largest candidate:
   released  the head's saved tensors (but the logits the loop holds), the old targets, and
             what every later block kept (its checkpoint input, or all it saved)
   new       the next batch, the backward's grad seed (and fp16's scaled loss), the gradients
-            of every later block, ln_f and the tied wte/lm_head weight (a temporary until
-            the embedding's gradient is added to it), the block's mlp.c_proj weight gradient,
-            the gradient flowing into the block (fp32 residual stream), c_proj's input gradient,
-            and the recomputed tensors (less those that are the region's own input)
+            of every later block and ln_f (when set_to_none made them fresh), the tied
+            wte/lm_head weight's gradient (a temporary until the embedding's arrives), the
+            block's mlp.c_proj weight gradient, the gradient flowing into the block (fp32
+            residual stream, and its low-precision cast under autocast), c_proj's input
+            gradient, and the recomputed tensors (less the region's own input and what SAC
+            kept), with SAC's cached outputs that nothing saved released
 
-Measured on CPU (torch 2.13) for fp32; other moments inside a block's backward (attention's
-T^2 gradients) are not modelled, so a model where those dominate is under-predicted.
+One node later (the MLP activation's backward) is a second candidate; and because a lever
+shrinks what is saved, the end of the forward (cross-entropy's fp32 temporaries, autocast's
+cached weight copies of checkpointed blocks) is a third.
+
+Measured on CPU (torch 2.13) to the byte for every mode, fp32 and bf16, manual and SDPA, GELU
+and ReLU, bias, dropout, accumulation. Moments deeper in a block's backward (attention's T^2
+gradients at long sequences) are not candidates: where they dominate, the peak is
+under-predicted. The CUDA moments follow the same rules but are not yet measured.
 """
 
+from .levers import block_mode
 from .parts import line
 
 PEAK = ("peak",)
@@ -66,16 +75,74 @@ def block_moment(s, cfg, params, acts, b, redo):
         later = tuple(f"transformer.h.{j}." for j in range(b + 1, L)) + ("transformer.ln_f.",)
         out.append(_delta(s, "grads/later_blocks", _param_grads(s, params, later), "4*numel",
                           f"blocks {b + 1}..{L - 1} and ln_f"))
-        out.append(_delta(s, "temporary/lm_head_grad", 4 * s["V"] * d, "4*V*d",
-                          "tied wte/lm_head gradient, until the embedding's is added"))
-        out.append(_delta(s, f"grads/transformer.h.{b}.mlp.c_proj.weight", 4 * 4 * d * d, "4*4d*d"))
-    out.append(_delta(s, f"temporary/h.{b}/grad_output", 4 * s["Ne"], "4*B*T*d", "gradient into the block"))
-    out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_input", 4 * 4 * s["Ne"], "4*4*B*T*d",
-                      "c_proj's input gradient"))
+    # the tied weight's gradient waits in the engine's input buffer for the embedding's
+    out.append(_delta(s, "temporary/lm_head_grad", 4 * s["V"] * d, "4*V*d",
+                      "tied wte/lm_head gradient, until the embedding's is added"))
+    out += _first_matmul(s, cfg, b)
     for l in redo["freed"]:
         out.append(_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "consumed by the recomputation"))
     for l in redo["new"]:
         out.append(_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"]))
+    return out
+
+
+def forward_end(s, cfg, acts):
+    """Changes from the before-backward ledger at the forward's cross-entropy (CPU autocast:
+    the logits' fp32 copy and log_softmax's output are both live). Autocast still caches the
+    low-precision weight copies a checkpointed block made (its saved tensors are placeholders,
+    the cache is not) until the forward's autocast region ends; GPT.forward still holds the
+    two embeddings and ln_f's output; the loop has not yet divided the loss."""
+    B, T, d, Ne = s["B"], s["T"], s["d"], s["Ne"]
+    out = []
+    if s["pol"]["weight_copies"]:
+        for i in range(s["L"]):
+            if block_mode(cfg, i) in ("full", "sac"):
+                for mod, n_in, n_out in (("attn.c_attn", d, 3 * d), ("attn.c_proj", d, d),
+                                         ("mlp.c_fc", d, 4 * d), ("mlp.c_proj", 4 * d, d)):
+                    out.append(_delta(s, f"temporary/autocast_cache/h.{i}.{mod}", s["a"] * n_in * n_out,
+                                      f"{s['a']}*{n_in}*{n_out}", "weight copy, cached until autocast exits"))
+    out.append(_delta(s, "temporary/tok_emb", 4 * Ne, "4*B*T*d", "held by GPT.forward"))
+    out.append(_delta(s, "temporary/pos_emb", 4 * T * d, "4*T*d", "held by GPT.forward"))
+    if s["autocast"]:  # ln_f's fp32 output; lm_head saved its low-precision cast
+        out.append(_delta(s, "temporary/ln_f_output", 4 * Ne, "4*B*T*d", "held by GPT.forward"))
+    if s["pol"]["log_softmax"] == "fp32" and s["autocast"]:
+        out.append(_delta(s, "temporary/logits_fp32", 4 * s["Nl"], "4*B*T*V", "cross_entropy's fp32 copy"))
+    out.append(_delta(s, "temporary/new_loss", 4, "4", "the loss, before the loop divides it"))
+    out += [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "not made yet")
+            for l in acts if l["key"] == "activations/gpt/div.other"]
+    return out
+
+
+def _first_matmul(s, cfg, b):
+    """What mlp.c_proj's backward has made when its input gradient appears. Under autocast
+    the matmul runs in low precision: the gradient coming in is cast down first, and the weight
+    gradient is still the low-precision one (its fp32 copy comes with AccumulateGrad). Where
+    gradients already exist (accumulation, set_to_none=False) the new one is a temporary until
+    it is added in place."""
+    d, Ne, a, fresh = s["d"], s["Ne"], s["a"], "step2_before_backward" not in _grad_phases(cfg)
+    out = [_delta(s, f"temporary/h.{b}/grad_output", 4 * Ne, "4*B*T*d", "gradient into the block (fp32)")]
+    w = f"h.{b}.mlp.c_proj"
+    if s["autocast"]:
+        out.append(_delta(s, f"temporary/h.{b}.mlp/grad_output_cast", a * Ne, f"{a}*B*T*d",
+                          "its cast for the low-precision MLP output"))
+        out.append(_delta(s, f"temporary/{w}/grad_weight", a * 4 * d * d, f"{a}*4d*d", "low-precision weight gradient"))
+    else:
+        key = f"grads/transformer.{w}.weight" if fresh else f"temporary/{w}/grad_weight"
+        out.append(_delta(s, key, 4 * 4 * d * d, "4*4d*d"))
+    if s["bias"]:  # addmm's bias gradient, a sum over the rows (measured for fp32 only)
+        key = f"grads/transformer.{w}.bias" if fresh and not s["autocast"] else f"temporary/{w}/grad_bias"
+        out.append(_delta(s, key, (a if s["autocast"] else 4) * d, "4*d"))
+    out.append(_delta(s, f"temporary/{w}/grad_input", a * 4 * Ne, f"{a}*4*B*T*d", "c_proj's input gradient"))
+    return out
+
+
+def _activation_backward(s, b):
+    """One node later: the MLP activation's input gradient. GELU's output, saved by c_proj
+    alone, is gone by then; ReLU's output is also ReLU's own saved tensor and stays."""
+    a, Ne = s["a"], s["Ne"]
+    out = [_delta(s, f"temporary/h.{b}.mlp.act/grad_input", a * 4 * Ne, f"{a}*4*B*T*d", "activation's input gradient")]
+    if s["activation"] == "gelu":
+        out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d", "GELU output"))
     return out
 
 
@@ -87,8 +154,13 @@ def _grad_phases(cfg):
 def peak_lines(s, cfg, params, acts, recomputed, start):
     """(lines of the peak moment, as changes from the before-backward ledger; a summary)."""
     candidates = [("start of backward", start)]
+    if recomputed:  # only a lever that shrinks what is saved lets the forward's end compete
+        candidates.append(("end of forward", forward_end(s, cfg, acts)))
     for b in sorted(recomputed, reverse=True):
-        candidates.append((f"backward of h.{b}", block_moment(s, cfg, params, acts, b, recomputed[b])))
+        moment = block_moment(s, cfg, params, acts, b, recomputed[b])
+        candidates.append((f"backward of h.{b}", moment))
+        if block_mode(cfg, b) != "selective":  # the MLP was recomputed too
+            candidates.append((f"backward of h.{b}.mlp.act", moment + _activation_backward(s, b)))
 
     def total(lines):
         return sum(l["allocated"] for l in lines)

@@ -70,11 +70,12 @@ def layer_norm(s, mod):
             act(s, f"{mod}/native_layer_norm.result2", 4 * B * T, "float32", [B, T, 1], "4*B*T", "rstd")]
 
 
-def linear(s, mod, n_in, n_out, input_saved_here=True, input_note=""):
+def linear(s, mod, n_in, n_out, input_saved_here=True, input_note="", bias=None):
     """mm (addmm with bias): the low-precision weight copy under autocast, and the input."""
     a, lowp = s["a"], s["lowp"]
-    op = "addmm" if s["bias"] else "mm"
-    x_attr, w_attr = ("mat1", "mat2") if s["bias"] else ("self", "mat2")
+    bias = s["bias"] if bias is None else bias
+    op = "addmm" if bias else "mm"
+    x_attr, w_attr = ("mat1", "mat2") if bias else ("self", "mat2")
     out = []
     if s["pol"]["weight_copies"]:
         out.append(act(s, f"{mod}/{op}.{w_attr}", a * n_in * n_out, lowp, [n_in, n_out], f"{a}*{n_in}*{n_out}",
@@ -208,7 +209,7 @@ def embedding(s):
 def head(s, keep_logits):
     """ln_f, lm_head and cross-entropy (log_softmax + nll_loss), and the logits the loop holds."""
     a, lowp, Nl, B, T, V = s["a"], s["lowp"], s["Nl"], s["B"], s["T"], s["V"]
-    out = layer_norm(s, "ln_f") + linear(s, "lm_head", s["d"], V, input_note=_cast_note(s))
+    out = layer_norm(s, "ln_f") + linear(s, "lm_head", s["d"], V, input_note=_cast_note(s), bias=False)
     lsm = "float32" if s["pol"]["log_softmax"] == "fp32" else lowp
     out.append(act(s, "gpt/log_softmax.result", DTYPE_BYTES[lsm] * Nl, lsm, [B * T, V], f"{DTYPE_BYTES[lsm]}*B*T*V"))
     if s["pol"]["nll_fp32_copy"]:

@@ -42,10 +42,10 @@ def grid(name):
                 dict(preset="gpt2-large", batch_size=10, dtype="float16", attention="manual")]
     if name == "cpu-ac":  # every checkpointing mode, both attentions, fp32 and bf16, and every 2nd block
         rows = [dict(preset="cpu-tiny", batch_size=2, device="cpu", activation_checkpointing=m, **c)
-                for m in ("full", "selective", "sac")
+                for m in ("none", "full", "selective", "sac")
                 for c in _product(attention=["manual", "sdpa"], dtype=["float32", "bfloat16"])]
-        return rows + [dict(preset="cpu-tiny", batch_size=2, device="cpu", n_layer=3, activation_checkpointing=m,
-                            ac_every=2) for m in ("full", "selective", "sac")]
+        return rows + [dict(preset="cpu-tiny", batch_size=2, device="cpu", n_layer=3, dtype="float32",
+                            activation_checkpointing=m, ac_every=2) for m in ("none", "full", "selective", "sac")]
     if name == "smoke":  # one tiny CPU run, for tests
         return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
     if name == "gpu-ac":  # for a lent GPU: GPT-2 small and medium, fp16, full and selective
@@ -106,7 +106,7 @@ def row_for(cfg, status, run_dir, log, wall, plain):
     rec = reconcile(run_dir)
     row.update({"run": rec["run"], "device": rec["device"].get("name"), "torch": rec["torch_version"],
                 "params": rec["params"], "totals": rec["totals"], "unattributed_bytes": rec["unattributed_bytes"],
-                "checks": rec["checks"], "cost": rec["cost"]})
+                "checks": rec["checks"], "cost": rec["cost"], "resolved_config": rec["config"]})
     acts = [r for r in rec["rows"] if r["phase"] == "step2_before_backward" and r["category"] == "activations"]
     steady = [r for r in rec["rows"] if r["phase"] == "step2_start" and r["category"] not in ("gaps",)]
     row["activation_lines"] = len(acts)
@@ -138,6 +138,7 @@ def run_sweep(args):
         on_gpu = cfg.get("device", "auto") != "cpu"
         status, run_dir, log, wall, plain = run_one(cfg, audit_dir, args.timeout, overhead=on_gpu)
         row = row_for(cfg, status, run_dir, log, wall, plain)
+        row["produced_by"] = "python -m memory_audit sweep " + (f"--grid={args.grid}" if args.grid else f"--configs={args.configs}")
         if out is None:
             dev = (row.get("device") or "cpu").lower()
             tag = "h100" if "h100" in dev else "h200" if "h200" in dev else "a100" if "a100" in dev else re.sub(r"\W+", "-", dev)
@@ -170,8 +171,11 @@ def repredict(row):
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from model import PRESETS
-    cfg = dict(row["config"])
-    cfg.update({k: v for k, v in PRESETS.get(cfg.pop("preset", None), {}).items() if k not in row["config"]})
+    if "resolved_config" in row:  # what train.py ran, its defaults resolved
+        cfg = dict(row["resolved_config"])
+    else:
+        cfg = dict(row["config"])
+        cfg.update({k: v for k, v in PRESETS.get(cfg.pop("preset", None), {}).items() if k not in row["config"]})
     name = row.get("device") or "cpu"
     device = {"type": "cpu"} if name == "cpu" else {"type": "cuda", "name": name}
     t = predict(cfg, device_from_meta({"device": device}))["totals"]

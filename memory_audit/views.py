@@ -228,6 +228,87 @@ def fig_sweep(rows):
     return fig
 
 
+LEVER_KEYS = ("preset", "batch_size", "dtype", "attention", "n_layer", "device")
+
+
+def _lever_rows(rows):
+    """(mode, its row, the `none` row of the same setup) for every measured lever row."""
+    from .sweep import repredict
+    ok = [dict(r, totals=repredict(r)) for r in rows if r.get("status") == "ok"]
+    base = {}
+    for r in ok:
+        c = r["config"]
+        if c.get("activation_checkpointing", "none") == "none":
+            base[tuple(c.get(k) for k in LEVER_KEYS)] = r
+    out = []
+    for r in ok:
+        c = r["config"]
+        b = base.get(tuple(c.get(k) for k in LEVER_KEYS))
+        if b is not None and "activation_checkpointing" in c:
+            mode = c["activation_checkpointing"] + (f" (every {c['ac_every']})" if c.get("ac_every", 1) > 1 else "")
+            out.append((mode, r, b))
+    return out
+
+
+def levers_table(rows):
+    """Measured activations and peak of each checkpointing mode beside its own `none` run, the
+    prediction's difference from the measurement, and the recompute it costs."""
+    out = []
+    for mode, r, b in _lever_rows(rows):
+        c, t, tb = r["config"], r["totals"], b["totals"]
+        cost = r.get("cost") or {}
+        share = cost.get("recompute_flops", 0) / cost["forward_flops"] if cost.get("forward_flops") else None
+        out.append((f"{c.get('preset')} {c.get('dtype')} {c.get('attention', 'manual')}" + (f" L{c['n_layer']}" if c.get("n_layer") else ""),
+                    mode, t["activations"]["actual"], t["activations"]["actual"] - tb["activations"]["actual"],
+                    t["peak"]["actual"], t["peak"]["actual"] - tb["peak"]["actual"], t["peak"]["diff"],
+                    cost.get("peak_at", ""), None if share is None else round(share, 3)))
+    df = _frame(out, ["setup", "mode", "activations B", "vs none B", "peak B", "peak vs none B",
+                      "peak measured - predicted B", "peak at (predicted)", "recompute / forward FLOPs"])
+    for col in ("activations B", "vs none B", "peak B", "peak vs none B", "peak measured - predicted B"):
+        df[col] = df[col].map(lambda v: f"{v:+,}" if "vs" in col or "-" in col else f"{v:,}")
+    return df
+
+
+def levers_predicted(config, device):
+    """The predictor's answer for every mode of one config (no measurement: what a GPU run
+    would show), with the largest recompute it costs."""
+    from .predict import predict
+    out = []
+    for mode in ("none", "full", "selective", "sac"):
+        p = predict(dict(config, activation_checkpointing=mode), device)
+        t = p["totals"]
+        out.append((mode, round(t["activations_bytes"] / GiB, 3), round(t["peak_allocated_bytes"] / GiB, 3),
+                    p["backward"]["peak_at"], round(t["recompute_flops"] / t["forward_flops"], 3)))
+    return _frame(out, ["mode", "activations GiB", "peak GiB", "peak at", "recompute / forward FLOPs"])
+
+
+def fig_levers(rows):
+    """Peak of each mode, measured (bars) and predicted (ticks), per setup."""
+    import matplotlib.pyplot as plt
+    lever = _lever_rows(rows)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    if not lever:
+        ax.text(0.5, 0.5, "no lever results", ha="center")
+        return fig
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+    def label(mode, c):
+        layers = f" L{c['n_layer']}" if c.get("n_layer") else ""
+        return f"{short.get(c.get('dtype'), c.get('dtype'))} {c.get('attention', 'manual')}{layers}\n{mode}"
+    labels = [label(mode, r["config"]) for mode, r, _ in lever]
+    actual = [r["totals"]["peak"]["actual"] / 2 ** 20 for _, r, _ in lever]
+    predicted = [r["totals"]["peak"]["predicted"] / 2 ** 20 for _, r, _ in lever]
+    xs = range(len(lever))
+    ax.bar(xs, actual, color=["#999999" if m.startswith("none") else COLORS["recomputed"] for m, _, _ in lever])
+    ax.scatter(xs, predicted, marker="_", s=300, color="k", zorder=3, label="predicted")
+    ax.set_xticks(list(xs), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("peak (MiB)")
+    ax.set_title("what each checkpointing mode buys (CPU runs; bars measured)")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def save(fig, run_dir, name):
     """Save a figure as PNG beside the run (skipped where the run directory is read-only)."""
     path = os.path.join(run_dir, name)

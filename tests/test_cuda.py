@@ -36,3 +36,22 @@ def test_oom_leaves_a_snapshot_and_one_line(tmp_path):
     snap = load_snapshot(str(tmp_path / "oom" / "oom.pickle"))
     assert any(e["action"] == "oom" for e in snap["device_traces"][0])
     assert load_json(tmp_path / "oom" / "meta.json")["error"]["oom"] is True
+
+
+@pytest.mark.parametrize("mode, dtype, attention", [("full", "float16", "manual"), ("selective", "float16", "sdpa"),
+                                                    ("sac", "bfloat16", "manual")])
+def test_cuda_checkpointing_audit(tmp_path, mode, dtype, attention):
+    """Every checkpointing mode on CUDA: training unchanged, every line named and predicted."""
+    common = ["--device=cuda", "--preset=cpu-tiny", "--batch_size=4", "--max_iters=3", f"--dtype={dtype}",
+              f"--attention={attention}", f"--activation_checkpointing={mode}"]
+    plain = run_train(*common, f"--losses_out={tmp_path}/plain.json")
+    audited = run_train(*common, "--audit", f"--audit_dir={tmp_path}", "--run_name=r",
+                        f"--losses_out={tmp_path}/audited.json")
+    assert plain.returncode == 0 and audited.returncode == 0, audited.stderr[-3000:]
+    assert load_json(tmp_path / "plain.json") == load_json(tmp_path / "audited.json")
+    rec = reconcile(str(tmp_path / "r"))
+    assert rec["unattributed_bytes"] == 0
+    assert [r["key"] for r in rec["rows"] if r["category"] == "activations" and r["diff"] != 0] == []
+    assert rec["checks"]["replayed_peak_equals_max_memory_allocated"] is True
+    if hasattr(torch.cuda.memory, "_set_memory_metadata"):  # recomputation labelled in the trace
+        assert any(p["categories"].get("recomputed") for p in rec["series"])

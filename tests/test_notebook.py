@@ -32,7 +32,7 @@ def test_notebook_executes_without_errors(executed, cpu_run):
     assert errors == []
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert f"run directory: {cpu_run}" in text
-    for png in ("categories.png", "timeline.png", "sweep.png"):
+    for png in ("categories.png", "timeline.png", "sweep.png", "levers.png"):
         assert os.path.getsize(os.path.join(cpu_run, png)) > 5000
 
 

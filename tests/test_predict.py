@@ -107,7 +107,7 @@ def test_cpu_audit_matches_prediction_line_by_line(audits, dtype, attention, act
                                    ["--dropout=0.1"], ["--dropout=0.1", "--attention=sdpa", "--dtype=bfloat16"]])
 def test_cpu_variants_match(audits, extra):
     rec = reconcile(audits("variant-" + "-".join(e.strip("-") for e in extra), *(["--dtype=float32"] + extra)))
-    wrong = [(r["phase"], r["key"], r["predicted"], r["actual"]) for r in rec["rows"] if r["diff"]]
+    wrong = [(r["phase"], r["key"], r["predicted"], r["actual"]) for r in rec["rows"] if r["diff"] != 0]
     assert wrong == []
     assert rec["totals"]["peak"]["diff"] == 0
 
