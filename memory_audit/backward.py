@@ -28,7 +28,7 @@ under-predicted. The CUDA moments follow the same rules but are not yet measured
 """
 
 from .levers import block_mode
-from .parts import line
+from .parts import line, numel as _numel
 
 PEAK = ("peak",)
 
@@ -39,13 +39,6 @@ def _delta(s, key, nbytes, formula, note=""):
 
 def _param_grads(s, params, prefixes):
     return sum(4 * _numel(sh) for n, sh in params if n.startswith(prefixes))
-
-
-def _numel(shape):
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 def _block_of(key):

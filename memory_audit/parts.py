@@ -29,6 +29,13 @@ POLICIES = {
 BB = ("step2_before_backward",)
 
 
+def numel(shape):
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
 def shape_facts(cfg, dev):
     """The sizes and dtypes every part needs, as one plain dict."""
     B, T, d, nh = cfg["batch_size"], cfg["block_size"], cfg["n_embd"], cfg["n_head"]

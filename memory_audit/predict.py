@@ -22,6 +22,7 @@ from .attribute import workspace_size_from_env
 from .gap_sim import predicted_gaps
 from .levers import checkpointed, forward_flops, recompute_flops
 from .parts import DTYPE_BYTES, POLICIES, block, embedding, head, line, round_block, shape_facts  # noqa: F401
+from .parts import numel as _numel
 from .schema import PHASES, check_model_config
 
 GiB = 2 ** 30
@@ -88,13 +89,6 @@ def param_shapes(cfg):
     if bias:
         out.append(("transformer.ln_f.bias", [d]))
     return out
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _validate(cfg):

@@ -224,33 +224,8 @@ def saved_tensor_ledger(model, out, device):
             record(t, held=True)
             stack.pop()
         savers, tensor_info = _graph_savers(loss.grad_fn, windows)
-        # Wrapped Python scalars (x * 0.125) are saved without calling pack hooks: name their
-        # module after the module that was running when their node was made (nodes are
-        # numbered in forward order, and the hooks logged where each module began and ended).
-        starts = [seq for seq, _ in seq_log]
-        for ptr, found in savers.items():
-            if ptr in first_seen:
-                continue
-            at = bisect.bisect_right(starts, min(found)[0]) - 1
-            first_seen[ptr] = {"module": seq_log[at][1] if at >= 0 else "", "inferred_module": True,
-                               **tensor_info[ptr]}
-        used = {}
-        for ptr, rec in first_seen.items():
-            if rec["device"] != device:  # wrapped CPU scalars of a CUDA run live in host memory
-                continue
-            found = sorted(savers.get(ptr, []))
-            # packed but held by no autograd node: what torch.utils.checkpoint keeps of its inputs
-            op = (_op_name(found[0][1], found[0][2]) if found else rec.get("op") or
-                  ("output" if rec.get("held") else "checkpoint.input" if windows else "unknown"))
-            module = _short_module(rec["module"])
-            base = f"activations/{module}/{op}"
-            used[base] = used.get(base, 0) + 1
-            key = base if used[base] == 1 else f"{base}#{used[base]}"
-            out.append({"key": key, "module": rec["module"], "op": op,
-                        "grad_fn": found[0][1] if found else "",
-                        "savers": [_op_name(s[1], s[2]) for s in found],
-                        "data_ptr": ptr, "nbytes": rec["nbytes"], "dtype": rec["dtype"],
-                        "shape": rec["shape"]})
+        _name_unpacked(first_seen, savers, tensor_info, seq_log)
+        out.extend(_saved_records(first_seen, savers, device, checkpointed=bool(windows)))
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
@@ -259,6 +234,37 @@ def saved_tensor_ledger(model, out, device):
     finally:
         for h in handles:
             h.remove()
+
+
+def _name_unpacked(first_seen, savers, tensor_info, seq_log):
+    """Wrapped Python scalars (x * 0.125) are saved without calling pack hooks: give each the
+    module that was running when its node was made (nodes are numbered in forward order, and the
+    module hooks logged the sequence number where each module began and ended)."""
+    starts = [seq for seq, _ in seq_log]
+    for ptr, found in savers.items():
+        if ptr in first_seen:
+            continue
+        at = bisect.bisect_right(starts, min(found)[0]) - 1
+        first_seen[ptr] = {"module": seq_log[at][1] if at >= 0 else "", "inferred_module": True,
+                           **tensor_info[ptr]}
+
+
+def _saved_records(first_seen, savers, device, checkpointed):
+    """SavedTensor dicts, keyed activations/<module>/<op>[#n], for the storages on `device`."""
+    used, out = {}, []
+    for ptr, rec in first_seen.items():
+        if rec["device"] != device:  # wrapped CPU scalars of a CUDA run live in host memory
+            continue
+        found = sorted(savers.get(ptr, []))
+        # packed but held by no autograd node: what torch.utils.checkpoint keeps of its inputs
+        op = (_op_name(found[0][1], found[0][2]) if found else rec.get("op") or
+              ("output" if rec.get("held") else "checkpoint.input" if checkpointed else "unknown"))
+        base = f"activations/{_short_module(rec['module'])}/{op}"
+        used[base] = used.get(base, 0) + 1
+        out.append({"key": base if used[base] == 1 else f"{base}#{used[base]}", "module": rec["module"], "op": op,
+                    "grad_fn": found[0][1] if found else "", "savers": [_op_name(s[1], s[2]) for s in found],
+                    "data_ptr": ptr, "nbytes": rec["nbytes"], "dtype": rec["dtype"], "shape": rec["shape"]})
+    return out
 
 
 def _saved_values(node, in_region):

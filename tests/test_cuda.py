@@ -12,16 +12,20 @@ from memory_audit.reconcile import reconcile
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("dtype, attention", [("float16", "manual"), ("bfloat16", "sdpa"), ("float32", "manual")])
-def test_cuda_audit_is_exact_and_does_not_change_training(tmp_path, dtype, attention):
-    common = ["--device=cuda", "--preset=cpu-tiny", "--batch_size=4", "--max_iters=3",
-              f"--dtype={dtype}", f"--attention={attention}"]
+def _audit_beside_plain(tmp_path, *args):
+    """A tiny CUDA run with and without --audit: the losses must match bit for bit."""
+    common = ["--device=cuda", "--preset=cpu-tiny", "--batch_size=4", "--max_iters=3", *args]
     plain = run_train(*common, f"--losses_out={tmp_path}/plain.json")
     audited = run_train(*common, "--audit", f"--audit_dir={tmp_path}", "--run_name=r",
                         f"--losses_out={tmp_path}/audited.json")
     assert plain.returncode == 0 and audited.returncode == 0, audited.stderr[-3000:]
     assert load_json(tmp_path / "plain.json") == load_json(tmp_path / "audited.json")
-    rec = reconcile(str(tmp_path / "r"))
+    return reconcile(str(tmp_path / "r"))
+
+
+@pytest.mark.parametrize("dtype, attention", [("float16", "manual"), ("bfloat16", "sdpa"), ("float32", "manual")])
+def test_cuda_audit_is_exact_and_does_not_change_training(tmp_path, dtype, attention):
+    rec = _audit_beside_plain(tmp_path, f"--dtype={dtype}", f"--attention={attention}")
     assert rec["unattributed_bytes"] == 0
     assert [r["key"] for r in rec["rows"] if r["category"] == "activations" and r["diff"]] == []
     assert [r["key"] for r in rec["rows"] if r["phase"] == "step2_start" and r["category"] != "gaps" and r["diff"]] == []
@@ -42,14 +46,8 @@ def test_oom_leaves_a_snapshot_and_one_line(tmp_path):
                                                     ("sac", "bfloat16", "manual")])
 def test_cuda_checkpointing_audit(tmp_path, mode, dtype, attention):
     """Every checkpointing mode on CUDA: training unchanged, every line named and predicted."""
-    common = ["--device=cuda", "--preset=cpu-tiny", "--batch_size=4", "--max_iters=3", f"--dtype={dtype}",
-              f"--attention={attention}", f"--activation_checkpointing={mode}"]
-    plain = run_train(*common, f"--losses_out={tmp_path}/plain.json")
-    audited = run_train(*common, "--audit", f"--audit_dir={tmp_path}", "--run_name=r",
-                        f"--losses_out={tmp_path}/audited.json")
-    assert plain.returncode == 0 and audited.returncode == 0, audited.stderr[-3000:]
-    assert load_json(tmp_path / "plain.json") == load_json(tmp_path / "audited.json")
-    rec = reconcile(str(tmp_path / "r"))
+    rec = _audit_beside_plain(tmp_path, f"--dtype={dtype}", f"--attention={attention}",
+                              f"--activation_checkpointing={mode}")
     assert rec["unattributed_bytes"] == 0
     assert [r["key"] for r in rec["rows"] if r["category"] == "activations" and r["diff"] != 0] == []
     assert rec["checks"]["replayed_peak_equals_max_memory_allocated"] is True

@@ -6,11 +6,16 @@ from conftest import run_cli
 from memory_audit.sweep import accuracy_table, grid
 
 
-def test_cpu_small_grid(tmp_path):
-    out = tmp_path / "cpu.jsonl"
-    p = run_cli("sweep", "--grid=cpu-small", f"--out={out}", f"--audit-dir={tmp_path}/runs", timeout=1800)
+def _sweep(tmp_path, name):
+    """Run a grid in child processes; its rows and the results file."""
+    out = tmp_path / f"{name}.jsonl"
+    p = run_cli("sweep", f"--grid={name}", f"--out={out}", f"--audit-dir={tmp_path}/runs", timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rows = [json.loads(line) for line in open(out)]
+    return [json.loads(line) for line in open(out)], out
+
+
+def test_cpu_small_grid(tmp_path):
+    rows, out = _sweep(tmp_path, "cpu-small")
     assert len(rows) == len(grid("cpu-small")) == 16
     for r in rows:
         assert r["status"] == "ok", r
@@ -25,10 +30,7 @@ def test_cpu_small_grid(tmp_path):
 def test_cpu_ac_grid(tmp_path):
     """Every checkpointing mode (and every 2nd block): 0 unattributed, every line and the peak
     predicted to the byte, and the recorded cost says where the peak is."""
-    out = tmp_path / "cpu-ac.jsonl"
-    p = run_cli("sweep", "--grid=cpu-ac", f"--out={out}", f"--audit-dir={tmp_path}/runs", timeout=1800)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rows = [json.loads(line) for line in open(out)]
+    rows, out = _sweep(tmp_path, "cpu-ac")
     assert len(rows) == len(grid("cpu-ac")) == 20
     for r in rows:
         assert r["status"] == "ok", r
