@@ -48,6 +48,16 @@ def measure(run_dir):
     return {"meta": meta, "phases": phases}
 
 
+def mismatched(rows, phase=None, categories=None, skip=("gaps",)):
+    """The rows where prediction and measurement differ: a byte off, or a line present on one
+    side only (its diff is None). The one test of "exact" that tests, sweep and report share."""
+    return [r for r in rows
+            if (phase is None or r["phase"] == phase)
+            and (categories is None or r["category"] in categories)
+            and r["category"] not in skip
+            and (r["diff"] is None or r["diff"] != 0)]
+
+
 def _row(phase, key, category, predicted, actual, dtype="", formula="", note=""):
     diff = None if predicted is None or actual is None else actual - predicted
     pct = None if diff is None or not predicted else round(100.0 * diff / predicted, 4)

@@ -63,13 +63,15 @@ def markdown(rec, top=25):
                         [(r["key"], fmt_bytes(r["predicted"]), fmt_bytes(r["actual"]),
                           "-" if r["diff"] is None else f"{r['diff']:+,}", fmt_pct(r["diff_pct"]))
                          for r in ph["categories"]]), ""]
-    diffs = [r for r in rec["rows"] if r["diff"]]
+    from .reconcile import mismatched
+    diffs = mismatched(rec["rows"], skip=())
     lines += ["## Lines where prediction and measurement differ", ""]
-    if diffs:
-        diffs.sort(key=lambda r: -abs(r["diff"]))
+    if diffs:  # a line on one side only counts with its whole size
+        diffs.sort(key=lambda r: -abs(r["diff"] if r["diff"] is not None else (r["predicted"] or r["actual"] or 0)))
         lines.append(table(("phase", "key", "predicted B", "actual B", "diff B", "note"),
                            [(r["phase"], r["key"], "-" if r["predicted"] is None else f"{r['predicted']:,}",
-                             "-" if r["actual"] is None else f"{r['actual']:,}", f"{r['diff']:+,}", r["note"])
+                             "-" if r["actual"] is None else f"{r['actual']:,}",
+                             "one side only" if r["diff"] is None else f"{r['diff']:+,}", r["note"])
                             for r in diffs[:top]]))
     else:
         lines.append("None: every line matches to the byte.")

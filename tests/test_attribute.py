@@ -22,9 +22,13 @@ def _registry_bytes(meta, phase, prefix):
 def _check_run(run_dir):
     meta = load_meta(run_dir)
     for phase in PHASES:
-        r = attribute(load_snapshot(os.path.join(run_dir, f"{phase}.pickle")), meta, phase)[0]
+        snap = load_snapshot(os.path.join(run_dir, f"{phase}.pickle"))
+        r = attribute(snap, meta, phase)[0]
         assert r["unattributed_bytes"] == 0, (phase, r["unattributed"])
-        assert sum(r["categories"].values()) == r["reserved_bytes"]
+        # against the snapshot itself, summed here: segments and active blocks
+        assert r["reserved_bytes"] == sum(seg["total_size"] for seg in snap["segments"])
+        assert r["allocated_bytes"] == sum(b["size"] for seg in snap["segments"] for b in seg["blocks"]
+                                           if b["state"] == "active_allocated")
         for category in ("weights", "grads", "optimizer", "inputs", "buffers"):
             assert r["categories"][category] == _registry_bytes(meta, phase, category + "/"), (phase, category)
         reported = meta["phases"][phase]["memory_allocated"]
@@ -79,6 +83,13 @@ def test_h100_reference_attribution_committed():
     assert start["grads"] == 497_495_040  # set_to_none=False keeps them
     assert start["optimizer"] == 994_990_080 + 300 + 8  # 8N + 75 step tensors + GradScaler's two
     assert start["workspace"] == 2 * 33_554_432
+    # the current predictor, from the run's config and GPU, gives each measured category
+    from memory_audit.predict import predict
+    from memory_audit.reconcile import device_from_meta
+    ledger = predict(meta["config"], device_from_meta(meta))["ledger"]
+    for category in ("weights", "buffers", "grads", "optimizer", "workspace"):
+        assert sum(l["bytes"] for l in ledger if l["category"] == category and "step2_start" in l["phases"]) \
+            == start[category], category
 
 
 def test_categorized_pickle_loads_in_memory_viz(tmp_path, cpu_run):
@@ -117,3 +128,6 @@ def test_stored_report_refreshes_to_the_same_reconciliation(run_dir):
         r["predicted"] = r["diff"] = r["diff_pct"] = None  # as if written by an older predictor
     refreshed = refresh_predictions(stored)
     assert refreshed["rows"] == full["rows"] and refreshed["totals"] == full["totals"]
+    # and against the measurement, which the refresh keeps: every line exact
+    from memory_audit.reconcile import mismatched
+    assert mismatched(refreshed["rows"]) == []

@@ -7,7 +7,7 @@ import torch
 
 from conftest import load_json, run_train
 from memory_audit.loader import load_snapshot
-from memory_audit.reconcile import reconcile
+from memory_audit.reconcile import mismatched, reconcile
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,8 +27,8 @@ def _audit_beside_plain(tmp_path, *args):
 def test_cuda_audit_is_exact_and_does_not_change_training(tmp_path, dtype, attention):
     rec = _audit_beside_plain(tmp_path, f"--dtype={dtype}", f"--attention={attention}")
     assert rec["unattributed_bytes"] == 0
-    assert [r["key"] for r in rec["rows"] if r["category"] == "activations" and r["diff"]] == []
-    assert [r["key"] for r in rec["rows"] if r["phase"] == "step2_start" and r["category"] != "gaps" and r["diff"]] == []
+    assert mismatched(rec["rows"], categories=("activations",)) == []
+    assert mismatched(rec["rows"], phase="step2_start") == []
     assert rec["checks"]["replayed_peak_equals_max_memory_allocated"] is True
 
 
@@ -49,7 +49,7 @@ def test_cuda_checkpointing_audit(tmp_path, mode, dtype, attention):
     rec = _audit_beside_plain(tmp_path, f"--dtype={dtype}", f"--attention={attention}",
                               f"--activation_checkpointing={mode}")
     assert rec["unattributed_bytes"] == 0
-    assert [r["key"] for r in rec["rows"] if r["category"] == "activations" and r["diff"] != 0] == []
+    assert mismatched(rec["rows"], categories=("activations",)) == []
     assert rec["checks"]["replayed_peak_equals_max_memory_allocated"] is True
     if hasattr(torch.cuda.memory, "_set_memory_metadata"):  # recomputation labelled in the trace
         assert any(p["categories"].get("recomputed") for p in rec["series"])

@@ -27,3 +27,16 @@ def test_accuracy_table_is_the_command_output():
     p = run_cli(*cmd)
     assert p.returncode == 0, p.stderr
     assert table.strip() == p.stdout.strip()
+
+
+def test_every_results_file_names_its_command():
+    """snapshots/results/README.md names the command and configs behind each results file, and
+    every script and config file it names exists."""
+    results = os.path.join(ROOT, "snapshots", "results")
+    with open(os.path.join(results, "README.md")) as f:
+        text = f.read()
+    for name in os.listdir(results):
+        if name.endswith(".jsonl") or os.path.isdir(os.path.join(results, name)):
+            assert f"`{name}" in text, name
+    for path in set(re.findall(r"scripts/[\w.]+\.(?:sh|json)", text)):
+        assert os.path.isfile(os.path.join(ROOT, path)), path
