@@ -1,6 +1,6 @@
 """Command-line and config-file overrides for train.py's module globals.
 
-    python train.py config/audit_gpt2.py --batch_size=8 --audit
+    python train.py config/audit_reference.py --batch_size=8 --audit
 
 Arguments without `--` are config files (Python, executed, may set any known global);
 `--key=value` overrides one global with a value of the same type; a bare `--flag` sets a

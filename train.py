@@ -3,7 +3,7 @@ Train a nanoGPT-style GPT-2 and, with --audit, record where every byte of memory
 
     python train.py --audit                         # GPT-2 small on CUDA, a small preset on CPU
     python train.py --preset=gpt2-medium --dtype=bfloat16 --attention=sdpa --audit
-    python train.py config/audit_gpt2.py --batch_size=8
+    python train.py config/audit_reference.py --batch_size=8
 
 The audit dumps snapshots/<run>/step2_start.pickle (steady state),
 step2_before_backward.pickle (activations live) and step2_end.pickle (the whole step with its
@@ -47,7 +47,7 @@ ac_every = 1  # checkpoint every ac_every-th block (0, ac_every, ...)
 sac_save_ops = ""  # sac: comma-separated aten ops whose outputs are kept; "" = mm, addmm, bmm and the SDPA kernels
 # adamw optimizer
 learning_rate = 6e-4
-max_iters = 600000
+max_iters = 600000  # nanoGPT's full run; --audit stops after the audited step (audit_step + 1 steps)
 weight_decay = 1e-1
 beta1 = 0.9
 beta2 = 0.95
@@ -83,6 +83,11 @@ def fail(message):
     sys.exit(2)
 
 
+if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:  # the config section of this file, as written
+    _src = open(__file__).read().split("# " + "-" * 77 + "\n")[1]
+    print(__doc__.strip() + "\n\nConfig keys (override with --key=value or a config/*.py file), defaults as below:\n\n"
+          + _src.split("config_keys = ")[0].rstrip())
+    sys.exit(0)
 try:
     _given = apply_overrides(globals(), sys.argv[1:])
 except ConfigError as e:
@@ -129,6 +134,8 @@ except ValueError as e:
     fail(str(e))
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 print(f"tokens per iteration will be: {tokens_per_iter:,}")
+if not audit:
+    print(f"training for max_iters={max_iters:,} steps (--max_iters=N for fewer; --audit stops after step {audit_step + 1})")
 
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True

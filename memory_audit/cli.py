@@ -11,7 +11,9 @@ import sys
 from ast import literal_eval
 
 from .loader import SnapshotError, find_snapshots, load_meta, load_snapshot
+from .predict import GPUS
 from .report import fmt_bytes, table, write_report, totals_table
+from .sweep import GRIDS
 
 GiB = 2 ** 30
 
@@ -64,14 +66,30 @@ def cmd_attribute(args):
                 pickle.dump(plain(snap), f, protocol=4)  # lists of dicts, as MemoryViz reads them
             if not args.json:
                 print(f"wrote {dest}")
+    text = json.dumps(out, indent=1)
+    if args.out:
+        _check_overwrite(args.out, args.force)
+        with open(args.out, "w") as f:
+            f.write(text)
+        if not args.json:
+            print(f"wrote {args.out}")
     if args.json:
-        text = json.dumps(out, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
-            print(f"wrote {args.json}")
+        print(text)
+
+
+def _check_overwrite(path, force):
+    """Refuse to replace a file this command did not write (a snapshot, anything else)."""
+    from .schema import PHASES
+    if force or not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        ours = isinstance(data, dict) and data and set(data) <= set(PHASES)
+    except (OSError, ValueError, UnicodeDecodeError):
+        ours = False
+    if not ours:
+        raise ValueError(f"refusing to overwrite {path}: it is not a JSON file `attribute` wrote (--force to replace it)")
 
 
 # -- predict / fit ---------------------------------------------------------------------------
@@ -102,10 +120,23 @@ def _overrides(extra):
 
 
 def _device(args):
-    from .predict import device_facts
+    """The machine to predict for. A GPU not in the table needs its memory and capability:
+    guessing them would give a different answer without saying so."""
+    from .predict import GPUS, device_facts, gpu_name
     if args.gpu.lower() == "cpu":
         return device_facts("cpu")
-    return device_facts("cuda", gpu=args.gpu, total_memory=args.memory)
+    name = gpu_name(args.gpu)
+    if args.memory is not None and args.memory <= 0:
+        raise ValueError(f"--memory must be a positive number of bytes, got {args.memory}")
+    if name is None:
+        if args.memory is None or args.capability is None:
+            raise ValueError(f"unknown GPU {args.gpu!r} (known: {', '.join(GPUS)}, cpu); for another GPU give "
+                             f"--memory=BYTES and --capability=MAJOR.MINOR")
+        major, _, minor = args.capability.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            raise ValueError(f"--capability expects MAJOR.MINOR such as 9.0, got {args.capability!r}")
+        return device_facts("cuda", gpu=args.gpu, capability=(int(major), int(minor)), total_memory=args.memory)
+    return device_facts("cuda", gpu=name, total_memory=args.memory)
 
 
 def cmd_predict(args, extra):
@@ -125,34 +156,50 @@ def cmd_predict(args, extra):
     print(f"peak at: {pred['backward']['peak_at']}")
 
 
-def cmd_fit(args, extra):
+def fit_result(cfg, dev, headroom):
+    """The largest batch (and power-of-two block) whose predicted peak fits the GPU, as a dict."""
     from .predict import predict
-    cfg = _overrides(extra)
-    dev = _device(args)
-    if not dev.get("total_memory"):
-        raise ValueError(f"unknown GPU {args.gpu!r}: give its memory with --memory=BYTES")
-    budget = int(dev["total_memory"] * (1 - args.headroom))
+    budget = int(dev["total_memory"] * (1 - headroom))
 
     def peak(b, t):
         return predict(dict(cfg, batch_size=b, block_size=t), dev)["totals"]["peak_allocated_bytes"]
 
     t = cfg.get("block_size", 1024)
-    if peak(1, t) > budget:
-        print(f"batch 1 at block {t} does not fit: predicted peak {fmt_bytes(peak(1, t))} > budget {fmt_bytes(budget)}")
-        return
+    out = {"gpu": dev["gpu"], "total_memory": dev["total_memory"], "headroom": headroom, "budget": budget,
+           "block_size": t, "fits": peak(1, t) <= budget, "batch_1_peak": peak(1, t)}
+    if not out["fits"]:
+        return out
     lo, hi = 1, 2
     while peak(hi, t) <= budget and hi < 1 << 20:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if peak(mid, t) <= budget else (lo, mid)
-    print(f"{args.gpu}: budget {fmt_bytes(budget)} ({100 * (1 - args.headroom):.0f}% of {fmt_bytes(dev['total_memory'])})")
-    print(f"largest batch_size at block_size {t}: {lo} (predicted peak {fmt_bytes(peak(lo, t))}; "
-          f"batch {lo + 1} needs {fmt_bytes(peak(lo + 1, t))})")
-    tb = t
-    while peak(cfg.get("batch_size", 1), tb * 2) <= budget and tb < 1 << 20:
+    tb, b = t, cfg.get("batch_size", 1)
+    while peak(b, tb * 2) <= budget and tb < 1 << 20:
         tb *= 2
-    print(f"largest power-of-two block_size at batch_size {cfg.get('batch_size', 1)}: {tb}")
+    out.update({"largest_batch_size": lo, "its_peak": peak(lo, t), "next_batch_peak": peak(lo + 1, t),
+                "batch_size": b, "largest_pow2_block_size": tb})
+    return out
+
+
+def cmd_fit(args, extra):
+    cfg = _overrides(extra)
+    dev = _device(args)
+    if dev["type"] == "cpu" or not dev.get("total_memory"):
+        raise ValueError("fit needs a GPU: --gpu=NAME, or --memory=BYTES with --capability")
+    r = fit_result(cfg, dev, args.headroom)
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return
+    t = r["block_size"]
+    if not r["fits"]:
+        print(f"batch 1 at block {t} does not fit: predicted peak {fmt_bytes(r['batch_1_peak'])} > budget {fmt_bytes(r['budget'])}")
+        return
+    print(f"{r['gpu']}: budget {fmt_bytes(r['budget'])} ({100 * (1 - args.headroom):.0f}% of {fmt_bytes(r['total_memory'])})")
+    print(f"largest batch_size at block_size {t}: {r['largest_batch_size']} (predicted peak {fmt_bytes(r['its_peak'])}; "
+          f"batch {r['largest_batch_size'] + 1} needs {fmt_bytes(r['next_batch_peak'])})")
+    print(f"largest power-of-two block_size at batch_size {r['batch_size']}: {r['largest_pow2_block_size']}")
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -174,19 +221,39 @@ def cmd_diff(args):
     print(json.dumps(d, indent=1) if args.json else diff_text(d))
 
 
+# allowed values of the config keys that take a word, for --help
+CHOICES = {"dtype": "float32 | bfloat16 | float16", "attention": "manual | sdpa", "activation": "gelu | relu",
+           "optimizer_impl": "fused | foreach | for", "activation_checkpointing": "none | full | selective | sac",
+           "sac_save_ops": "comma-separated aten ops; empty = mm, addmm, bmm and the SDPA kernels"}
+
+
+def config_help():
+    """The config keys predict and fit take (train.py's), with defaults and allowed values."""
+    from .predict import DEFAULTS
+    from model import PRESETS
+    pairs = [("--preset=NAME", f"one of {', '.join(PRESETS)}")]
+    pairs += [(f"--{key}={value}", CHOICES.get(key, type(value).__name__)) for key, value in DEFAULTS.items()]
+    width = max(len(a) for a, _ in pairs) + 2
+    return "config keys (train.py's; default = the reference run):\n" + "\n".join(f"  {a:<{width}}{b}" for a, b in pairs)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m memory_audit", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("attribute", help="where every byte of a snapshot went")
     a.add_argument("path", help="a snapshot pickle or a run directory")
-    a.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to a file, or - for stdout)")
+    a.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
+    a.add_argument("--out", default=None, help="write the JSON to this file (never over a file it did not write)")
+    a.add_argument("--force", action="store_true", help="with --out: overwrite whatever file is there")
     a.add_argument("--by", choices=("category", "name"), default="category")
     a.add_argument("--categorize", action="store_true", help="also write *.categorized.pickle for MemoryViz")
     for name, helptext in (("predict", "the predicted ledger for a config"),
                            ("fit", "the largest batch that fits a GPU")):
-        q = sub.add_parser(name, help=helptext)
-        q.add_argument("--gpu", default="H100", help="A100, H100, H200, L4, ... or cpu")
-        q.add_argument("--memory", type=int, default=None, help="GPU memory in bytes (unknown GPUs)")
+        q = sub.add_parser(name, help=helptext, epilog=config_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        q.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)} (any case) or cpu")
+        q.add_argument("--memory", type=int, default=None, help="GPU memory in bytes (with --capability: other GPUs)")
+        q.add_argument("--capability", default=None, help="compute capability MAJOR.MINOR of a GPU not in the table")
         q.add_argument("--json", action="store_true")
         q.add_argument("--gaps", type=int, default=None, help="measured allocator gaps (bytes) to use")
         q.add_argument("--headroom", type=float, default=0.05, help="fraction of memory kept free (fit)")
@@ -196,9 +263,9 @@ def main(argv=None):
     df = sub.add_parser("diff", help="two audits (or an audit and a `predict --json` file) line by line")
     df.add_argument("a", help="run directory or prediction JSON (the baseline)")
     df.add_argument("b", help="run directory or prediction JSON (with the lever)")
-    df.add_argument("--json", nargs="?", const="-", choices=["-"], default=None, help="JSON on stdout")
+    df.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
     s = sub.add_parser("sweep", help="audit a grid of configs and record predicted vs actual")
-    s.add_argument("--grid", default=None)
+    s.add_argument("--grid", default=None, choices=GRIDS, help="a named grid of configs (memory_audit/sweep.py)")
     s.add_argument("--configs", default=None, help="a JSON file: a list of train.py override dicts")
     s.add_argument("--device", default="auto")
     s.add_argument("--out", default=None, help="results .jsonl (default snapshots/results/<device>.jsonl)")
@@ -207,6 +274,10 @@ def main(argv=None):
     s.add_argument("--audit-dir", default=None, help="where runs go (default snapshots/sweep)")
     t = sub.add_parser("accuracy", help="markdown table of sweep results (the README's table)")
     t.add_argument("results", nargs="+", help="results .jsonl files")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 1, 0, -1):  # `--json -` is the flag: JSON on stdout
+        if argv[i] == "-" and argv[i - 1] == "--json":
+            del argv[i]
     args, extra = p.parse_known_args(argv)
     try:
         if extra and args.cmd not in ("predict", "fit"):

@@ -49,12 +49,15 @@ def timeline_events(prof, markers):
         if event.tag == _EventType.Allocation:
             key = TensorKey.from_allocation(event.extra_fields)
             if key and event.extra_fields.alloc_size > 0:
-                frames, parent = [], event.parent
+                frames, parent, op = [], event.parent, None
                 while parent:
                     if parent.tag in (_EventType.PyCall, _EventType.PyCCall):
                         frames.append(_frame(_name(parent)))
+                    elif op is None and parent.tag == _EventType.TorchOp and not _name(parent).startswith("memory_audit::"):
+                        op = _name(parent)  # the innermost op: aten::mm, or an autograd node in backward
                     parent = parent.parent
-                stacks[key] = frames
+                # the op that allocated it, as a frame of its own (CUDA stacks name Python only)
+                stacks[key] = ([{"filename": "<op>", "line": 0, "name": op}] if op else []) + frames
 
     events, live = [], {}
     t_first = None
@@ -63,13 +66,17 @@ def timeline_events(prof, markers):
             continue
         if t_first is None and t >= 0:
             t_first = t
-        if action in (Action.CREATE, Action.PREEXISTING):
+        if action == Action.PREEXISTING:
+            # The recorder starts the profiler before anything exists, so a tensor it never saw
+            # allocated is memory torch's allocator did not hand out: numpy's, wrapped by
+            # torch.from_numpy (memmap batches). Its free is never reported either; leave it out.
+            continue
+        if action == Action.CREATE:
             category = mp._categories.get(key, version)
             category = category.name.lower() if category is not None else "unknown"
-            t_alloc = t if action == Action.CREATE else -1
             live[key] = (key.storage.ptr, size)
             label = next((text for a, b, text in ranges if a <= t <= b), "") if ranges else ""
-            events.append((t_alloc, "alloc", key.storage.ptr, size, stacks.get(key, []), category, label))
+            events.append((t, "alloc", key.storage.ptr, size, stacks.get(key, []), category, label))
         elif action == Action.DESTROY and key in live:
             addr, size0 = live.pop(key)
             events.append((t, "free", addr, size0, stacks.get(key, []), None, ""))

@@ -46,6 +46,11 @@ DEFAULTS = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=5
                 sac_save_ops="")
 
 
+def gpu_name(name):
+    """The GPU table's name for `name`, any case ("h100" -> "H100"), or None."""
+    return next((g for g in GPUS if g.lower() == str(name).lower()), None)
+
+
 def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11",
                  env=None, sdpa_backend=None, total_memory=None):
     """What the predictor needs to know about the machine, as a plain dict."""
@@ -54,7 +59,7 @@ def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11
         return {"type": "cpu", "gpu": None, "capability": None, "workspace_bytes": 0,
                 "workspaces": 0, "sdpa_backend": "flash_cpu", "total_memory": total_memory,
                 "torch_version": torch_version}
-    cap, mem = GPUS.get(gpu, (capability or (8, 0), total_memory))
+    cap, mem = GPUS.get(gpu_name(gpu), (capability or (8, 0), total_memory))
     cap = tuple(capability or cap)
     # CUBLAS_WORKSPACE_CONFIG wins; else sm90 uses 4096 KiB x 8 = 33,554,432 B (measured on an
     # H100, torch 2.11) and older GPUs ":4096:2:16:8" = 8,519,680 B

@@ -143,7 +143,7 @@ def run_sweep(args):
             dev = (row.get("device") or "cpu").lower()
             tag = "h100" if "h100" in dev else "h200" if "h200" in dev else "a100" if "a100" in dev else re.sub(r"\W+", "-", dev)
             out = os.path.join(ROOT, "snapshots", "results", f"{tag}.jsonl")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
         rows.append(row)

@@ -33,6 +33,45 @@ def _phase_names(meta):
     return cuts
 
 
+_MAKERS = (("_make_grads", "backward/grad_seed"), ("run_backward", "backward"), ("Backward", "backward"),
+           ("clip_grad", "clip_grad_norm"), ("optim", "optimizer"), ("grad_scaler", "grad_scaler"),
+           ("zero_grad", "zero_grad"), ("cross_entropy", "cross_entropy"), ("model.py", "forward"),
+           ("train.py", "loop"))
+
+
+def temporary_name(frames):
+    """'temporary/<what made it>[/<op>]' for a short-lived allocation: the innermost frame that
+    says (the backward, the optimizer, clip_grad_norm, the GradScaler, the loss, the model's
+    forward, the loop); <op> is the aten op or autograd node where the stack has one (CPU)."""
+    op = frames[0].get("name") if frames and frames[0].get("filename") == "<op>" else ""
+    for f in frames:
+        text = f"{f.get('filename') or ''}:{f.get('name') or ''}"
+        for word, what in _MAKERS:
+            if word in text:
+                if what == "forward":
+                    what = f"forward/{f.get('name')}"
+                if what == "backward/grad_seed":
+                    return "temporary/backward/grad_seed"
+                return f"temporary/{what}" + (f"/{op}" if op else "")
+    return "temporary/no-frames" if not frames else "temporary/other" + (f"/{op}" if op else "")
+
+
+class _TemporaryNames:
+    """temporary_name per distinct stack of a trace, computed when first asked for: only the
+    allocations someone reads (live at the peak, a categorized trace) need one."""
+
+    def __init__(self, t):
+        col = t.columns.get("frames")
+        self.values, self.table = col if col is not None and col[1] is not None else (None, None)
+        self.cache = {}
+
+    def __call__(self, i):
+        k = -1 if self.values is None else int(self.values[i])
+        if k not in self.cache:
+            self.cache[k] = temporary_name(self.table[k] if k >= 0 else [])
+        return self.cache[k]
+
+
 def recompute_labels(t):
     """{alloc index: module} for allocations made while a checkpoint recomputed (the recorder
     labels them `recompute:<module>` in the entries' user_metadata)."""
@@ -89,14 +128,19 @@ def categorize_trace(snap, meta=None):
         t = traces[d] = as_trace(trace)
         workspaces = trace_workspaces(t, meta)
         event_name, freed, _ = name_events(t, cuts)
+        temporary = _TemporaryNames(t)
         act, addr = t.act.tolist(), t.addr.tolist()
         live, cats = {}, []
         for i in range(t.n):
             a = act[i]
             if a == A["alloc"]:
                 name = event_name.get(i)
-                cat = name.split("/", 1)[0] if name else (
-                    "workspace" if addr[i] in workspaces else "temporary" if freed[i] else "unknown")
+                if name:
+                    cat = "/".join(name.split("/")[:2]) if name.startswith("temporary/") else name.split("/", 1)[0]
+                elif addr[i] in workspaces:
+                    cat = "workspace"
+                else:  # temporaries keep their second level: temporary/backward, temporary/optimizer
+                    cat = "/".join(temporary(i).split("/")[:2]) if freed[i] else "unknown"
                 live[addr[i]] = cat
             elif a in (A["free_requested"], A["free_completed"], A["free"]):
                 cat = live.get(addr[i], "unknown")
@@ -191,8 +235,10 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     if peak_i is not None:
         live = np.flatnonzero(is_alloc[:peak_i + 1] & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
         lines = {}
+        temporary = _TemporaryNames(trace)
         for i in live.tolist():
-            key = event_name.get(i) or ("workspace/cublas" if cat[i] == code["workspace"] else cat_names[cat[i]])
+            key = event_name.get(i) or ("workspace/cublas" if cat[i] == code["workspace"] else
+                                        temporary(i) if cat[i] == code["temporary"] else cat_names[cat[i]])
             lines[key] = lines.get(key, 0) + int(block[i])
         if baseline:
             lines["unattributed/before-trace"] = baseline

@@ -43,6 +43,30 @@ def _frame(rows, columns):
     return pd.DataFrame(rows, columns=columns)
 
 
+_BYTE_COLUMNS = ("predicted", "actual", "diff", "bytes", "activations", "peak")
+
+
+def formatted(df):
+    """A table for reading: bytes with thousands separators and a unit in the column name,
+    differences signed, fractions rounded, and "-" where a side has no value (never NaN)."""
+    import math
+    import numbers
+
+    def cell(col, v):
+        if v is None or (isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral) and math.isnan(v)):
+            return "-"
+        if isinstance(v, (bool, str)) or not isinstance(v, numbers.Real):
+            return v
+        signed = col.startswith("diff") or " vs " in col
+        if col in _BYTE_COLUMNS or isinstance(v, numbers.Integral):
+            return f"{int(v):+,}" if signed else f"{int(v):,}"
+        return f"{v:+.4f}" if "%" in col else f"{v:+,.3f}" if signed else f"{v:,.3f}"
+    out = df.copy().astype(object)
+    for c in out.columns:
+        out[c] = [cell(c, v) for v in df[c]]
+    return out.rename(columns={c: f"{c} B" for c in out.columns if c in _BYTE_COLUMNS})
+
+
 def _with_units(df, cols=("predicted", "actual", "diff")):
     for c in cols:
         if c in df:
@@ -67,19 +91,19 @@ def totals_table(rec):
     df = _frame(rows, ["total", "predicted", "actual", "diff", "diff %"]).set_index("total")
     df["predicted GiB"] = (df["predicted"] / GiB).round(3)
     df["actual GiB"] = (df["actual"] / GiB).round(3)
-    return df
+    return formatted(df)
 
 
 def category_table(rec, phase):
     rows = [(r["key"], r["predicted"], r["actual"], r["diff"], r["diff_pct"]) for r in rec["phases"][phase]["categories"]]
-    return _with_units(_frame(rows, ["category", "predicted", "actual", "diff", "diff %"]).set_index("category"))
+    return formatted(_with_units(_frame(rows, ["category", "predicted", "actual", "diff", "diff %"]).set_index("category")))
 
 
 def named_lines(rec, phase, category=None, layer_prefix=None):
     rows = [(r["key"], r["dtype"], r["formula"], r["predicted"], r["actual"], r["diff"], r["diff_pct"])
             for r in rec["rows"] if r["phase"] == phase and (category is None or r["category"] == category)
             and (layer_prefix is None or r["key"].startswith(layer_prefix))]
-    return _with_units(_frame(rows, ["line", "dtype", "formula", "predicted", "actual", "diff", "diff %"]).set_index("line"))
+    return formatted(_with_units(_frame(rows, ["line", "dtype", "formula", "predicted", "actual", "diff", "diff %"]).set_index("line")))
 
 
 def steady_state_lines(rec):
@@ -95,7 +119,7 @@ def steady_state_lines(rec):
         g[1] += r["predicted"] or 0
         g[2] += r["actual"] or 0
     rows = [(k, n, p, a, a - p, None if not p else round(100 * (a - p) / p, 4)) for k, (n, p, a) in groups.items()]
-    return _with_units(_frame(rows, ["lines", "count", "predicted", "actual", "diff", "diff %"]).set_index("lines"))
+    return formatted(_with_units(_frame(rows, ["lines", "count", "predicted", "actual", "diff", "diff %"]).set_index("lines")))
 
 
 def activations_per_layer(rec):
@@ -109,7 +133,7 @@ def activations_per_layer(rec):
         p[0] += r["predicted"] or 0
         p[1] += r["actual"] or 0
     rows = [(k, p, a, a - p) for k, (p, a) in per.items()]
-    return _with_units(_frame(rows, ["layer", "predicted", "actual", "diff"]).set_index("layer"))
+    return formatted(_with_units(_frame(rows, ["layer", "predicted", "actual", "diff"]).set_index("layer")))
 
 
 def peak_table(rec, top=12):
@@ -117,7 +141,7 @@ def peak_table(rec, top=12):
     rows = [(k, v) for k, v in list(pk.get("lines", {}).items())[:top]]
     df = _frame(rows, ["live at the peak", "bytes"]).set_index("live at the peak")
     df["MiB"] = (df["bytes"] / MiB).round(2)
-    return df
+    return formatted(df)
 
 
 def formulas_table(rec):
@@ -128,7 +152,7 @@ def formulas_table(rec):
     for col, actual in (("activations", t["activations"]["actual"]), ("peak", t["peak"]["actual"])):
         df[f"{col} GiB"] = (df[col] / GiB).round(3)
         df[f"{col} vs actual %"] = None if actual is None else ((df[col] - actual) / actual * 100).round(2)
-    return df
+    return formatted(df)
 
 
 # -- figures ----------------------------------------------------------------------------------
@@ -203,8 +227,8 @@ def sweep_table(rows):
         out.append((r["file"], c.get("preset"), c.get("batch_size"), c.get("dtype"), c.get("attention", "manual"), variant,
                     round(t["peak"]["predicted"] / GiB, 3), round(t["peak"]["actual"] / GiB, 3), t["peak"]["diff_pct"],
                     len(r["activation_lines_mismatched"]), r["unattributed_bytes"]))
-    return _frame(out, ["file", "preset", "batch", "dtype", "attention", "variant", "peak predicted GiB", "peak actual GiB",
-                        "peak diff %", "activation lines off", "unattributed B"])
+    return formatted(_frame(out, ["file", "preset", "batch", "dtype", "attention", "variant", "peak predicted GiB",
+                                  "peak actual GiB", "peak diff %", "activation lines off", "unattributed B"]))
 
 
 def fig_sweep(rows):

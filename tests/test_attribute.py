@@ -102,14 +102,14 @@ def test_categorized_pickle_loads_in_memory_viz(tmp_path, cpu_run):
         snap = _PlainDataUnpickler(f).load()  # plain data only: no class of ours inside
     assert type(snap["device_traces"][0]) is list and type(snap["device_traces"][0][0]) is dict
     cats = {e.get("category") for e in snap["device_traces"][0]}
-    assert {"weights", "optimizer", "activations", "temporary"} <= cats
+    assert {"weights", "optimizer", "activations", "temporary/backward"} <= cats
     assert "<html" in memory_viz.trace_plot(snap).lower()
     assert memory_viz.trace(snap)
 
 
 def test_attribute_cli_json_and_by_name(tmp_path, cpu_run):
     out = tmp_path / "a.json"
-    p = run_cli("attribute", cpu_run, "--json", str(out))
+    p = run_cli("attribute", cpu_run, "--out", str(out))
     assert p.returncode == 0, p.stderr
     data = load_json(out)
     assert set(data) == set(PHASES)

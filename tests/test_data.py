@@ -39,3 +39,25 @@ def test_prepare_refuses_an_empty_file(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), str(src)],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "is empty" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_audit_on_prepared_data_names_every_byte(tmp_path):
+    """Batches read from a memmap (torch.from_numpy over numpy's memory) leave nothing
+    unattributed, and every line is predicted to the byte."""
+    from memory_audit.reconcile import mismatched, reconcile
+    src = tmp_path / "corpus.txt"
+    src.write_text(TEXT)
+    name = "pytest_audit_corpus"
+    out = os.path.join(ROOT, "data", name)
+    try:
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), str(src), f"--name={name}"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        t = run_train("--device=cpu", "--preset=cpu-tiny", "--vocab_size=50304", "--batch_size=2", "--audit",
+                      f"--dataset={name}", f"--audit_dir={tmp_path}", "--run_name=r")
+        assert t.returncode == 0, t.stderr
+        rec = reconcile(str(tmp_path / "r"))
+        assert rec["unattributed_bytes"] == 0
+        assert mismatched(rec["rows"], skip=()) == [] and rec["totals"]["peak"]["diff"] == 0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)

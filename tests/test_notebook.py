@@ -1,6 +1,7 @@
 """analysis.ipynb runs headless on a fresh CPU audit, and renders with its tables and figures."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -32,6 +33,10 @@ def test_notebook_executes_without_errors(executed, cpu_run):
     assert errors == []
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert f"run directory: {cpu_run}" in text
+    tables = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
+    assert "NaN" not in tables and "None" not in tables  # a missing side reads "-"
+    assert re.search(r"\d{1,3},\d{3},\d{3}", tables)  # bytes with thousands separators
     for png in ("categories.png", "timeline.png", "sweep.png", "levers.png"):
         assert os.path.getsize(os.path.join(cpu_run, png)) > 5000
 

@@ -40,3 +40,19 @@ def test_every_results_file_names_its_command():
             assert f"`{name}" in text, name
     for path in set(re.findall(r"scripts/[\w.]+\.(?:sh|json)", text)):
         assert os.path.isfile(os.path.join(ROOT, path)), path
+
+
+def test_every_package_command_runs_as_written(tmp_path):
+    """The README's package commands, exactly as written, in a copy of the repository."""
+    import shutil
+    import subprocess
+    import sys
+    block = re.search(r"## The package\n.*?```bash\n(.*?)```", _readme(), re.S)[1]
+    commands = [l.split("   #")[0].split("  #")[0].strip() for l in block.splitlines() if l.strip()]
+    assert len(commands) >= 8 and any(c.startswith("python -m memory_audit diff") for c in commands)
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "sweep", "__pycache__", "*.categorized.pickle"))
+    for command in commands:
+        p = subprocess.run(command.replace("python ", f"{sys.executable} ", 1), shell=True, cwd=copy,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, (command, p.stderr[-2000:])

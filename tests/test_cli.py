@@ -1,0 +1,88 @@
+"""What a new user meets first: GPU names, help, JSON everywhere, files never clobbered."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import EXAMPLES, run_cli, run_train
+
+EXAMPLE = os.path.join(EXAMPLES, "cuda-tiny-fp16-manual")
+
+
+def test_gpu_names_in_any_case_are_one_table():
+    upper = run_cli("predict", "--preset=gpt2", "--gpu=H100", "--json")
+    lower = run_cli("predict", "--preset=gpt2", "--gpu=h100", "--json")
+    assert upper.returncode == lower.returncode == 0
+    assert json.loads(upper.stdout)["totals"] == json.loads(lower.stdout)["totals"]
+    assert json.loads(lower.stdout)["device"]["capability"] == [9, 0]
+
+
+@pytest.mark.parametrize("cmd", ["predict", "fit"])
+def test_unknown_gpu_is_one_line_unless_described(cmd):
+    p = run_cli(cmd, "--gpu=NoSuchGPU", "--preset=gpt2")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.count("\n") == 1 and "unknown GPU 'NoSuchGPU'" in p.stderr and "--capability" in p.stderr
+    ok = run_cli(cmd, "--gpu=NoSuchGPU", "--memory=25000000000", "--capability=8.9", "--preset=gpt2", "--json")
+    assert ok.returncode == 0, ok.stderr
+    bad = run_cli(cmd, "--gpu=H100", "--memory=0", "--preset=gpt2")
+    assert bad.returncode == 2 and "positive" in bad.stderr
+
+
+def test_fit_json_is_json():
+    p = run_cli("fit", "--gpu=H100", "--preset=gpt2-large", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["fits"] is True and r["largest_batch_size"] == 10 and r["next_batch_peak"] > r["budget"] >= r["its_peak"]
+
+
+def test_help_lists_config_keys_and_grids():
+    p = run_cli("predict", "--help")
+    assert p.returncode == 0
+    for text in ("--activation_checkpointing=none", "none | full | selective | sac", "--dtype=float16",
+                 "--preset=NAME", "cpu-tiny"):
+        assert text in p.stdout, text
+    s = run_cli("sweep", "--help")
+    assert s.returncode == 0 and "cpu-ac" in s.stdout and "gpt2-sizes" in s.stdout
+    t = run_train("--help")
+    assert t.returncode == 0 and "Traceback" not in t.stderr
+    assert "activation_checkpointing = \"none\"" in t.stdout and "max_iters = 600000" in t.stdout
+
+
+def test_attribute_never_overwrites_a_file_it_did_not_write(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(EXAMPLE, run)
+    victim = run / "step2_end.pickle"
+    before = victim.read_bytes()
+    p = run_cli("attribute", str(run), "--out", str(victim))
+    assert p.returncode == 2 and "refusing to overwrite" in p.stderr and "Traceback" not in p.stderr
+    assert victim.read_bytes() == before
+    out = tmp_path / "a.json"
+    assert run_cli("attribute", str(run), "--out", str(out)).returncode == 0
+    assert run_cli("attribute", str(run), "--out", str(out)).returncode == 0  # its own output: fine
+    forced = run_cli("attribute", str(run), "--out", str(victim), "--force")
+    assert forced.returncode == 0 and json.loads(victim.read_text())
+
+
+def test_json_flag_does_not_swallow_the_path():
+    """`attribute --json FILE.pickle` reads FILE.pickle (--json takes no file name)."""
+    p = run_cli("attribute", "--json", os.path.join(EXAMPLE, "step2_start.pickle"))
+    assert p.returncode == 0, p.stderr
+    assert set(json.loads(p.stdout)) == {"step2_start"}
+    q = run_cli("attribute", EXAMPLE, "--json", "-")
+    assert q.returncode == 0 and len(json.loads(q.stdout)) == 3
+
+
+def test_temporaries_say_what_made_them(cpu_run):
+    """No bare "temporary" at the peak or in the categorized trace: each names its maker."""
+    from memory_audit.loader import load_meta, load_snapshot
+    from memory_audit.timeline import categorize_trace, replay
+    meta = load_meta(cpu_run)
+    snap = load_snapshot(os.path.join(cpu_run, "step2_end.pickle"))
+    lines = replay(snap, meta)["peak"]["lines"]
+    temps = {k: v for k, v in lines.items() if k.split("/")[0] == "temporary"}
+    assert "temporary" not in temps and temps["temporary/backward/grad_seed"] == 4
+    assert temps["temporary/backward/aten::nll_loss_backward"] == 4 * 2 * 64 * 512  # fp32 B*T*V
+    cats = {e.get("category") for e in categorize_trace(snap, meta)["device_traces"][0]}
+    assert "temporary" not in cats and {"temporary/backward", "temporary/optimizer"} <= cats
