@@ -265,7 +265,7 @@ def main(argv=None):
     df.add_argument("b", help="run directory or prediction JSON (with the lever)")
     df.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
     s = sub.add_parser("sweep", help="audit a grid of configs and record predicted vs actual")
-    s.add_argument("--grid", default=None, choices=GRIDS, help="a named grid of configs (memory_audit/sweep.py)")
+    s.add_argument("--grid", default=None, help=f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/sweep.py)")
     s.add_argument("--configs", default=None, help="a JSON file: a list of train.py override dicts")
     s.add_argument("--device", default="auto")
     s.add_argument("--out", default=None, help="results .jsonl (default snapshots/results/<device>.jsonl)")

@@ -153,6 +153,64 @@ def categorize_trace(snap, meta=None):
     return snap
 
 
+def _entry_categories(trace, meta, cuts, pair):
+    """Category code of every entry: an alloc's from its name (phases' registry and saved
+    tensors, recomputation), else workspace, else temporary when freed in the trace, else
+    unattributed; a free takes its alloc's. Returns (cat, event_name, unmatched_free)."""
+    act, addr = trace.act, trace.addr
+    event_name, freed, unmatched_free = name_events(trace, cuts)
+    is_alloc = act == A["alloc"]
+    cat = np.full(trace.n, _CODE["unattributed"], dtype=np.int64)
+    cat[is_alloc & freed] = _CODE["temporary"]
+    workspaces = trace_workspaces(trace, meta)
+    cat[is_alloc & np.isin(addr, np.fromiter(workspaces, dtype=np.int64))] = _CODE["workspace"]  # before "freed", as ever
+    for i, name in event_name.items():
+        cat[i] = _CODE.get(name.split("/", 1)[0], _CODE["unattributed"])
+    matched = np.isin(act, FREES) & (pair >= 0)
+    cat[matched] = cat[pair[matched]]
+    return cat, event_name, unmatched_free
+
+
+def _per_category(delta, cat, sample):
+    """{category: bytes at each sampled entry}: a running sum over each category's entries."""
+    per_cat = {}
+    moving = np.flatnonzero(delta)
+    order = moving[np.argsort(cat[moving], kind="stable")]
+    bounds = np.flatnonzero(np.diff(cat[order])) + 1
+    for group in np.split(order, bounds) if len(order) else []:
+        run = np.cumsum(delta[group])
+        at = np.searchsorted(group, sample, side="right") - 1
+        per_cat[CATEGORIES[cat[group[0]]]] = np.where(at >= 0, run[np.maximum(at, 0)], 0)
+    return per_cat
+
+
+def _peak_lines(trace, peak_i, pair, block, cat, event_name, baseline):
+    """{name: bytes} of the allocations live at entry peak_i, largest first."""
+    is_alloc = trace.act[:peak_i + 1] == A["alloc"]
+    live = np.flatnonzero(is_alloc & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
+    lines, temporary = {}, _TemporaryNames(trace)
+    for i in live.tolist():
+        key = event_name.get(i) or ("workspace/cublas" if cat[i] == _CODE["workspace"] else
+                                    temporary(i) if cat[i] == _CODE["temporary"] else CATEGORIES[cat[i]])
+        lines[key] = lines.get(key, 0) + int(block[i])
+    if baseline:
+        lines["unattributed/before-trace"] = baseline
+    return dict(sorted(lines.items(), key=lambda kv: -kv[1]))
+
+
+_CODE = {c: k for k, c in enumerate(CATEGORIES)}
+
+
+def _sample_points(n, start, max_points):
+    """Downsampled entry indexes from just before `start` to the end (the last always in)."""
+    lo = max(start - 1, 0)  # the entry just before the start phase counts, as the loop always did
+    step = max(1, (n - start) // max_points)
+    points = np.arange(lo + (start - lo) % step, n, step)
+    if n > lo and (not len(points) or points[-1] != n - 1):
+        points = np.append(points, n - 1)
+    return lo, points
+
+
 def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000):
     """Replay one device's trace.
 
@@ -163,29 +221,13 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     """
     traces = snap.get("device_traces", [])
     trace = as_trace(traces[device]) if device < len(traces) else Trace({}, 0)
-    n = trace.n
+    n, act, size = trace.n, trace.act, trace.size
     cuts = _phase_names(meta)
-    workspaces = trace_workspaces(trace, meta)
     cpu = bool((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline"))
     # block sizes as memory_allocated() counts them (CPU: no caching allocator, exact bytes)
     block, pair = trace.replayed(cpu)
-    event_name, freed, unmatched_free = name_events(trace, cuts)
-    act, addr, size = trace.act, trace.addr, trace.size
-
-    # category of every alloc; a free takes its alloc's, or unattributed when the trace never saw it
-    cat_names = list(CATEGORIES)
-    code = {c: k for k, c in enumerate(cat_names)}
-    is_alloc = act == A["alloc"]
-    cat = np.full(n, code["unattributed"], dtype=np.int64)
-    cat[is_alloc & freed] = code["temporary"]
-    cat[is_alloc & np.isin(addr, np.fromiter(workspaces, dtype=np.int64))] = code["workspace"]  # before "freed", as ever
-    for i, name in event_name.items():
-        c = name.split("/", 1)[0]
-        cat[i] = code[c] if c in code else code["unattributed"]
-    frees = np.isin(act, FREES)
-    matched = frees & (pair >= 0)
-    cat[matched] = cat[pair[matched]]
-    delta = np.where(is_alloc, block, np.where(frees, -block, 0))
+    cat, event_name, unmatched_free = _entry_categories(trace, meta, cuts, pair)
+    delta = np.where(act == A["alloc"], block, np.where(np.isin(act, FREES), -block, 0))
     allocated = np.cumsum(delta)
 
     end_allocated = sum(b["size"] for s in snap["segments"] if s.get("device", 0) == device
@@ -197,34 +239,18 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
 
     phase_index = {phase: cut for cut, _, phase in cuts}
     start = phase_index.get(start_phase, 0)
-    lo = max(start - 1, 0)  # the entry just before the start phase counts, as the loop always did
-    step = max(1, (n - start) // max_points)
-    points = np.arange(lo + (start - lo) % step, n, step)
-    if n > lo and (not len(points) or points[-1] != n - 1):
-        points = np.append(points, n - 1)
+    lo, points = _sample_points(n, start, max_points)
     peak_i = int(lo + np.argmax(allocated[lo:])) if lo < n else None
-    sample = points if peak_i is None else np.append(points, peak_i)
-    # bytes per category at the sampled entries: a running sum over each category's entries
-    per_cat = {}
-    moving = np.flatnonzero(delta)
-    order = moving[np.argsort(cat[moving], kind="stable")]
-    bounds = np.flatnonzero(np.diff(cat[order])) + 1
-    for group in np.split(order, bounds) if len(order) else []:
-        run = np.cumsum(delta[group])
-        at = np.searchsorted(group, sample, side="right") - 1
-        per_cat[cat_names[cat[group[0]]]] = np.where(at >= 0, run[np.maximum(at, 0)], 0)
+    per_cat = _per_category(delta, cat, points if peak_i is None else np.append(points, peak_i))
 
     def categories_at(j):
-        return {c: int(per_cat[c][j]) for c in cat_names if c in per_cat and per_cat[c][j]}
+        return {c: int(per_cat[c][j]) for c in CATEGORIES if c in per_cat and per_cat[c][j]}
 
-    def time_at(i):
-        return trace.time_us(int(i))
-
-    series = [{"index": int(i), "time_us": time_at(i), "allocated": int(allocated[i]),
+    series = [{"index": int(i), "time_us": trace.time_us(int(i)), "allocated": int(allocated[i]),
                "reserved": int(reserved[i]), "categories": categories_at(j)} for j, i in enumerate(points)]
     peak = {"bytes": -1, "index": None}
     if peak_i is not None:
-        peak = {"bytes": int(allocated[peak_i]), "index": peak_i, "time_us": time_at(peak_i),
+        peak = {"bytes": int(allocated[peak_i]), "index": peak_i, "time_us": trace.time_us(peak_i),
                 "categories": categories_at(len(points))}
     # what was live before the first entry (0 when recording began before any allocation)
     baseline = end_allocated - (int(allocated[-1]) if n else 0)
@@ -233,16 +259,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
         if baseline:
             point["categories"]["unattributed"] = point["categories"].get("unattributed", 0) + baseline
     if peak_i is not None:
-        live = np.flatnonzero(is_alloc[:peak_i + 1] & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
-        lines = {}
-        temporary = _TemporaryNames(trace)
-        for i in live.tolist():
-            key = event_name.get(i) or ("workspace/cublas" if cat[i] == code["workspace"] else
-                                        temporary(i) if cat[i] == code["temporary"] else cat_names[cat[i]])
-            lines[key] = lines.get(key, 0) + int(block[i])
-        if baseline:
-            lines["unattributed/before-trace"] = baseline
-        peak["lines"] = dict(sorted(lines.items(), key=lambda kv: -kv[1]))
+        peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, baseline)
         peak["action"] = trace.action(peak_i)
         peak["frames"] = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
                           for f in trace.frames(peak_i)[:4]]

@@ -57,7 +57,7 @@ def formatted(df):
             return "-"
         if isinstance(v, (bool, str)) or not isinstance(v, numbers.Real):
             return v
-        signed = col.startswith("diff") or " vs " in col
+        signed = col.startswith(("diff", "peak diff")) or " vs " in col
         if col in _BYTE_COLUMNS or isinstance(v, numbers.Integral):
             return f"{int(v):+,}" if signed else f"{int(v):,}"
         return f"{v:+.4f}" if "%" in col else f"{v:+,.3f}" if signed else f"{v:,.3f}"
@@ -81,7 +81,7 @@ def setup_table(rec):
             ("batch x block", f"{c['batch_size']} x {c['block_size']} (grad accumulation {c['gradient_accumulation_steps']})"),
             ("dtype", c["dtype"]), ("attention / activation", f"{c['attention']} / {c['activation']}"),
             ("optimizer", f"AdamW {c['optimizer_impl']}, zero_grad(set_to_none={c['set_to_none']})"),
-            ("device", f"{d.get('name')} (capability {d.get('capability')})"),
+            ("device", d.get("name") if d.get("capability") is None else f"{d.get('name')} (capability {d.get('capability')})"),
             ("torch", rec["torch_version"]), ("run", rec["run"])]
     return _frame(rows, ["", "value"]).set_index("")
 
@@ -286,11 +286,8 @@ def levers_table(rows):
                     mode, t["activations"]["actual"], t["activations"]["actual"] - tb["activations"]["actual"],
                     t["peak"]["actual"], t["peak"]["actual"] - tb["peak"]["actual"], t["peak"]["diff"],
                     cost.get("peak_at", ""), None if share is None else round(share, 3)))
-    df = _frame(out, ["setup", "mode", "activations B", "vs none B", "peak B", "peak vs none B",
-                      "peak measured - predicted B", "peak at (predicted)", "recompute / forward FLOPs"])
-    for col in ("activations B", "vs none B", "peak B", "peak vs none B", "peak measured - predicted B"):
-        df[col] = df[col].map(lambda v: f"{v:+,}" if "vs" in col or "-" in col else f"{v:,}")
-    return df
+    return formatted(_frame(out, ["setup", "mode", "activations B", "diff vs none B", "peak B", "peak diff vs none B",
+                                  "diff peak measured - predicted B", "peak at (predicted)", "recompute / forward FLOPs"]))
 
 
 def levers_predicted(config, device):

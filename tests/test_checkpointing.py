@@ -81,8 +81,8 @@ def test_diff_none_against_full(audits, tmp_path):
     d = json.loads(r.stdout)
     assert all(v["diff"] == 0 for v in d["totals"].values())
     assert all(ph["lines"] == [] for ph in d["phases"].values())
-    bad = run_cli("diff", full, "--json", str(pred))  # --json takes no file name
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    flag = run_cli("diff", full, "--json", str(pred))  # --json takes no file name: both paths are read
+    assert flag.returncode == 0 and json.loads(flag.stdout)["b"]["kind"] == "prediction"
 
 
 def test_full_checkpointing_activations_by_hand():
