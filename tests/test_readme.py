@@ -50,6 +50,8 @@ def test_every_package_command_runs_as_written(tmp_path):
     block = re.search(r"## The package\n.*?```bash\n(.*?)```", _readme(), re.S)[1]
     commands = [l.split("   #")[0].split("  #")[0].strip() for l in block.splitlines() if l.strip()]
     assert len(commands) >= 8 and any(c.startswith("python -m memory_audit diff") for c in commands)
+    setup = re.search(r"## Set up and run.*?```bash\n(.*?)```", _readme(), re.S)[1].splitlines()[0]
+    commands.insert(0, setup.split("&&")[1].strip())  # the main job; CI runs the install itself
     copy = tmp_path / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "sweep", "__pycache__", "*.categorized.pickle"))
     for command in commands:
