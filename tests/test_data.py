@@ -12,15 +12,21 @@ from conftest import ROOT, run_train
 TEXT = "Hello world. " * 400 + "Memory accounting for transformers, byte by byte.\n" * 50
 
 
-def test_prepare_then_train(tmp_path):
-    src = tmp_path / "tiny_corpus.txt"
+def _prepare(tmp_path, name):
+    """Tokenize TEXT into data/<name>/ with data/prepare.py; returns that folder."""
+    src = tmp_path / f"{name}.txt"
     src.write_text(TEXT)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), str(src), f"--name={name}"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return os.path.join(ROOT, "data", name)
+
+
+def test_prepare_then_train(tmp_path):
     name = "pytest_tiny_corpus"
     out = os.path.join(ROOT, "data", name)
     try:
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), str(src), f"--name={name}"],
-                           capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr
+        _prepare(tmp_path, name)
         ids = np.fromfile(os.path.join(out, "train.bin"), dtype=np.uint16)
         assert list(ids[:2]) == [15496, 995]  # "Hello world", as tiktoken's gpt2 encodes it
         t = run_train("--device=cpu", "--preset=cpu-tiny", "--vocab_size=50304", "--batch_size=2",
@@ -45,14 +51,10 @@ def test_audit_on_prepared_data_names_every_byte(tmp_path):
     """Batches read from a memmap (torch.from_numpy over numpy's memory) leave nothing
     unattributed, and every line is predicted to the byte."""
     from memory_audit.reconcile import mismatched, reconcile
-    src = tmp_path / "corpus.txt"
-    src.write_text(TEXT)
     name = "pytest_audit_corpus"
     out = os.path.join(ROOT, "data", name)
     try:
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), str(src), f"--name={name}"],
-                           capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr
+        _prepare(tmp_path, name)
         t = run_train("--device=cpu", "--preset=cpu-tiny", "--vocab_size=50304", "--batch_size=2", "--audit",
                       f"--dataset={name}", f"--audit_dir={tmp_path}", "--run_name=r")
         assert t.returncode == 0, t.stderr
