@@ -1,4 +1,4 @@
-"""The peak of the step, found by walking the backward block by block.
+"""The peak of the step: the start of backward, and the moments a lever makes compete with it.
 
 Without recomputation the peak is the start of backward: cross-entropy's gradient on top of
 everything saved. With activation checkpointing each checkpointed block's backward first
@@ -28,13 +28,41 @@ under-predicted. The CUDA moments follow the same rules but are not yet measured
 """
 
 from .levers import block_mode
-from .parts import line, numel as _numel
+from .parts import grad_phases, line, numel as _numel
 
 PEAK = ("peak",)
 
 
 def _delta(s, key, nbytes, formula, note=""):
     return line(s, key, nbytes, "", [], formula, PEAK, note)
+
+
+def _backward_begun(s, cfg):
+    """What every moment after backward() is called holds: the prefetched batch, fp16's scaled
+    loss and the grad seed backward() keeps until it returns."""
+    out = [_delta(s, "inputs/next_batch", 2 * 8 * s["B"] * s["T"], "2*8*B*T", "prefetched X, Y")]
+    if cfg["dtype"] == "float16":
+        out.append(_delta(s, "temporary/scaled_loss", 4, "4", "scaler.scale(loss)"))
+    out.append(_delta(s, "temporary/grad_seed", 4, "4", "ones_like(loss) for backward"))
+    return out
+
+
+def start_of_backward(s, cfg):
+    """The peak of an eager step: the start of backward, when cross-entropy's gradient appears."""
+    B, T, Nl = s["B"], s["T"], s["Nl"]
+    out = _backward_begun(s, cfg)
+    if s["pol"]["nll_fp32_copy"]:
+        out.append(_delta(s, "temporary/grad_into_nll", 4, "4", "d loss / d nll output"))
+        out.append(_delta(s, "temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
+        return out
+    # the peak comes one node later, at log_softmax's backward; nll_loss has let go
+    out.append(_delta(s, "temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
+    out.append(_delta(s, "temporary/log_softmax_grad", 4 * Nl, "4*B*T*V", "log_softmax backward output, fp32"))
+    out.append(_delta(s, "released/nll_loss.target", -8 * B * T, "-8*B*T", "the old targets, saved by nll_loss"))
+    out.append(_delta(s, "released/nll_loss.total_weight", -4, "-4"))
+    if s["dt"] == "cpu":
+        out.append(_delta(s, "released/div.other", -8, "-8"))
+    return out
 
 
 def _param_grads(s, params, prefixes):
@@ -51,8 +79,9 @@ def _released_after(acts, b):
     """Activation lines freed by the time block b's backward starts: what later blocks kept and
     the head's saved tensors (not the logits the loop holds)."""
     head = ("activations/ln_f/", "activations/lm_head/", "activations/gpt/")
-    return [l for l in acts if (_block_of(l["key"]) or -1) > b
-            or (l["key"].startswith(head) and l["key"] != "activations/lm_head/output")]
+    later = [l for l in acts if _block_of(l["key"]) is not None and _block_of(l["key"]) > b]
+    return later + [l for l in acts if _block_of(l["key"]) is None
+                    and l["key"].startswith(head) and l["key"] != "activations/lm_head/output"]
 
 
 def block_moment(s, cfg, params, acts, b, redo):
@@ -60,11 +89,8 @@ def block_moment(s, cfg, params, acts, b, redo):
     B, T, d, L = s["B"], s["T"], s["d"], s["L"]
     out = [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"]) for l in _released_after(acts, b)]
     out.append(_delta(s, "released/inputs.y", -8 * B * T, "-8*B*T", "old targets, freed with nll_loss"))
-    out.append(_delta(s, "inputs/next_batch", 2 * 8 * B * T, "2*8*B*T", "prefetched X, Y"))
-    if cfg["dtype"] == "float16":
-        out.append(_delta(s, "temporary/scaled_loss", 4, "4", "scaler.scale(loss)"))
-    out.append(_delta(s, "temporary/grad_seed", 4, "4", "ones_like(loss), held until backward returns"))
-    if "step2_before_backward" not in _grad_phases(cfg):  # fresh gradients, made as backward goes
+    out += _backward_begun(s, cfg)
+    if "step2_before_backward" not in grad_phases(cfg):  # fresh gradients, made as backward goes
         later = tuple(f"transformer.h.{j}." for j in range(b + 1, L)) + ("transformer.ln_f.",)
         out.append(_delta(s, "grads/later_blocks", _param_grads(s, params, later), "4*numel",
                           f"blocks {b + 1}..{L - 1} and ln_f"))
@@ -112,7 +138,7 @@ def _first_matmul(s, cfg, b):
     gradient is still the low-precision one (its fp32 copy comes with AccumulateGrad). Where
     gradients already exist (accumulation, set_to_none=False) the new one is a temporary until
     it is added in place."""
-    d, Ne, a, fresh = s["d"], s["Ne"], s["a"], "step2_before_backward" not in _grad_phases(cfg)
+    d, Ne, a, fresh = s["d"], s["Ne"], s["a"], "step2_before_backward" not in grad_phases(cfg)
     out = [_delta(s, f"temporary/h.{b}/grad_output", 4 * Ne, "4*B*T*d", "gradient into the block (fp32)")]
     w = f"h.{b}.mlp.c_proj"
     if s["autocast"]:
@@ -137,11 +163,6 @@ def _activation_backward(s, b):
     if s["activation"] == "gelu":
         out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d", "GELU output"))
     return out
-
-
-def _grad_phases(cfg):
-    from .predict import grad_phases
-    return grad_phases(cfg)
 
 
 def peak_lines(s, cfg, params, acts, recomputed, start):

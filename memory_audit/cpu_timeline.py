@@ -8,7 +8,9 @@ has no caching allocator: each live allocation becomes its own segment with one 
 
 import re
 
-RECOMPUTE_RANGE = "memory_audit::recompute:"  # recorder._RecomputeLabel's profiler range
+from .schema import MARKER_PREFIX, RECOMPUTE_LABEL
+
+RECOMPUTE_RANGE = MARKER_PREFIX + RECOMPUTE_LABEL  # recorder._RecomputeLabel's profiler range
 _FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<name>.*)$")
 
 
@@ -45,7 +47,7 @@ def timeline_events(prof, markers):
             if name in markers and name not in marker_times:
                 marker_times[name] = event.start_time_ns
             if name.startswith(RECOMPUTE_RANGE):  # a range across Python frames: nothing nests in it
-                ranges.append((event.start_time_ns, event.end_time_ns, name[len("memory_audit::"):]))
+                ranges.append((event.start_time_ns, event.end_time_ns, name[len(MARKER_PREFIX):]))
         if event.tag == _EventType.Allocation:
             key = TensorKey.from_allocation(event.extra_fields)
             if key and event.extra_fields.alloc_size > 0:
@@ -53,7 +55,7 @@ def timeline_events(prof, markers):
                 while parent:
                     if parent.tag in (_EventType.PyCall, _EventType.PyCCall):
                         frames.append(_frame(_name(parent)))
-                    elif op is None and parent.tag == _EventType.TorchOp and not _name(parent).startswith("memory_audit::"):
+                    elif op is None and parent.tag == _EventType.TorchOp and not _name(parent).startswith(MARKER_PREFIX):
                         op = _name(parent)  # the innermost op: aten::mm, or an autograd node in backward
                     parent = parent.parent
                 # the op that allocated it, as a frame of its own (CUDA stacks name Python only)

@@ -130,7 +130,7 @@ def checkpointed(s, cfg, i, lines):
 
 
 def recompute_flops(s, cfg):
-    """Matmul FLOPs the backward spends recomputing, per optimizer step, and the rule behind it."""
+    """Matmul FLOPs the backward spends recomputing, per optimizer step."""
     B, T, d = s["B"], s["T"], s["d"]
     per = {"c_attn": 2 * B * T * d * 3 * d, "core": 2 * 2 * B * T * T * d, "c_proj": 2 * B * T * d * d,
            "c_fc": 2 * B * T * d * 4 * d}  # mlp.c_proj is never rerun: early stop after saving its input

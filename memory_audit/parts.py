@@ -50,6 +50,14 @@ def shape_facts(cfg, dev):
             "sdpa_backend": dev.get("sdpa_backend")}
 
 
+def grad_phases(cfg):
+    """The phases gradients are allocated in: kept all step unless zero_grad sets them to None."""
+    keep = not cfg["set_to_none"]
+    return [p for p, alive in (("step2_start", keep),
+                               ("step2_before_backward", keep or cfg["gradient_accumulation_steps"] > 1),
+                               ("step2_end", keep)) if alive]
+
+
 def round_block(nbytes, device_type):
     """Bytes the CUDA caching allocator hands out for a request; CPU memory is not rounded."""
     return round_size(nbytes) if device_type == "cuda" else nbytes

@@ -19,10 +19,11 @@ peak (backward.py). Lines carry no state between parts: data flows one way.
 """
 
 from .attribute import workspace_size_from_env
+from .backward import peak_lines, start_of_backward
 from .gap_sim import predicted_gaps
 from .levers import checkpointed, forward_flops, recompute_flops
 from .parts import DTYPE_BYTES, POLICIES, block, embedding, head, line, round_block, shape_facts  # noqa: F401
-from .parts import numel as _numel
+from .parts import grad_phases, numel as _numel
 from .schema import PHASES, check_model_config
 
 GiB = 2 ** 30
@@ -106,14 +107,6 @@ def _validate(cfg):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
 
 
-def grad_phases(cfg):
-    """The phases gradients are allocated in: kept all step unless zero_grad sets them to None."""
-    keep = not cfg["set_to_none"]
-    return [p for p, alive in (("step2_start", keep),
-                               ("step2_before_backward", keep or cfg["gradient_accumulation_steps"] > 1),
-                               ("step2_end", keep)) if alive]
-
-
 def steady_lines(s, cfg, dev, params):
     """Weights, buffers, grads, optimizer state, the batch, the loss and the cuBLAS workspaces."""
     dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
@@ -156,26 +149,6 @@ def activation_lines(s, cfg):
     return lines + head(s, cfg["keep_logits"]), recomputed
 
 
-def start_of_backward(s, cfg):
-    """The peak of an eager step: the start of backward, when cross-entropy's gradient appears."""
-    B, T, Nl, dt = s["B"], s["T"], s["Nl"], s["dt"]
-    extras = [("inputs/next_batch", 2 * 8 * B * T, "2*8*B*T", "prefetched X, Y")]
-    if cfg["dtype"] == "float16":
-        extras.append(("temporary/scaled_loss", 4, "4", "scaler.scale(loss)"))
-    extras.append(("temporary/grad_seed", 4, "4", "ones_like(loss) for backward"))
-    if s["pol"]["nll_fp32_copy"]:
-        extras.append(("temporary/grad_into_nll", 4, "4", "d loss / d nll output"))
-        extras.append(("temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
-    else:  # the peak comes one node later, at log_softmax's backward; nll_loss has let go
-        extras.append(("temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
-        extras.append(("temporary/log_softmax_grad", 4 * Nl, "4*B*T*V", "log_softmax backward output, fp32"))
-        extras.append(("released/nll_loss.target", -8 * B * T, "-8*B*T", "the old targets, saved by nll_loss"))
-        extras.append(("released/nll_loss.total_weight", -4, "-4", ""))
-        if dt == "cpu":
-            extras.append(("released/div.other", -8, "-8", ""))
-    return [line(s, key, nbytes, "", [], formula, ("peak",), note) for key, nbytes, formula, note in extras]
-
-
 _LEVER_FIELDS = ("region", "alias", "graph", "input_alias", "feeds")
 
 
@@ -202,7 +175,6 @@ def predict(config=None, device=None, gaps_bytes=None):
     s = shape_facts(cfg, dev)
     params = param_shapes(cfg)
     acts, recomputed = activation_lines(s, cfg)
-    from .backward import peak_lines  # the backward model builds on the lines above
     peak, backward = peak_lines(s, cfg, params, acts, recomputed, start_of_backward(s, cfg))
     ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
     totals = _totals(ledger, params, dev["type"], gaps_bytes, cfg)

@@ -25,11 +25,10 @@ from contextlib import contextmanager
 
 import torch
 
-from .schema import META_SCHEMA_VERSION
+from .schema import MARKER_PREFIX, META_SCHEMA_VERSION, RECOMPUTE_LABEL
 
 MEMORY_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
                    "CUBLASLT_WORKSPACE_SIZE", "PYTORCH_NO_CUDA_MEMORY_CACHING")
-MARKER_PREFIX = "memory_audit::"
 
 
 class AuditError(RuntimeError):
@@ -117,14 +116,15 @@ class _RecomputeLabel:
     cpu_timeline copies into the trace entries' user_metadata)."""
 
     def __init__(self, inner, module, cuda):
-        self.inner, self.label, self.cuda = inner, f"recompute:{module}", cuda
-        self.range = None
+        self.inner, self.label = inner, RECOMPUTE_LABEL + module
+        # CUDA labels allocations through the allocator (torch versions without the call: none)
+        self.metadata = cuda and hasattr(torch.cuda.memory, "_set_memory_metadata")
+        self.range = None if cuda else torch.profiler.record_function(MARKER_PREFIX + self.label)
 
     def __enter__(self):
-        if self.cuda and hasattr(torch.cuda.memory, "_set_memory_metadata"):
+        if self.metadata:
             torch.cuda.memory._set_memory_metadata(self.label)
-        elif not self.cuda:
-            self.range = torch.profiler.record_function(MARKER_PREFIX + self.label)
+        elif self.range is not None:
             self.range.__enter__()
         return self.inner.__enter__()
 
@@ -132,10 +132,10 @@ class _RecomputeLabel:
         try:
             return self.inner.__exit__(*exc)
         finally:
-            if self.range is not None:
-                self.range.__exit__(None, None, None)
-            elif self.cuda and hasattr(torch.cuda.memory, "_set_memory_metadata"):
+            if self.metadata:
                 torch.cuda.memory._set_memory_metadata("")
+            elif self.range is not None:
+                self.range.__exit__(None, None, None)
 
 
 @contextmanager

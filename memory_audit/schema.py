@@ -58,6 +58,12 @@ def check_checkpointing(cfg):
 
 PHASES = ("step2_start", "step2_before_backward", "step2_end")
 
+# Names the recorder leaves in a profile or trace: phase markers (CPU profiler ranges) and the
+# label of a checkpoint's recomputation (CUDA: allocator memory metadata; CPU: a profiler range,
+# copied into the trace entries' user_metadata).
+MARKER_PREFIX = "memory_audit::"
+RECOMPUTE_LABEL = "recompute:"
+
 # Categories an active or cached byte can land in, in the order tables print them.
 CATEGORIES = (
     "weights", "buffers", "grads", "optimizer", "inputs", "activations", "recomputed",

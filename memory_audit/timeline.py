@@ -13,7 +13,7 @@ allocation live at that moment, never to the address.
 import numpy as np
 
 from .attribute import trace_workspaces
-from .schema import CATEGORIES
+from .schema import CATEGORIES, RECOMPUTE_LABEL
 from .trace import A, FREES, Trace, as_trace
 
 
@@ -81,9 +81,9 @@ def recompute_labels(t):
     values, table = col
     out = {}
     for j, text in enumerate(table):
-        if isinstance(text, str) and text.startswith("recompute:"):
+        if isinstance(text, str) and text.startswith(RECOMPUTE_LABEL):
             for i in np.flatnonzero((values == j) & (t.act == A["alloc"])).tolist():
-                out[i] = text[len("recompute:"):]
+                out[i] = text[len(RECOMPUTE_LABEL):]
     return out
 
 
