@@ -196,6 +196,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    audit_prefix = "transformer."  # memory_audit's ledger keys drop it: activations/h.0/...
 
     def __init__(self, config):
         super().__init__()

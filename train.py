@@ -174,9 +174,9 @@ def get_batch(split):
 
 
 # the audit starts before the model exists, so the weights' allocations are in the trace ------
-recording = None
+audit_obj = None
 if audit:
-    from memory_audit.recorder import AuditRecording, AuditError
+    from memory_audit import Audit, AuditError
     if not run_name:
         _ac = "" if activation_checkpointing == "none" else f"-ac{activation_checkpointing}{ac_every if ac_every > 1 else ''}"
         run_name = f"{preset}-{dtype}-{attention}-{activation}{_ac}-b{batch_size}-t{block_size}-{datetime.now():%Y%m%d-%H%M%S}"
@@ -185,9 +185,9 @@ if audit:
     while os.path.exists(run_dir):  # never overwrite an earlier run
         _n += 1
         run_dir = os.path.join(audit_dir, f"{run_name}-{_n}")
-    recording = AuditRecording(run_dir, device, config, max_entries=audit_max_entries)
-    try:
-        recording.__enter__()
+    try:  # step indexes count from 0 (iter_num); audit_step counts from 1
+        audit_obj = Audit(out_dir=run_dir, device=device, step=audit_step - 1, config=config,
+                          max_entries=audit_max_entries)
     except AuditError as e:
         fail(str(e))
     print(f"audit: recording allocator history into {run_dir}")
@@ -201,6 +201,8 @@ def train():
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer_impl)
     train_model = torch.compile(model) if compile else model
+    if audit_obj is not None:
+        audit_obj.watch(model, optimizer, scaler)
 
     def get_lr(it):
         if it < warmup_iters:  # linear warmup
@@ -221,37 +223,26 @@ def train():
         lr = get_lr(iter_num) if decay_lr else learning_rate
         for group in optimizer.param_groups:
             group["lr"] = lr
-        auditing = recording is not None and step == audit_step
-        if auditing:  # steady state: weights, grads if kept, Adam state, workspaces, the batch
-            recording.phase("step2_start", model, optimizer, scaler,
-                            {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
-        for micro_step in range(gradient_accumulation_steps):
-            audited = auditing and micro_step == gradient_accumulation_steps - 1
-            with ctx, (recording.audited_forward(model) if audited else nullcontext()) as label:
-                logits, loss = train_model(X, Y)
-                loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation
-            if not keep_logits:
-                logits = None  # nothing else refers to them: their memory is free before backward
-            if audited:  # activations live: everything autograd saved, plus the logits we hold
-                label(loss, held={"lm_head": logits} if keep_logits else None)
-                recording.phase("step2_before_backward", model, optimizer, scaler,
-                                {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
-            X, Y = get_batch("train")  # prefetch the next batch while the GPU works
-            scaler.scale(loss).backward()
-            del logits  # nanoGPT would hold the last logits (2*B*T*V bytes) into the next forward
-        if auditing:  # gradients exist now; name them before zero_grad can free them
-            recording.phase("step2_after_backward", model, optimizer, scaler,
-                            {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss}, dump=False)
-        if grad_clip != 0.0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=set_to_none)
-        if auditing:  # the whole step is in the trace now, peak included
-            recording.phase("step2_end", model, optimizer, scaler,
-                            {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
-            recording.stop()
+        # the audited step: weights, grads if kept, Adam state, workspaces, the batch, by name
+        with (audit_obj.step(iter_num, tensors=lambda: {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
+              if audit_obj is not None else nullcontext()):
+            for micro_step in range(gradient_accumulation_steps):
+                with ctx:
+                    logits, loss = train_model(X, Y)
+                    loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation
+                if not keep_logits:
+                    logits = None  # nothing else refers to them: their memory is free before backward
+                if audit_obj is not None:  # activations live: what autograd saved, plus the logits we hold
+                    audit_obj.before_backward(loss, held={"lm_head": logits} if keep_logits else None)
+                X, Y = get_batch("train")  # prefetch the next batch while the GPU works
+                scaler.scale(loss).backward()
+                del logits  # nanoGPT would hold the last logits (2*B*T*V bytes) into the next forward
+            if grad_clip != 0.0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=set_to_none)
         lossf = loss.item() * gradient_accumulation_steps
         losses.append(lossf)
         dt = time.time() - t0
@@ -271,31 +262,31 @@ except KeyboardInterrupt:
 except Exception as e:
     if os.environ.get("MEMORY_AUDIT_DEBUG"):
         raise
-    if recording is not None:
+    if audit_obj is not None:
         also = ""
         try:  # leaves oom.pickle / crash.pickle and meta.json behind where the disk allows
-            recording.__exit__(type(e), e, e.__traceback__)
+            audit_obj.close(error=e)
         except Exception as e2:  # the first error is the one to report; this one rides along
             also = f" (and the crash snapshot could not be written: {e2})"
         if isinstance(e, AuditError):
             fail(str(e) + also)
-        dumped = [f for f in recording.files if f in ("oom.pickle", "crash.pickle")]
-        where = f"; snapshot written to {os.path.join(recording.run_dir, dumped[0])}" if dumped else ""
+        dumped = [f for f in audit_obj.files if f in ("oom.pickle", "crash.pickle")]
+        where = f"; snapshot written to {os.path.join(audit_obj.run_dir, dumped[0])}" if dumped else ""
         fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}{also}")
     if isinstance(e, torch.OutOfMemoryError):
         fail(f"out of memory: {str(e).splitlines()[0]} (run with --audit to keep a snapshot of it)")
     raise
-if recording is not None:
+if audit_obj is not None:
     try:
-        recording.__exit__(None, None, None)
+        audit_obj.close()
     except AuditError as e:
         fail(str(e))
-    print(f"audit: wrote {', '.join(recording.files)} and meta.json to {recording.run_dir}")
+    print(f"audit: wrote {', '.join(audit_obj.files)} and meta.json to {audit_obj.run_dir}")
     from memory_audit.report import summarize_run
     try:
-        print(summarize_run(recording.run_dir))
+        print(summarize_run(audit_obj.run_dir))
     except Exception as e:  # the audit's files are written; say why the report is missing
-        print(f"warning: no report for {recording.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"warning: no report for {audit_obj.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
 if losses_out:
     with open(losses_out, "w") as f:
         json.dump([float(x).hex() for x in _losses], f)

@@ -112,15 +112,27 @@ def trace_workspaces(trace, meta=None):
     return out
 
 
+def phase_names(meta, phase):
+    """{address: (name, rule)} a phase of an audit run names: its registry (weights, buffers,
+    grads, optimizer state, what the loop named), the saved tensors (before backward), then
+    what the loop holds that nothing else named (the model's output, the loss)."""
+    by_addr = {}
+    info = (meta or {}).get("phases", {}).get(phase)
+    if info is None:
+        return by_addr
+    for r in info.get("registry", []):
+        by_addr.setdefault(r["data_ptr"], (r["name"], "registry"))
+    if phase == "step2_before_backward":
+        for s in meta.get("saved_tensors", []):
+            by_addr.setdefault(s["data_ptr"], (s["key"], "saved-tensors"))
+    for r in info.get("held", []):
+        by_addr.setdefault(r["data_ptr"], (r["name"], "held"))
+    return by_addr
+
+
 def block_namer(snap, meta=None, phase=None):
     """Return name(block) -> (name, rule), built for one snapshot and its phase."""
-    by_addr = {}
-    if meta and phase in meta.get("phases", {}):
-        for r in meta["phases"][phase].get("registry", []):
-            by_addr.setdefault(r["data_ptr"], (r["name"], "registry"))
-        if phase == "step2_before_backward":
-            for s in meta.get("saved_tensors", []):
-                by_addr.setdefault(s["data_ptr"], (s["key"], "saved-tensors"))
+    by_addr = phase_names(meta, phase)
     workspaces = set()
     for trace in snap.get("device_traces", []):
         workspaces |= trace_workspaces(trace, meta)

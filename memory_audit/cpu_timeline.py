@@ -28,11 +28,13 @@ def _name(event):
         return "<undecodable>"
 
 
-def timeline_events(prof, markers):
+def timeline_events(prof, markers, keep=()):
     """Allocation events of a finished profile and the times of the named markers.
 
     Returns (events, marker_times): events is a time-ordered list of
-    (t_ns, "alloc"|"free", addr, size, frames, category, user_metadata); marker_times maps
+    (t_ns, "alloc"|"free"|"pre", addr, size, frames, category, user_metadata); "pre" is a tensor
+    that existed before the profile began and whose address is in `keep` (the recorder's named
+    addresses: weights made before an Audit was); marker_times maps
     marker -> t_ns. user_metadata is "recompute:<module>" for an allocation made inside a
     labelled recomputation (as CUDA's allocator records it), else "".
     """
@@ -69,9 +71,12 @@ def timeline_events(prof, markers):
         if t_first is None and t >= 0:
             t_first = t
         if action == Action.PREEXISTING:
-            # The recorder starts the profiler before anything exists, so a tensor it never saw
-            # allocated is memory torch's allocator did not hand out: numpy's, wrapped by
-            # torch.from_numpy (memmap batches). Its free is never reported either; leave it out.
+            # Before the profile: kept when a phase named it (weights of a model made before the
+            # Audit). Others are left out: numpy's memory wrapped by torch.from_numpy (memmap
+            # batches) shows up this way too, and its free is never reported.
+            if key.storage.ptr in keep:
+                live[key] = (key.storage.ptr, size)
+                events.append((-1, "pre", key.storage.ptr, size, stacks.get(key, []), None, ""))
             continue
         if action == Action.CREATE:
             category = mp._categories.get(key, version)
@@ -94,7 +99,9 @@ def snapshot_at(events, t_cut):
         if t > t_cut:
             break
         time_us = max(t, 0) // 1000
-        if action == "alloc":
+        if action == "pre":  # live before the trace began: in the segments, not in the trace
+            live[addr] = (size, frames)
+        elif action == "alloc":
             live[addr] = (size, frames)
             trace.append({"action": "alloc", "addr": addr, "size": size, "stream": 0,
                           "frames": frames, "time_us": time_us, "category": category})

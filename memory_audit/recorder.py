@@ -21,6 +21,7 @@ import pickle
 import re
 import time
 import traceback
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -89,8 +90,21 @@ def _op_name(grad_fn_name, attr):
     return f"{base}.{attr[len('_saved_'):]}"
 
 
-def _short_module(path):
-    return path[len("transformer."):] if path.startswith("transformer.") else (path or "gpt")
+def _short_module(path, prefix="", root="model"):
+    """Module path as ledger keys write it: the model's own prefix dropped (GPT: 'transformer.'),
+    '' (the model itself) as its class name, None (outside the model: the loop's loss) as 'loop'."""
+    if path is None:
+        return "loop"
+    if prefix and path.startswith(prefix):
+        return path[len(prefix):]
+    return path or root
+
+
+def module_namer(model):
+    """_short_module for this model: its `audit_prefix` (model.py's GPT: 'transformer.') and its
+    class name for the model itself."""
+    prefix, root = getattr(model, "audit_prefix", ""), type(model).__name__.lower()
+    return lambda path: _short_module(path, prefix, root)
 
 
 class _Region:
@@ -139,7 +153,7 @@ class _RecomputeLabel:
 
 
 @contextmanager
-def checkpoint_observers(model, windows, keep, cuda):
+def checkpoint_observers(model, windows, keep, cuda, short):
     """For the audited forward, wrap every checkpointing module's `ac_context_fn` (model.py's
     convention) so its region is noted and its recomputation labelled, and let SAC blocks report
     the outputs they keep through `keep(op, output)`. Restores the modules on exit; contexts
@@ -152,7 +166,7 @@ def checkpoint_observers(model, windows, keep, cuda):
 
         def context_fn(fn=fn, name=name):
             fwd, rec = fn()
-            return _Region(fwd, windows), _RecomputeLabel(rec, _short_module(name), cuda)
+            return _Region(fwd, windows), _RecomputeLabel(rec, short(name), cuda)
         wrapped.append((m, fn, getattr(m, "sac_observer", None)))
         m.ac_context_fn = context_fn
         if hasattr(m, "sac_observer"):
@@ -174,40 +188,50 @@ def saved_tensor_ledger(model, out, device):
     each tensor unchanged, so the forward computes exactly what it computes without them.
     Activation checkpointing: a region's own saved tensors are not stored (the graph walk skips
     its nodes); its inputs are (`checkpoint.input`), and so are the outputs SAC keeps
-    (`<op>.sac_output`).
+    (`<op>.sac_output`). Tensors saved outside the model (the loop's loss) have module None.
     """
     stack = []
     first_seen = {}  # storage data_ptr -> record, in forward order
     windows = []  # [start, end) autograd sequence numbers of checkpointed regions
-
     seq_log = []  # (next autograd sequence number, module running from then on)
+    weak = []  # weak references to what was saved: their grad_fns find the graph without a loss
+    short = module_namer(model)
 
+    # A checkpoint's recomputation (in backward) runs the modules again and may stop midway
+    # (early stop): the hooks leave it alone, so the stack stays the forward's.
     def pre(mod, args):
-        stack.append(names[mod])
-        seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1]))
+        if torch._C._current_autograd_node() is None:
+            stack.append(names[mod])
+            seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1]))
 
     def post(mod, args, output):
-        stack.pop()
+        if torch._C._current_autograd_node() is not None:
+            return
+        stack.pop()  # the last module to run keeps the wrapped scalars that follow it
         seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1] if stack else ""))
+        if not stack:
+            weak.extend(weakref.ref(t) for t in _tensors_in(output))
 
     def record(t, op=None, held=False):
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr not in first_seen:
-            first_seen[ptr] = {"module": stack[-1] if stack else "", "data_ptr": ptr, "device": str(t.device),
+            first_seen[ptr] = {"module": stack[-1] if stack else None, "data_ptr": ptr, "device": str(t.device),
                                "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
                                "shape": list(t.shape)}
             if op:
                 first_seen[ptr]["op"] = op
             if held:
                 first_seen[ptr]["held"] = True
+            if t.grad_fn is not None:
+                weak.append(weakref.ref(t))
 
     def pack(t):
         record(t)
         return t
 
     def keep(op, output):  # SAC: an output the policy keeps for backward
-        tensors = [output] if torch.is_tensor(output) else [t for t in output if torch.is_tensor(t)]
+        tensors = _tensors_in(output)
         for i, t in enumerate(tensors):
             record(t, f"{op.overloadpacket.__name__}.sac_output{i if len(tensors) > 1 else ''}")
 
@@ -217,23 +241,34 @@ def saved_tensor_ledger(model, out, device):
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
 
-    def label(loss, held=None):
+    def label(loss=None, held=None):
         """Name each saved storage; `held` maps a module path to an output the caller keeps."""
         for module, t in (held or {}).items():
             stack.append(module)
             record(t, held=True)
             stack.pop()
-        savers, tensor_info = _graph_savers(loss.grad_fn, windows)
+        roots = [loss.grad_fn] if loss is not None else []
+        roots += [r().grad_fn for r in weak if r() is not None]
+        savers, tensor_info = _graph_savers(roots, windows)
         _name_unpacked(first_seen, savers, tensor_info, seq_log)
-        out.extend(_saved_records(first_seen, savers, device, checkpointed=bool(windows)))
+        out.extend(_saved_records(first_seen, savers, device, checkpointed=bool(windows), short=short))
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                checkpoint_observers(model, windows, keep, device.startswith("cuda")):
+                checkpoint_observers(model, windows, keep, device.startswith("cuda"), short):
             yield label
     finally:
         for h in handles:
             h.remove()
+
+
+def _tensors_in(output):
+    """The tensors of a module's output or an op's result (a tensor, or a tuple/list/dict of them)."""
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    return [t for t in output if torch.is_tensor(t)] if isinstance(output, (list, tuple)) else []
 
 
 def _name_unpacked(first_seen, savers, tensor_info, seq_log):
@@ -245,11 +280,11 @@ def _name_unpacked(first_seen, savers, tensor_info, seq_log):
         if ptr in first_seen:
             continue
         at = bisect.bisect_right(starts, min(found)[0]) - 1
-        first_seen[ptr] = {"module": seq_log[at][1] if at >= 0 else "", "inferred_module": True,
+        first_seen[ptr] = {"module": seq_log[at][1] if at >= 0 else None, "inferred_module": True,
                            **tensor_info[ptr]}
 
 
-def _saved_records(first_seen, savers, device, checkpointed):
+def _saved_records(first_seen, savers, device, checkpointed, short=_short_module):
     """SavedTensor dicts, keyed activations/<module>/<op>[#n], for the storages on `device`."""
     used, out = {}, []
     for ptr, rec in first_seen.items():
@@ -259,7 +294,7 @@ def _saved_records(first_seen, savers, device, checkpointed):
         # packed but held by no autograd node: what torch.utils.checkpoint keeps of its inputs
         op = (_op_name(found[0][1], found[0][2]) if found else rec.get("op") or
               ("output" if rec.get("held") else "checkpoint.input" if checkpointed else "unknown"))
-        base = f"activations/{_short_module(rec['module'])}/{op}"
+        base = f"activations/{short(rec['module'])}/{op}"
         used[base] = used.get(base, 0) + 1
         out.append({"key": base if used[base] == 1 else f"{base}#{used[base]}", "module": rec["module"], "op": op,
                     "grad_fn": found[0][1] if found else "", "savers": [_op_name(s[1], s[2]) for s in found],
@@ -285,14 +320,14 @@ def _saved_values(node, in_region):
     return out
 
 
-def _graph_savers(root, skip=()):
-    """Walk the autograd graph from `root`; nodes whose sequence number falls in a `skip`
+def _graph_savers(roots, skip=()):
+    """Walk the autograd graph from `roots` (grad_fns); nodes whose sequence number falls in a `skip`
     window [start, end) (checkpointed regions) are read through their raw saved tensors.
 
     Returns (savers, info): storage data_ptr -> [(sequence_nr, grad_fn name, attribute)], and
     data_ptr -> {data_ptr, nbytes, dtype, shape} of that storage.
     """
-    savers, info, seen, todo = {}, {}, set(), [root]
+    savers, info, seen, todo = {}, {}, set(), list(roots)
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -331,6 +366,7 @@ class AuditRecording:
         self.phases = {}
         self.saved_tensors = []
         self.markers = {}  # CPU: phase -> marker name in the profile
+        self.markers_seen = []
         self.error = None
         self.files = []
         self.prof = None
@@ -338,8 +374,10 @@ class AuditRecording:
 
     # -- lifecycle
     def __enter__(self):
+        if os.path.isdir(self.run_dir) and os.listdir(self.run_dir):
+            raise AuditError(f"{self.run_dir} already exists and is not empty: an audit never replaces one")
         try:
-            os.makedirs(self.run_dir, exist_ok=False)
+            os.makedirs(self.run_dir, exist_ok=True)
         except OSError as e:
             raise AuditError(f"could not create {self.run_dir}: {e.strerror or e}") from None
         if self.cuda:
@@ -380,14 +418,16 @@ class AuditRecording:
             self._write_cpu_snapshots()
 
     # -- phases
-    def phase(self, name, model, optimizer=None, scaler=None, tensors=None, dump=True):
+    def phase(self, name, model, optimizer=None, scaler=None, tensors=None, dump=True, held=None):
         """Register every named tensor by address and dump a snapshot now.
 
         dump=False records the registry and the position in the trace only (used after
-        backward, so that gradients that die at zero_grad still get their names).
+        backward, so that gradients that die at zero_grad still get their names). held: {name:
+        tensor} the loop holds, named only where nothing else (registry, saved tensors) names it.
         """
         registry = build_registry(model, optimizer, scaler, tensors)
-        info = {"file": f"{name}.pickle" if dump else None, "registry": registry}
+        info = {"file": f"{name}.pickle" if dump else None, "registry": registry,
+                "held": [_tensor_entry(k, t) for k, t in (held or {}).items() if torch.is_tensor(t)]}
         if self.cuda:
             torch.cuda.synchronize(self.device)
             info.update(self._cuda_stats())
@@ -396,15 +436,16 @@ class AuditRecording:
             self.allocator_settings = snap.get("allocator_settings")
             if dump:
                 _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
-                self.files.append(info["file"])
+                self._wrote(info["file"])
             if name == "step2_start":  # the step's own peak, from here to step2_end
                 info["max_memory_allocated_before_reset"] = info["max_memory_allocated"]
                 torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            marker = f"{MARKER_PREFIX}{name}"
+        else:  # a phase may come again (a micro-step's before_backward): the last one counts
+            marker = f"{MARKER_PREFIX}{name}@{len(self.markers_seen)}"
             with torch.profiler.record_function(marker):
                 pass
             self.markers[name] = marker
+            self.markers_seen.append(marker)
             info.update({"memory_allocated": None, "memory_reserved": None, "max_memory_allocated": None})
         info["wall_time_s"] = round(time.time() - self.t0, 3)
         self.phases[name] = info
@@ -438,7 +479,7 @@ class AuditRecording:
         try:
             if self.cuda:
                 _write_pickle(torch.cuda.memory._snapshot(), path)
-                self.files.append(f"{kind}.pickle")
+                self._wrote(f"{kind}.pickle")
             else:
                 marker = f"{MARKER_PREFIX}{kind}"
                 with torch.profiler.record_function(marker):
@@ -448,10 +489,19 @@ class AuditRecording:
         except Exception as e:  # the crash itself is what the user must see: keep going
             self.error = dict(self.error or {}, dump_failed=str(e))
 
+    def _wrote(self, file):
+        if file not in self.files:
+            self.files.append(file)
+
+    def named_addresses(self):
+        """Every storage address a phase named (registry, saved tensors)."""
+        ptrs = {r["data_ptr"] for info in self.phases.values() for r in info.get("registry", []) + info.get("held", [])}
+        return ptrs | {s["data_ptr"] for s in self.saved_tensors}
+
     # -- CPU: profiler timeline -> snapshot schema
     def _write_cpu_snapshots(self):
         from .cpu_timeline import timeline_events, snapshot_at
-        events, marker_times = timeline_events(self.prof, set(self.markers.values()))
+        events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses())
         for name, marker in self.markers.items():
             t = marker_times.get(marker)
             if t is None:
@@ -463,7 +513,7 @@ class AuditRecording:
             info["ring_buffer_full"] = False
             if info["file"]:
                 _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
-                self.files.append(info["file"])
+                self._wrote(info["file"])
 
     # -- meta.json
     def write_meta(self):

@@ -3,7 +3,8 @@
 import json
 import os
 
-from .reconcile import reconcile
+from .loader import load_meta
+from .reconcile import measure, reconcile
 from .schema import PHASES
 
 GiB, MiB = 2 ** 30, 2 ** 20
@@ -35,7 +36,8 @@ def table(header, rows):
 def totals_table(rec):
     rows = []
     for name, v in rec["totals"].items():
-        rows.append((name, fmt_bytes(v["predicted"]), fmt_bytes(v["actual"]), f"{v['predicted']:,}",
+        rows.append((name, fmt_bytes(v["predicted"]), fmt_bytes(v["actual"]),
+                     "-" if v["predicted"] is None else f"{v['predicted']:,}",
                      "-" if v["actual"] is None else f"{v['actual']:,}",
                      "-" if v["diff"] is None else f"{v['diff']:+,}", fmt_pct(v["diff_pct"])))
     return table(("total", "predicted", "actual", "predicted B", "actual B", "diff B", "diff %"), rows)
@@ -87,13 +89,56 @@ def markdown(rec, top=25):
     return "\n".join(lines)
 
 
+def measured(run_dir):
+    """The report of a run the predictor cannot model (any loop through the Audit API): what
+    was measured only, in the reconciliation's shape where it has one (totals, phases, peak)."""
+    m = measure(run_dir)
+    meta, phases = m["meta"], {}
+    for phase, info in m["phases"].items():
+        a = info["attribution"]
+        phases[phase] = {"categories": [{"key": c, "predicted": None, "actual": v, "diff": None, "diff_pct": None}
+                                        for c, v in a["categories"].items() if v],
+                         "lines": dict(sorted(a["lines"].items(), key=lambda kv: -kv[1])),
+                         "reserved_bytes": a["reserved_bytes"], "unattributed_bytes": a["unattributed_bytes"],
+                         "balanced": a["balanced"]}
+    rp = m["phases"].get(PHASES[-1], {}).get("replay", {})
+    actual = {"steady_state": m["phases"].get(PHASES[0], {}).get("attribution", {}).get("allocated_bytes"),
+              "activations": m["phases"].get(PHASES[1], {}).get("attribution", {}).get("categories", {}).get("activations"),
+              "peak": rp.get("peak", {}).get("bytes")}
+    return {"run": os.path.basename(os.path.normpath(run_dir)), "config": meta["config"], "device": meta["device"],
+            "torch_version": meta["torch_version"], "predicted": False,
+            "totals": {k: {"predicted": None, "actual": v, "diff": None, "diff_pct": None} for k, v in actual.items()},
+            "unattributed_bytes": max((p["unattributed_bytes"] for p in phases.values()), default=0),
+            "phases": phases, "peak": {k: v for k, v in rp.get("peak", {}).items()},
+            "series": rp.get("series", []), "error": meta.get("error")}
+
+
+def measured_markdown(rec, top=15):
+    c = rec["config"]
+    lines = [f"# Memory report: {rec['run']}", "",
+             f"{c.get('model_class', 'model')} with {c.get('optimizer_class', 'an optimizer')} on "
+             f"{rec['device'].get('name')}, torch {rec['torch_version']}. Measured only: the predictor "
+             "models train.py's GPT.", "", "## Totals", "", totals_table(rec), "",
+             f"Unattributed: {rec['unattributed_bytes']:,} B.", ""]
+    for phase, ph in rec["phases"].items():
+        lines += [f"## {phase}", "", table(("allocation", "bytes"), [(k, f"{v:,}") for k, v in
+                                                                      list(ph["lines"].items())[:top]]), ""]
+    if rec["peak"].get("lines"):
+        lines += ["## Live at the peak", "", table(("allocation", "bytes"), [
+            (k, f"{v:,}") for k, v in list(rec["peak"]["lines"].items())[:top]]), ""]
+    return "\n".join(lines)
+
+
 def write_report(run_dir):
-    """Reconcile a run and write report.json and report.md into it. Returns the reconciliation."""
-    rec = reconcile(run_dir)
+    """Reconcile a run and write report.json and report.md into it. Returns the reconciliation
+    (a run of another model than train.py's GPT: what was measured, see `measured`)."""
+    meta = load_meta(run_dir)
+    gpt = meta is None or "n_layer" in (meta.get("config") or {})
+    rec = reconcile(run_dir) if gpt else measured(run_dir)
     with open(os.path.join(run_dir, "report.json"), "w") as f:
         json.dump(rec, f, indent=1)
     with open(os.path.join(run_dir, "report.md"), "w") as f:
-        f.write(markdown(rec))
+        f.write(markdown(rec) if gpt else measured_markdown(rec))
     return rec
 
 

@@ -12,7 +12,7 @@ allocation live at that moment, never to the address.
 
 import numpy as np
 
-from .attribute import trace_workspaces
+from .attribute import phase_names, trace_workspaces
 from .schema import CATEGORIES, RECOMPUTE_LABEL
 from .trace import A, FREES, Trace, as_trace
 
@@ -24,10 +24,7 @@ def _phase_names(meta):
         n = info.get("trace_entries")
         if n is None or info.get("ring_buffer_full"):
             continue
-        names = {r["data_ptr"]: r["name"] for r in reversed(info.get("registry", []))}
-        if phase == "step2_before_backward":
-            for s in meta.get("saved_tensors", []):
-                names.setdefault(s["data_ptr"], s["key"])
+        names = {addr: name for addr, (name, _) in phase_names(meta, phase).items()}
         cuts.append((n, names, phase))
     cuts.sort(key=lambda c: c[0])
     return cuts
@@ -171,6 +168,37 @@ def _entry_categories(trace, meta, cuts, pair):
     return cat, event_name, unmatched_free
 
 
+def _name_at(cuts, address, before=None):
+    """The name a phase gave `address` at a cut not after entry `before` (None: any phase)."""
+    for cut, names, _ in cuts:
+        if before is not None and cut > before:
+            break
+        if address in names:
+            return names[address]
+    return None
+
+
+def pre_trace_blocks(snap, trace, pair, block, cuts, device=0):
+    """Allocations made before the trace began, named by the phases where they can be:
+    [(name or None, bytes, index of their free in the trace or None)].
+
+    They are the blocks live at the end that no alloc in the trace made (the weights of a
+    model built before recording started) and the frees whose alloc the trace never saw.
+    """
+    act, addr = trace.act, trace.addr
+    traced_live = set(addr[(act == A["alloc"]) & (pair < 0)].tolist())
+    out = [(_name_at(cuts, b["address"]), b["size"], None)
+           for s in snap.get("segments", []) if s.get("device", 0) == device for b in s["blocks"]
+           if b["state"] == "active_allocated" and b["address"] not in traced_live]
+    for i in np.flatnonzero(np.isin(act, FREES) & (pair < 0)).tolist():
+        out.append((_name_at(cuts, int(addr[i]), i), int(block[i]), i))
+    return out
+
+
+def _code(name):
+    return _CODE.get(name.split("/", 1)[0], _CODE["unattributed"]) if name else _CODE["unattributed"]
+
+
 def _per_category(delta, cat, sample):
     """{category: bytes at each sampled entry}: a running sum over each category's entries."""
     per_cat = {}
@@ -184,8 +212,9 @@ def _per_category(delta, cat, sample):
     return per_cat
 
 
-def _peak_lines(trace, peak_i, pair, block, cat, event_name, baseline):
-    """{name: bytes} of the allocations live at entry peak_i, largest first."""
+def _peak_lines(trace, peak_i, pair, block, cat, event_name, pre):
+    """{name: bytes} of the allocations live at entry peak_i, largest first (`pre`: those made
+    before the trace, see pre_trace_blocks)."""
     is_alloc = trace.act[:peak_i + 1] == A["alloc"]
     live = np.flatnonzero(is_alloc & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
     lines, temporary = {}, _TemporaryNames(trace)
@@ -193,8 +222,10 @@ def _peak_lines(trace, peak_i, pair, block, cat, event_name, baseline):
         key = event_name.get(i) or ("workspace/cublas" if cat[i] == _CODE["workspace"] else
                                     temporary(i) if cat[i] == _CODE["temporary"] else CATEGORIES[cat[i]])
         lines[key] = lines.get(key, 0) + int(block[i])
-    if baseline:
-        lines["unattributed/before-trace"] = baseline
+    for name, size, freed_at in pre:
+        if freed_at is None or freed_at > peak_i:
+            key = name or "unattributed/before-trace"
+            lines[key] = lines.get(key, 0) + size
     return dict(sorted(lines.items(), key=lambda kv: -kv[1]))
 
 
@@ -227,6 +258,10 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     # block sizes as memory_allocated() counts them (CPU: no caching allocator, exact bytes)
     block, pair = trace.replayed(cpu)
     cat, event_name, unmatched_free = _entry_categories(trace, meta, cuts, pair)
+    pre = pre_trace_blocks(snap, trace, pair, block, cuts, device)
+    for name, _, freed_at in pre:  # a free of what predates the trace counts against its category
+        if freed_at is not None:
+            cat[freed_at] = _code(name)
     delta = np.where(act == A["alloc"], block, np.where(np.isin(act, FREES), -block, 0))
     allocated = np.cumsum(delta)
 
@@ -254,16 +289,22 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
                 "categories": categories_at(len(points))}
     # what was live before the first entry (0 when recording began before any allocation)
     baseline = end_allocated - (int(allocated[-1]) if n else 0)
+    at_start = {}
+    for name, size, _ in pre:
+        at_start[CATEGORIES[_code(name)]] = at_start.get(CATEGORIES[_code(name)], 0) + size
+    if baseline != sum(at_start.values()):  # a snapshot whose segments and trace disagree
+        at_start["unattributed"] = at_start.get("unattributed", 0) + baseline - sum(at_start.values())
     for point in series + ([peak] if peak_i is not None else []):
         point["allocated" if "allocated" in point else "bytes"] += baseline
-        if baseline:
-            point["categories"]["unattributed"] = point["categories"].get("unattributed", 0) + baseline
+        for c, v in at_start.items():
+            if v:
+                point["categories"][c] = point["categories"].get(c, 0) + v
     if peak_i is not None:
-        peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, baseline)
+        peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, pre)
         peak["action"] = trace.action(peak_i)
         peak["frames"] = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
                           for f in trace.frames(peak_i)[:4]]
     return {"entries": n, "start_index": start, "baseline_bytes": baseline,
             "unmatched_free_bytes": unmatched_free, "series": series, "phase_index": phase_index,
-            "peak": peak, "overflow": bool(unmatched_free) or any(
+            "peak": peak, "overflow": any(name is None and i is not None for name, _, i in pre) or any(
                 info.get("ring_buffer_full") for info in (meta or {}).get("phases", {}).values())}
