@@ -44,14 +44,19 @@ def _frame_text(frames, n=4):
 
 
 def name_from_frames(frames):
-    """Best-effort (name, rule) from a Python stack, for snapshots without meta.json."""
+    """Best-effort (name, rule) from a stack, for snapshots without meta.json; the first rule
+    that matches wins: optimizer state (_init_group, or made in a step and still live), the
+    GradScaler, gradients (zero_grad), weights (module construction, _apply/to, load_state_dict,
+    outside any forward), backward, forward (activations, by the forward's file:line)."""
     text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames)
     if not frames:
         return None, None
     if "_init_group" in text and ("adam" in text or "optim" in text):
         return "optimizer/state", "frames:optimizer-init"
     if "optim" in text and ("step" in text or "_single_tensor" in text or "_multi_tensor" in text):
-        return "temporary/optimizer-step", "frames:optimizer-step"
+        # live in a snapshot yet made inside a step: state an optimizer makes on its first step
+        # outside _init_group (older torch, hand-written optimizers)
+        return "optimizer/state-made-in-step", "frames:optimizer-step"
     if "grad_scaler" in text:
         return "optimizer/grad_scaler", "frames:grad-scaler"
     if "zero_grad" in text:
@@ -66,6 +71,15 @@ def name_from_frames(frames):
         where = f"{fwd.get('filename', '?').rsplit('/', 1)[-1]}:{fwd.get('line', 0)}"
         return f"activations/{where}", "frames:forward"
     return None, None
+
+
+def baseline_name(snap):
+    """A block with no frames that no entry of the trace made existed before recording began
+    (what ptmem calls the baseline): the weights and state a script made before it called
+    _record_memory_history. Which of them it is the snapshot cannot say; that it predates the
+    recording it can, and the name says which evidence: a trace that began late, or no trace."""
+    traces = snap.get("device_traces") or []
+    return "baseline/before-recording" if any(len(t) for t in traces) else "baseline/no-trace"
 
 
 def workspace_sizes(meta):
@@ -137,6 +151,11 @@ def block_namer(snap, meta=None, phase=None):
     for trace in snap.get("device_traces", []):
         workspaces |= trace_workspaces(trace, meta)
 
+    seen = set()  # allocations the trace saw made (and not freed since)
+    if meta is None:
+        for trace in snap.get("device_traces", []):
+            seen |= set(live_at_end(trace))
+
     def name(block):
         hit = by_addr.get(block.get("address"))
         if hit:
@@ -147,6 +166,8 @@ def block_namer(snap, meta=None, phase=None):
             nm, rule = name_from_frames(block.get("frames") or [])
             if nm:
                 return nm, rule
+            if not block.get("frames") and block.get("address") not in seen:
+                return baseline_name(snap), "baseline"
         return None, None
 
     return name

@@ -1,4 +1,4 @@
-"""python -m memory_audit {attribute,predict,fit,report,diff,sweep,accuracy} ...
+"""python -m memory_audit {attribute,predict,fit,report,diff,sweep,accuracy,viz} ...
 
 Every failure the user can cause ends in one line on stderr and exit status 2.
 """
@@ -237,6 +237,27 @@ def config_help():
     return "config keys (train.py's; default = the reference run):\n" + "\n".join(f"  {a:<{width}}{b}" for a, b in pairs)
 
 
+def cmd_accuracy(args):
+    from .sweep import accuracy_table
+    print("\n\n".join(accuracy_table(path) for path in args.results))
+
+
+def cmd_sweep(args):
+    from .sweep import run_sweep
+    run_sweep(args)
+
+
+def cmd_viz(args):
+    from .viz import write_viz
+    out = write_viz(args.path, args.phase, args.view, args.out, args.detail)
+    print(f"wrote {out} (open it in a browser with internet: it loads MemoryViz.js from {VIEWER_HOST})")
+
+
+VIEWER_HOST = "cdn.jsdelivr.net"
+COMMANDS = {"attribute": cmd_attribute, "predict": cmd_predict, "fit": cmd_fit, "report": cmd_report,
+            "diff": cmd_diff, "accuracy": cmd_accuracy, "sweep": cmd_sweep, "viz": cmd_viz}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m memory_audit", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -274,6 +295,14 @@ def main(argv=None):
     s.add_argument("--audit-dir", default=None, help="where runs go (default snapshots/sweep)")
     t = sub.add_parser("accuracy", help="markdown table of sweep results (the README's table)")
     t.add_argument("results", nargs="+", help="results .jsonl files")
+    v = sub.add_parser("viz", help="the PyTorch memory viz page of a run, coloured by our categories")
+    v.add_argument("path", help="a run directory or a snapshot pickle")
+    v.add_argument("--phase", default="step2_end", help="which snapshot of a run (default: the whole step)")
+    v.add_argument("--view", default="Active Memory Timeline", help="Active Memory Timeline | "
+                   "Allocator State History | Active Cached Segment Timeline")
+    v.add_argument("--out", default=None, help="HTML file (default: beside the snapshot)")
+    v.add_argument("--detail", action="store_true", help="second-level categories (temporary/backward, ...); "
+                   "more than ten share colours")
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # `--json -` is the flag: JSON on stdout
         if argv[i] == "-" and argv[i - 1] == "--json":
@@ -282,22 +311,10 @@ def main(argv=None):
     try:
         if extra and args.cmd not in ("predict", "fit"):
             raise ValueError(f"unrecognized arguments: {' '.join(extra)}")
-        if args.cmd == "attribute":
-            cmd_attribute(args)
-        elif args.cmd == "predict":
-            cmd_predict(args, extra)
-        elif args.cmd == "fit":
-            cmd_fit(args, extra)
-        elif args.cmd == "report":
-            cmd_report(args)
-        elif args.cmd == "diff":
-            cmd_diff(args)
-        elif args.cmd == "accuracy":
-            from .sweep import accuracy_table
-            print("\n\n".join(accuracy_table(path) for path in args.results))
-        elif args.cmd == "sweep":
-            from .sweep import run_sweep
-            run_sweep(args)
+        if args.cmd in ("predict", "fit"):
+            COMMANDS[args.cmd](args, extra)
+        else:
+            COMMANDS[args.cmd](args)
     except (SnapshotError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -67,7 +67,7 @@ RECOMPUTE_LABEL = "recompute:"
 # Categories an active or cached byte can land in, in the order tables print them.
 CATEGORIES = (
     "weights", "buffers", "grads", "optimizer", "inputs", "activations", "recomputed",
-    "workspace", "temporary", "gaps", "cached_free", "pending_free", "unattributed",
+    "workspace", "temporary", "baseline", "gaps", "cached_free", "pending_free", "unattributed",
 )
 
 

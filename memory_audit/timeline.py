@@ -12,7 +12,7 @@ allocation live at that moment, never to the address.
 
 import numpy as np
 
-from .attribute import phase_names, trace_workspaces
+from .attribute import baseline_name, name_from_frames, phase_names, trace_workspaces
 from .schema import CATEGORIES, RECOMPUTE_LABEL
 from .trace import A, FREES, Trace, as_trace
 
@@ -117,8 +117,9 @@ def name_events(trace, cuts):
     return event_name, freed, unmatched_free
 
 
-def categorize_trace(snap, meta=None):
-    """Set `category` on every trace entry, so MemoryViz colours by category."""
+def categorize_trace(snap, meta=None, detail=True):
+    """Set `category` on every trace entry, so MemoryViz colours by category. detail=False keeps
+    the top level only (temporary/backward -> temporary): the viewer has ten colours."""
     cuts = _phase_names(meta)
     traces = snap.get("device_traces", [])
     for d, trace in enumerate(traces):
@@ -127,6 +128,9 @@ def categorize_trace(snap, meta=None):
         event_name, freed, _ = name_events(t, cuts)
         temporary = _TemporaryNames(t)
         act, addr = t.act.tolist(), t.addr.tolist()
+        block, pair = t.replayed((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline", False))
+        # frees of what predates the trace: the viewer draws them with the free's category
+        before = {i: name for name, _, i in pre_trace_blocks(snap, t, pair, block, cuts, d) if i is not None and name}
         live, cats = {}, []
         for i in range(t.n):
             a = act[i]
@@ -136,18 +140,37 @@ def categorize_trace(snap, meta=None):
                     cat = "/".join(name.split("/")[:2]) if name.startswith("temporary/") else name.split("/", 1)[0]
                 elif addr[i] in workspaces:
                     cat = "workspace"
-                else:  # temporaries keep their second level: temporary/backward, temporary/optimizer
-                    cat = "/".join(temporary(i).split("/")[:2]) if freed[i] else "unknown"
+                elif freed[i]:  # temporaries keep their second level: temporary/backward, temporary/optimizer
+                    cat = "/".join(temporary(i).split("/")[:2])
+                else:  # live at the end: a snapshot from elsewhere still has its stack to go by
+                    cat = (name_from_frames(t.frames(i))[0] or "unknown").split("/", 1)[0] if meta is None else "unknown"
                 live[addr[i]] = cat
             elif a in (A["free_requested"], A["free_completed"], A["free"]):
-                cat = live.get(addr[i], "unknown")
+                cat = live.get(addr[i]) or (before[i].split("/", 1)[0] if i in before else "unknown")
+                if i in before and a == A["free_requested"]:  # its free_completed follows
+                    live[addr[i]] = cat
                 if a != A["free_requested"]:
                     live.pop(addr[i], None)
             else:
                 cat = "unknown"
             cats.append(cat)
+        if not detail:
+            cats = [c.split("/", 1)[0] for c in cats]
+        _viewer_needs_unknown(cats, act)
         t.set_values("category", cats)
     return snap
+
+
+def _viewer_needs_unknown(cats, act):
+    """MemoryViz.js throws while it loads a trace whose categories do not include 'unknown' (it
+    means to add the name itself, but misspells the list: `snapshot.categores.push`). Where no
+    entry is 'unknown', the first free carries it: the viewer colours an allocation by its
+    alloc entry, so the free's category only adds 'unknown' to the legend."""
+    if any(c == "unknown" and a != A["free_completed"] for c, a in zip(cats, act)):
+        return  # (the viewer folds a free_completed into its free_requested, category unread)
+    frees = [i for i, a in enumerate(act) if a in (A["free_requested"], A["free"])]
+    if frees:
+        cats[frees[0]] = "unknown"
 
 
 def _entry_categories(trace, meta, cuts, pair):
@@ -187,11 +210,12 @@ def pre_trace_blocks(snap, trace, pair, block, cuts, device=0):
     """
     act, addr = trace.act, trace.addr
     traced_live = set(addr[(act == A["alloc"]) & (pair < 0)].tolist())
-    out = [(_name_at(cuts, b["address"]), b["size"], None)
+    unnamed = None if cuts else baseline_name(snap)  # a snapshot from elsewhere: its baseline
+    out = [(_name_at(cuts, b["address"]) or unnamed, b["size"], None)
            for s in snap.get("segments", []) if s.get("device", 0) == device for b in s["blocks"]
            if b["state"] == "active_allocated" and b["address"] not in traced_live]
     for i in np.flatnonzero(np.isin(act, FREES) & (pair < 0)).tolist():
-        out.append((_name_at(cuts, int(addr[i]), i), int(block[i]), i))
+        out.append((_name_at(cuts, int(addr[i]), i) or unnamed, int(block[i]), i))
     return out
 
 
@@ -296,9 +320,10 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
         at_start["unattributed"] = at_start.get("unattributed", 0) + baseline - sum(at_start.values())
     for point in series + ([peak] if peak_i is not None else []):
         point["allocated" if "allocated" in point else "bytes"] += baseline
+        cats = point["categories"]
         for c, v in at_start.items():
-            if v:
-                point["categories"][c] = point["categories"].get(c, 0) + v
+            cats[c] = cats.get(c, 0) + v
+        point["categories"] = {c: v for c, v in cats.items() if v}
     if peak_i is not None:
         peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, pre)
         peak["action"] = trace.action(peak_i)
@@ -306,5 +331,5 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
                           for f in trace.frames(peak_i)[:4]]
     return {"entries": n, "start_index": start, "baseline_bytes": baseline,
             "unmatched_free_bytes": unmatched_free, "series": series, "phase_index": phase_index,
-            "peak": peak, "overflow": any(name is None and i is not None for name, _, i in pre) or any(
+            "peak": peak, "overflow": any(i is not None and (name is None or name.startswith("baseline/")) for name, _, i in pre) or any(
                 info.get("ring_buffer_full") for info in (meta or {}).get("phases", {}).values())}

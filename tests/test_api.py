@@ -145,3 +145,33 @@ def test_a_crash_in_the_audited_step_leaves_the_files(tmp_path):
             model(x)
             raise ValueError("boom")
     assert (tmp_path / "run" / "crash.pickle").exists() and (tmp_path / "run" / "meta.json").exists()
+
+
+def test_replay_names_blocks_older_than_the_trace():
+    """A CUDA-shaped snapshot: a weight (live all along) and an old gradient (freed in the trace)
+    predate the trace; the phases' registry names both, at the start and at the peak."""
+    from memory_audit.loader import normalize
+    from memory_audit.timeline import replay
+
+    def block(addr, size, state="active_allocated"):
+        return {"address": addr, "size": size, "requested_size": size, "state": state, "frames": []}
+    snap = normalize({
+        "segments": [{"device": 0, "address": 0, "total_size": 2 ** 21, "stream": 0, "segment_type": "large",
+                      "blocks": [block(0, 1024), block(1024, 2048), block(3072, 2 ** 21 - 3072, "inactive")]}],
+        "device_traces": [[
+            {"action": "alloc", "addr": 1024, "size": 2048, "stream": 0, "frames": []},   # an activation
+            {"action": "free_requested", "addr": 4096, "size": 512, "stream": 0, "frames": []},  # the old grad
+            {"action": "free_completed", "addr": 4096, "size": 512, "stream": 0, "frames": []},
+        ]]})
+    meta = {"phases": {
+        "step2_start": {"trace_entries": 0, "registry": [{"name": "weights/w", "data_ptr": 0},
+                                                         {"name": "grads/w", "data_ptr": 4096}]},
+        "step2_before_backward": {"trace_entries": 1, "registry": [{"name": "weights/w", "data_ptr": 0},
+                                                                   {"name": "grads/w", "data_ptr": 4096}]}},
+        "saved_tensors": [{"key": "activations/fc/addmm.self", "data_ptr": 1024}]}
+    rp = replay(snap, meta)
+    assert rp["baseline_bytes"] == 1024 + 512 and not rp["overflow"]
+    assert rp["peak"]["bytes"] == 1024 + 512 + 2048
+    assert rp["peak"]["lines"] == {"activations/fc/addmm.self": 2048, "weights/w": 1024, "grads/w": 512}
+    assert rp["peak"]["categories"] == {"weights": 1024, "grads": 512, "activations": 2048}
+    assert rp["series"][-1]["categories"] == {"weights": 1024, "activations": 2048}  # the old grad is gone

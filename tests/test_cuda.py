@@ -53,3 +53,24 @@ def test_cuda_checkpointing_audit(tmp_path, mode, dtype, attention):
     assert rec["checks"]["replayed_peak_equals_max_memory_allocated"] is True
     if hasattr(torch.cuda.memory, "_set_memory_metadata"):  # recomputation labelled in the trace
         assert any(p["categories"].get("recomputed") for p in rec["series"])
+
+
+def test_api_on_a_cuda_loop_that_is_not_gpt(tmp_path):
+    """The Audit made after the model: the weights predate the trace and are named from the
+    segments by the phases' registry; every phase and the peak fully named."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from memory_audit.reconcile import measure
+    out = tmp_path / "any-loop"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "any_loop.py"), str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = measure(str(out))
+    for phase, info in m["phases"].items():
+        assert info["attribution"]["unattributed_bytes"] == 0, (phase, info["attribution"]["unattributed"])
+        assert info["attribution"]["allocated_bytes"] == info["memory_allocated"]
+    rp = m["phases"]["step2_end"]["replay"]
+    assert not [k for k in rp["peak"]["lines"] if k.startswith("unattributed")], rp["peak"]["lines"]
+    assert rp["peak"]["bytes"] == m["phases"]["step2_end"]["max_memory_allocated"]
+    assert any(k.startswith("weights/") for k in rp["peak"]["lines"])
