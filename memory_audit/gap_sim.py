@@ -33,14 +33,22 @@ def segment_size(rounded):
     return 2 * MiB * ((rounded + 2 * MiB - 1) // (2 * MiB))
 
 
-class CachingAllocatorModel:
-    """Best-fit allocation, splitting and merging as the caching allocator does them."""
+# expandable_segments:True maps one growing segment per pool, in pages of these sizes
+EXPANDABLE_PAGE = {True: 2 * MiB, False: 20 * MiB}  # small pool? -> page bytes
 
-    def __init__(self):
+
+class CachingAllocatorModel:
+    """Best-fit allocation, splitting and merging as the caching allocator does them; with
+    `expandable`, each pool is one segment that grows at its end by whole pages."""
+
+    def __init__(self, expandable=False):
         self.free = {True: [], False: []}  # small pool? -> sorted [(size, addr)]
         self.blocks = {}  # addr -> [size, is_free, segment, small]
         self.free_by_end = {}  # end address of a free block -> its start
         self.next_segment = 1 << 40
+        self.reserved = 0  # bytes of all segments (cudaMalloc'd, never released in a step)
+        self.expandable = expandable
+        self.mapped = {}  # expandable: small pool? -> (segment start, bytes mapped)
 
     def _add_free(self, addr, size, seg, small):
         bisect.insort(self.free[small], (size, addr))
@@ -64,15 +72,33 @@ class CachingAllocatorModel:
             addr = pool[i][1]
             seg = self.blocks[addr][2]
             size = self._take_free(addr)
+        elif self.expandable:
+            addr, seg, size = self._grow(small, rounded)
         else:
             size = segment_size(rounded)
             addr = seg = self.next_segment
+            self.reserved += size
             self.next_segment += size + (1 << 30)  # segments never touch: no merging across them
         if should_split(size, rounded):
             self._add_free(addr + rounded, size - rounded, seg, small)
             size = rounded
         self.blocks[addr] = [size, False, seg, small]
         return addr, size - rounded
+
+    def _grow(self, small, rounded):
+        """Map pages at the end of the pool's segment, joining its free tail; returns the block."""
+        if small not in self.mapped:
+            self.mapped[small] = (self.next_segment, 0)
+            self.next_segment += 1 << 44
+        seg, length = self.mapped[small]
+        end = seg + length
+        tail = self.free_by_end.get(end)
+        start, have = (tail, self._take_free(tail)) if tail is not None else (end, 0)
+        page = EXPANDABLE_PAGE[small]
+        pages = -(-(rounded - have) // page) * page
+        self.mapped[small] = (seg, length + pages)
+        self.reserved += pages
+        return start, seg, have + pages
 
     def release(self, addr):
         size, _, seg, small = self.blocks.pop(addr)
@@ -86,9 +112,16 @@ class CachingAllocatorModel:
         self._add_free(addr, size, seg, small)
 
 
-def predicted_gaps(ledger, cfg):
-    """Bytes beyond the 512 B rounding held at steady state, before backward and at the peak."""
-    model = CachingAllocatorModel()
+def _logits_bytes(log_softmax, cfg):
+    """The lm_head output a loop that does not keep it still makes: B*T*V in the autocast dtype."""
+    rows, vocab = log_softmax["shape"]
+    return rows * vocab * (4 if cfg["dtype"] == "float32" else 2)
+
+
+def predicted_gaps(ledger, cfg, expandable=False):
+    """Bytes beyond the 512 B rounding held at steady state, before backward and at the peak,
+    and the bytes reserved then (reserved_steady, reserved_before_backward, reserved_peak)."""
+    model = CachingAllocatorModel(expandable)
     live = {}
 
     def alloc(key, nbytes):
@@ -104,6 +137,9 @@ def predicted_gaps(ledger, cfg):
     for l in ledger:
         if l["category"] in ("weights", "buffers"):
             alloc(l["key"], l["bytes"])
+    # cuBLAS workspaces hold segments of their own size class; they stay out of the free lists
+    # (where they fall in the history is not modelled) and count in reserved only
+    model.reserved += sum(segment_size(round_size(l["bytes"])) for l in ledger if l["category"] == "workspace")
     batch = [l["bytes"] for l in ledger if l["key"] in ("inputs/x", "inputs/y")]
     for i, n in enumerate(batch):
         alloc(("batch", i), n)
@@ -112,12 +148,19 @@ def predicted_gaps(ledger, cfg):
     result = {}
     for step in (1, 2):
         for i, l in enumerate(acts):
+            if l["key"] == "activations/gpt/log_softmax.result" and not cfg["keep_logits"]:
+                alloc("logits", _logits_bytes(l, cfg))  # made by lm_head, dropped once the loss exists
             alloc(("act", i), l["bytes"])
+        if "logits" in live:
+            free("logits")
         if step == 2:
             result["before_backward"] = held()
+            result["reserved_before_backward"] = model.reserved
             for i, l in enumerate(peak_extra):
                 alloc(("peak", i), l["bytes"])
             result["peak"] = held()
+            result["reserved_peak"] = model.reserved
+            result["allocated_peak"] = sum(model.blocks[addr][0] for addr, _ in live.values())
             break
         for i, l in enumerate(peak_extra):
             alloc(("peak", i), l["bytes"])
@@ -146,4 +189,5 @@ def predicted_gaps(ledger, cfg):
             free(("batch", i))
             alloc(("batch", i), batch[i])
         result["steady"] = held()
+        result["reserved_steady"] = model.reserved
     return result

@@ -52,8 +52,21 @@ def gpu_name(name):
     return next((g for g in GPUS if g.lower() == str(name).lower()), None)
 
 
+# Memory a CUDA process holds outside PyTorch's allocator (context, cuBLAS/cuDNN handles and
+# kernels): an estimate until a GPU run measures it (meta.json's outside_pytorch: the card's
+# used bytes from mem_get_info() minus memory_reserved()); `--outside=BYTES` overrides it.
+OUTSIDE_PYTORCH_DEFAULT = 768 * 2 ** 20
+
+
+def expandable_from_env(env):
+    """Whether PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) turns expandable_segments on."""
+    conf = (env or {}).get("PYTORCH_CUDA_ALLOC_CONF") or (env or {}).get("PYTORCH_ALLOC_CONF") or ""
+    opts = dict(o.split(":", 1) for o in conf.replace(" ", "").split(",") if ":" in o)
+    return opts.get("expandable_segments", "False").lower() == "true"
+
+
 def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11",
-                 env=None, sdpa_backend=None, total_memory=None):
+                 env=None, sdpa_backend=None, total_memory=None, outside_pytorch=OUTSIDE_PYTORCH_DEFAULT):
     """What the predictor needs to know about the machine, as a plain dict."""
     env = env or {}
     if device == "cpu":
@@ -68,7 +81,8 @@ def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11
     if sdpa_backend is None:
         sdpa_backend = "cudnn" if cap >= (9, 0) else "flash"
     return {"type": "cuda", "gpu": gpu, "capability": list(cap), "workspace_bytes": ws, "workspaces": 2,
-            "sdpa_backend": sdpa_backend, "total_memory": total_memory or mem, "torch_version": torch_version}
+            "sdpa_backend": sdpa_backend, "total_memory": total_memory or mem, "torch_version": torch_version,
+            "expandable_segments": expandable_from_env(env), "outside_pytorch": outside_pytorch}
 
 
 def param_shapes(cfg):
@@ -177,7 +191,7 @@ def predict(config=None, device=None, gaps_bytes=None):
     acts, recomputed = activation_lines(s, cfg)
     peak, backward = peak_lines(s, cfg, params, acts, recomputed, start_of_backward(s, cfg))
     ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
-    totals = _totals(ledger, params, dev["type"], gaps_bytes, cfg)
+    totals = _totals(ledger, params, dev, gaps_bytes, cfg)
     totals["recompute_flops"] = recompute_flops(s, cfg)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
     return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward}
@@ -187,18 +201,18 @@ def _sum(ledger, phase, field="bytes", category=None):
     return sum(l[field] for l in ledger if phase in l["phases"] and (category is None or l["category"] == category))
 
 
-def _totals(ledger, params, device_type, gaps_bytes, cfg):
+def _totals(ledger, params, dev, gaps_bytes, cfg):
     steady = _sum(ledger, "step2_start")
     steady_alloc = _sum(ledger, "step2_start", "allocated")
     rounding = steady_alloc - steady
     # Bytes the allocator holds beyond the rounding (unsplit blocks): measured when given, else
     # modelled by replaying the predicted tensors through the allocator's rules (CUDA only).
-    modelled = predicted_gaps(ledger, cfg) if device_type == "cuda" else {"steady": 0, "before_backward": 0, "peak": 0}
+    modelled = predicted_gaps(ledger, cfg, dev.get("expandable_segments", False)) if dev["type"] == "cuda" else {}
     if gaps_bytes is not None:
         extra = {"steady": int(gaps_bytes) - rounding}
         extra["before_backward"] = extra["peak"] = extra["steady"]
     else:
-        extra = modelled
+        extra = {k: modelled.get(k, 0) for k in ("steady", "before_backward", "peak")}
     acts = _sum(ledger, "step2_before_backward", category="activations")
     bb_alloc = _sum(ledger, "step2_before_backward", "allocated") + extra["before_backward"]
     peak = _sum(ledger, "step2_before_backward", "allocated") + _sum(ledger, "peak", "allocated") + extra["peak"]
@@ -213,7 +227,22 @@ def _totals(ledger, params, device_type, gaps_bytes, cfg):
         "peak_allocated_bytes": peak,  # comparable with max_memory_allocated()
         "end_allocated": _sum(ledger, "step2_end", "allocated") + extra["steady"],
         "unsplit_block_bytes": extra,  # the allocator model's (or the measured) remainders
+        # memory_reserved(): segments the allocator model made (CPU: no cache, = allocated)
+        "reserved_steady_bytes": modelled.get("reserved_steady", steady + rounding),
+        "reserved_peak_bytes": _reserved_peak(modelled, peak),
+        "outside_pytorch_bytes": dev.get("outside_pytorch") or 0 if dev["type"] == "cuda" else 0,
     }
+
+
+def _reserved_peak(modelled, peak):
+    """memory_reserved() at the peak: the allocator model's segments at the start of backward;
+    where the predicted peak lies elsewhere (inside a checkpointed block's backward) and holds
+    more, that peak plus the cache the model left free (CPU: no cache, the peak itself)."""
+    if "reserved_peak" not in modelled:
+        return peak
+    cached = modelled["reserved_peak"] - modelled["allocated_peak"]
+    segment = 2 * 2 ** 20  # every segment, and every expandable page, is a multiple of 2 MiB
+    return max(modelled["reserved_peak"], -(-(peak + cached) // segment) * segment)
 
 
 # -- other published formulas, for the report's comparison columns ---------------------------

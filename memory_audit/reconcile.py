@@ -94,8 +94,10 @@ def _totals_rows(pred, actual):
     t = pred["totals"]
     out = {}
     for key, pkey in (("steady_state", "steady_state_allocated"), ("activations", "activations_bytes"),
-                      ("peak", "peak_allocated_bytes")):
+                      ("peak", "peak_allocated_bytes"), ("reserved", "reserved_peak_bytes")):
         a = actual.get(key)
+        if key == "reserved" and key not in actual:  # a stored report from before reserved was measured
+            continue
         diff = None if a is None else a - t[pkey]
         out[key] = {"predicted": t[pkey], "actual": a, "diff": diff,
                     "diff_pct": None if diff is None else round(100.0 * diff / t[pkey], 4)}
@@ -153,7 +155,9 @@ def reconcile(run_dir):
         "steady_state": start.get("memory_allocated") if start.get("memory_allocated") is not None
         else start.get("attribution", {}).get("allocated_bytes"),
         "activations": bb.get("attribution", {}).get("categories", {}).get("activations"),
-        "peak": peak_actual})
+        "peak": peak_actual,
+        # the step's largest memory_reserved() (CUDA; segments are not released inside a step)
+        "reserved": max((i.get("memory_reserved") or 0 for i in meta["phases"].values()), default=0) or None})
     t = pred["totals"]
     formulas = published_formulas(meta["config"], dev["workspace_bytes"] * dev["workspaces"])
     replayed = rp.get("peak", {}).get("bytes")

@@ -459,9 +459,13 @@ class AuditRecording:
 
     # -- CUDA helpers
     def _cuda_stats(self):
-        return {"memory_allocated": torch.cuda.memory_allocated(self.device),
-                "memory_reserved": torch.cuda.memory_reserved(self.device),
-                "max_memory_allocated": torch.cuda.max_memory_allocated(self.device)}
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        return {"memory_allocated": torch.cuda.memory_allocated(self.device), "memory_reserved": reserved,
+                "max_memory_allocated": torch.cuda.max_memory_allocated(self.device),
+                # what the card holds that PyTorch's allocator did not reserve: the CUDA context,
+                # cuBLAS/cuDNN handles, kernels (and any other process on this GPU)
+                "outside_pytorch": total - free - reserved, "device_free": free}
 
     def _trace_counts(self, snap):
         idx = self.device.index or 0

@@ -1,0 +1,108 @@
+"""Will it fit, and what to change if not: the predicted reserved memory against the card.
+
+What makes a job fail is the allocator's reserved memory (segments with their unused tails,
+predicted by gap_sim.py's allocator model) plus what CUDA holds outside PyTorch, against the
+card's memory. `need` is that sum; `fit_result` finds the largest batch whose need fits;
+`plan` ranks the levers that make a config fit by their predicted cost.
+
+Cost is extra work per optimizer step as a fraction of the step's FLOPs (forward + backward =
+3x the forward's matmul FLOPs): activation checkpointing reruns `recompute_flops`. Splitting a
+batch into micro-batches adds no FLOPs; it is charged MICRO_BATCH_COST per doubling of
+gradient_accumulation_steps for its smaller, less efficient GEMMs: an assumption, not a
+measurement. attention=sdpa and expandable_segments cost nothing here (SDPA is faster).
+"""
+
+from .predict import predict
+
+MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulation_steps
+AC_MODES = ("selective", "sac", "full")
+
+
+def need(cfg, dev):
+    """{allocated, reserved, outside, total, recompute_flops, forward_flops}: predicted bytes."""
+    t = predict(cfg, dev)["totals"]
+    outside = t["outside_pytorch_bytes"]
+    return {"allocated": t["peak_allocated_bytes"], "reserved": t["reserved_peak_bytes"], "outside": outside,
+            "total": t["reserved_peak_bytes"] + outside, "recompute_flops": t["recompute_flops"],
+            "forward_flops": t["forward_flops"]}
+
+
+def budget(dev, headroom):
+    return int(dev["total_memory"] * (1 - headroom))
+
+
+def fit_result(cfg, dev, headroom):
+    """The largest batch (and power-of-two block) whose predicted need fits the GPU, as a dict."""
+    limit = budget(dev, headroom)
+
+    def total(b, t):
+        return need(dict(cfg, batch_size=b, block_size=t), dev)["total"]
+
+    t = cfg.get("block_size", 1024)
+    out = {"gpu": dev["gpu"], "total_memory": dev["total_memory"], "headroom": headroom, "budget": limit,
+           "decides_by": "predicted memory_reserved() + memory outside PyTorch", "block_size": t,
+           "outside_pytorch": need(dict(cfg, batch_size=1), dev)["outside"], "batch_1_need": total(1, t)}
+    out["fits"] = out["batch_1_need"] <= limit
+    if not out["fits"]:
+        return out
+    lo, hi = 1, 2
+    while total(hi, t) <= limit and hi < 1 << 20:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if total(mid, t) <= limit else (lo, mid)
+    tb, b = t, cfg.get("batch_size", 1)
+    while total(b, tb * 2) <= limit and tb < 1 << 20:
+        tb *= 2
+    out.update({"largest_batch_size": lo, "its_need": total(lo, t), "next_batch_need": total(lo + 1, t),
+                "batch_size": b, "largest_pow2_block_size": tb})
+    return out
+
+
+def candidates(cfg):
+    """[(name, overrides)] of the levers to try on `cfg`, alone and combined."""
+    ac = [(f"activation_checkpointing={m}", {"activation_checkpointing": m}) for m in AC_MODES
+          if cfg.get("activation_checkpointing", "none") == "none"]
+    attn = [("attention=sdpa", {"attention": "sdpa"})] if cfg.get("attention", "manual") == "manual" else []
+    out = attn + ac + [(f"{a} + {n}", dict(o, **ao)) for a, ao in attn for n, o in ac]
+    b, k = cfg.get("batch_size", 12), cfg.get("gradient_accumulation_steps", 1)
+    split = 2
+    while b % split == 0 and split <= b:
+        mb = {"batch_size": b // split, "gradient_accumulation_steps": k * split}
+        out.append((f"micro-batch {b // split} x {k * split} accumulation", mb))
+        out += [(f"micro-batch {b // split} x {k * split} + {a}", dict(mb, **ao)) for a, ao in attn]
+        split *= 2
+    out.append(("expandable_segments:True", {"expandable_segments": True}))
+    return out
+
+
+def _option(name, cfg, overrides, dev, limit, base_flops):
+    d = dict(dev, expandable_segments=overrides.get("expandable_segments", dev.get("expandable_segments", False)))
+    c = dict(cfg, **{k: v for k, v in overrides.items() if k != "expandable_segments"})
+    n = need(c, d)
+    extra = n["recompute_flops"] / (3 * base_flops) if base_flops else 0.0
+    doublings = (c.get("gradient_accumulation_steps", 1) // max(cfg.get("gradient_accumulation_steps", 1), 1)).bit_length() - 1
+    return {"option": name, "overrides": overrides, "allocated_peak": n["allocated"], "reserved_peak": n["reserved"],
+            "outside_pytorch": n["outside"], "need": n["total"], "fits": n["total"] <= limit,
+            "headroom_bytes": limit - n["total"], "recompute_flops": n["recompute_flops"],
+            "extra_flops_fraction": round(extra, 4),
+            "cost": round(extra + MICRO_BATCH_COST * doublings, 4)}
+
+
+def plan(cfg, dev, headroom):
+    """{"budget", "baseline": {..., "fits"}, "options": [{..., "fits"}, ...]}: the options that fit
+    first, cheapest first; then the others, smallest need first."""
+    limit = budget(dev, headroom)
+    base = need(cfg, dev)
+    baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"])
+    options = [_option(name, cfg, o, dev, limit, base["forward_flops"]) for name, o in candidates(cfg)]
+    options.sort(key=lambda o: (not o["fits"], o["cost"] if o["fits"] else o["need"], o["need"]))
+    return {"gpu": dev["gpu"], "total_memory": dev["total_memory"], "headroom": headroom, "budget": limit,
+            "baseline": baseline, "options": options}
+
+
+def smallest_miss(result):
+    """The one line for a config no option can fit."""
+    o = min([result["baseline"]] + result["options"], key=lambda o: o["need"])
+    return (f"nothing fits in {result['budget']:,} B ({result['gpu']}): the smallest option, {o['option']}, "
+            f"needs {o['need']:,} B, {o['need'] - result['budget']:,} B too many")
