@@ -16,12 +16,18 @@ predicted ledger:
 
 Short-lived temporaries are left out, which is why this is a model, not a measurement:
 on the H100 sweep it lands within 0.2% of the measured peak where rounding alone missed by up
-to 1.5% (GPT-2 xl), and within 6 MB of the measured steady-state gaps for xl with SDPA.
+to 1.5% (GPT-2 xl), and within 6 MB of the measured steady-state gaps for xl with SDPA. The
+segments it makes are the predicted memory_reserved(): within 2% of the measured on 17 of the
+23 H100 rows, 4.7% under at worst (README, "Will it fit?").
+
+The model is the replay's own block bookkeeping (allocator_sim.BlockSim), which the
+byte-exact replay of a trace uses unchanged: the trace says which address each allocation got;
+here the best-fit choice and the new segments are made instead.
 """
 
 import bisect
 
-from .allocator_sim import SMALL_SIZE as MiB, round_size, should_split
+from .allocator_sim import SMALL_SIZE as MiB, BlockSim, round_size
 
 
 def segment_size(rounded):
@@ -37,79 +43,70 @@ def segment_size(rounded):
 EXPANDABLE_PAGE = {True: 2 * MiB, False: 20 * MiB}  # small pool? -> page bytes
 
 
-class CachingAllocatorModel:
-    """Best-fit allocation, splitting and merging as the caching allocator does them; with
-    `expandable`, each pool is one segment that grows at its end by whole pages."""
+class CachingAllocatorModel(BlockSim):
+    """The replay's block bookkeeping (allocator_sim.BlockSim: free blocks per segment, the split
+    rule, merging on free) with the choices the replay reads from a trace made here instead:
+    the smallest cached free block of the request's pool that fits, else a new segment
+    (`segment_size`), or with `expandable` the pool's one segment grown at its end by pages."""
 
     def __init__(self, expandable=False):
-        self.free = {True: [], False: []}  # small pool? -> sorted [(size, addr)]
-        self.blocks = {}  # addr -> [size, is_free, segment, small]
-        self.free_by_end = {}  # end address of a free block -> its start
+        super().__init__()
+        self.by_size = {True: [], False: []}  # small pool? -> sorted [(size, start)] of free blocks
+        self.pool_of = {}  # segment start -> small pool?
         self.next_segment = 1 << 40
         self.reserved = 0  # bytes of all segments (cudaMalloc'd, never released in a step)
         self.expandable = expandable
-        self.mapped = {}  # expandable: small pool? -> (segment start, bytes mapped)
+        self.grown = {}  # expandable: small pool? -> its segment's start
 
-    def _add_free(self, addr, size, seg, small):
-        bisect.insort(self.free[small], (size, addr))
-        self.blocks[addr] = [size, True, seg, small]
-        self.free_by_end[addr + size] = addr
+    def _add_free(self, start, size, seg):
+        super()._add_free(start, size, seg)
+        bisect.insort(self.by_size[self.pool_of[seg]], (size, start))
 
-    def _take_free(self, addr):
-        size, _, seg, small = self.blocks.pop(addr)
-        pool = self.free[small]
-        del pool[bisect.bisect_left(pool, (size, addr))]
-        del self.free_by_end[addr + size]
-        return size
+    def _take_free(self, start):
+        pool = self.by_size[self.pool_of[self.segment_of[start]]]
+        del pool[bisect.bisect_left(pool, (self.free[start], start))]
+        return super()._take_free(start)
+
+    def _new_segment(self, small, size):
+        seg = self.next_segment
+        self.next_segment += size + (1 << 30)  # segments never touch: no merging across them
+        self.pool_of[seg] = small
+        self.segment_alloc(seg, size)
+        self.reserved += size
+        return seg
+
+    def _grow(self, small, rounded):
+        """Map pages at the end of the pool's segment (joining its free tail); returns the start."""
+        if small not in self.grown:
+            self.grown[small] = self._new_segment(small, 0)
+            self.next_segment += 1 << 44
+        seg = self.grown[small]
+        end = seg + self.segments[seg]
+        tail = self.free_by_end.get(end)
+        start, have = (tail, self._take_free(tail)) if tail is not None else (end, 0)
+        page = EXPANDABLE_PAGE[small]
+        pages = -(-(rounded - have) // page) * page
+        self.segments[seg] += pages
+        self.reserved += pages
+        self._add_free(start, have + pages, seg)
+        return start
 
     def alloc(self, nbytes):
         """Returns (address, bytes in the block beyond the 512 B rounding)."""
         rounded = round_size(nbytes)
         small = rounded <= MiB
-        pool = self.free[small]
+        pool = self.by_size[small]
         i = bisect.bisect_left(pool, (rounded, -1))
         if i < len(pool):
-            addr = pool[i][1]
-            seg = self.blocks[addr][2]
-            size = self._take_free(addr)
+            start = pool[i][1]
         elif self.expandable:
-            addr, seg, size = self._grow(small, rounded)
+            start = self._grow(small, rounded)
         else:
-            size = segment_size(rounded)
-            addr = seg = self.next_segment
-            self.reserved += size
-            self.next_segment += size + (1 << 30)  # segments never touch: no merging across them
-        if should_split(size, rounded):
-            self._add_free(addr + rounded, size - rounded, seg, small)
-            size = rounded
-        self.blocks[addr] = [size, False, seg, small]
-        return addr, size - rounded
-
-    def _grow(self, small, rounded):
-        """Map pages at the end of the pool's segment, joining its free tail; returns the block."""
-        if small not in self.mapped:
-            self.mapped[small] = (self.next_segment, 0)
-            self.next_segment += 1 << 44
-        seg, length = self.mapped[small]
-        end = seg + length
-        tail = self.free_by_end.get(end)
-        start, have = (tail, self._take_free(tail)) if tail is not None else (end, 0)
-        page = EXPANDABLE_PAGE[small]
-        pages = -(-(rounded - have) // page) * page
-        self.mapped[small] = (seg, length + pages)
-        self.reserved += pages
-        return start, seg, have + pages
+            start = self._new_segment(small, segment_size(rounded))
+        return start, super().alloc(start, nbytes) - rounded
 
     def release(self, addr):
-        size, _, seg, small = self.blocks.pop(addr)
-        nxt = addr + size
-        if nxt in self.blocks and self.blocks[nxt][1] and self.blocks[nxt][2] == seg:
-            size += self._take_free(nxt)
-        prev = self.free_by_end.get(addr)
-        if prev is not None and self.blocks[prev][2] == seg:
-            size += self._take_free(prev)
-            addr = prev
-        self._add_free(addr, size, seg, small)
+        self.complete(addr)
 
 
 def _logits_bytes(log_softmax, cfg):
@@ -160,7 +157,7 @@ def predicted_gaps(ledger, cfg, expandable=False):
                 alloc(("peak", i), l["bytes"])
             result["peak"] = held()
             result["reserved_peak"] = model.reserved
-            result["allocated_peak"] = sum(model.blocks[addr][0] for addr, _ in live.values())
+            result["allocated_peak"] = sum(model.used[addr] for addr, _ in live.values())
             break
         for i, l in enumerate(peak_extra):
             alloc(("peak", i), l["bytes"])
