@@ -168,12 +168,17 @@ def cmd_predict(args, extra):
     print(f"peak at: {pred['backward']['peak_at']}")
 
 
-def cmd_fit(args, extra):
-    cfg = _overrides(extra)
-    dev = _device(args)
+def _gpu_config(args, extra):
+    """(config, device) for the commands that judge a GPU's memory (fit, plan)."""
+    cfg, dev = _overrides(extra), _device(args)
     if dev["type"] == "cpu" or not dev.get("total_memory"):
-        raise ValueError("fit needs a GPU: --gpu=NAME, or --memory=BYTES with --capability")
+        raise ValueError(f"{args.cmd} needs a GPU: --gpu=NAME, or --memory=BYTES with --capability")
+    return cfg, dev
+
+
+def cmd_fit(args, extra):
     from .plan import fit_result
+    cfg, dev = _gpu_config(args, extra)
     r = fit_result(cfg, dev, args.headroom)
     if args.json:
         print(json.dumps(r, indent=1))
@@ -191,10 +196,7 @@ def cmd_fit(args, extra):
 
 def cmd_plan(args, extra):
     from .plan import plan, smallest_miss
-    cfg = _overrides(extra)
-    dev = _device(args)
-    if dev["type"] == "cpu" or not dev.get("total_memory"):
-        raise ValueError("plan needs a GPU: --gpu=NAME, or --memory=BYTES with --capability")
+    cfg, dev = _gpu_config(args, extra)
     r = plan(cfg, dev, args.headroom)
     if not r["baseline"]["fits"] and not any(o["fits"] for o in r["options"]):
         raise ValueError(smallest_miss(r))
