@@ -294,7 +294,7 @@ def main(argv=None):
         q.add_argument("--json", action="store_true")
         q.add_argument("--gaps", type=int, default=None, help="measured allocator gaps (bytes) to use")
         q.add_argument("--headroom", type=float, default=0.02, help="fraction of the card kept free beyond the "
-                       "prediction (fit, plan); reserved memory is predicted within -4.7%% to +3.9%% on the H100 rows")
+                       "prediction (fit, plan); reserved memory is predicted within -5.0%% to +3.8%% on the H100 rows")
         q.add_argument("--outside", type=int, default=None, help="bytes CUDA holds outside PyTorch (context, "
                        f"handles); default {OUTSIDE_PYTORCH_DEFAULT:,}, an estimate")
     r = sub.add_parser("report", help="predicted vs actual for an audit run")

@@ -237,12 +237,11 @@ def _totals(ledger, params, dev, gaps_bytes, cfg):
 def _reserved_peak(modelled, peak):
     """memory_reserved() at the peak: the allocator model's segments at the start of backward;
     where the predicted peak lies elsewhere (inside a checkpointed block's backward) and holds
-    more, that peak plus the cache the model left free (CPU: no cache, the peak itself)."""
+    more than those segments, at least that peak in whole 2 MiB units (CPU: the peak itself)."""
     if "reserved_peak" not in modelled:
         return peak
-    cached = modelled["reserved_peak"] - modelled["allocated_peak"]
     segment = 2 * 2 ** 20  # every segment, and every expandable page, is a multiple of 2 MiB
-    return max(modelled["reserved_peak"], -(-(peak + cached) // segment) * segment)
+    return max(modelled["reserved_peak"], -(-peak // segment) * segment)
 
 
 # -- other published formulas, for the report's comparison columns ---------------------------

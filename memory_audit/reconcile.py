@@ -96,8 +96,8 @@ def _totals_rows(pred, actual):
     for key, pkey in (("steady_state", "steady_state_allocated"), ("activations", "activations_bytes"),
                       ("peak", "peak_allocated_bytes"), ("reserved", "reserved_peak_bytes")):
         a = actual.get(key)
-        if key == "reserved" and key not in actual:  # a stored report from before reserved was measured
-            continue
+        if key == "reserved" and (key not in actual or pred["device"]["type"] == "cpu"):
+            continue  # a stored report from before reserved was measured; CPU: no caching allocator
         diff = None if a is None else a - t[pkey]
         out[key] = {"predicted": t[pkey], "actual": a, "diff": diff,
                     "diff_pct": None if diff is None else round(100.0 * diff / t[pkey], 4)}

@@ -179,3 +179,14 @@ def test_h100_reference_lines_repredicted():
     assert mismatched(refreshed["rows"]) == []
     weights = next(r for r in refreshed["phases"]["step2_start"]["categories"] if r["key"] == "weights")
     assert weights["predicted"] == weights["actual"] == 4 * 124_373_760
+
+
+@pytest.mark.parametrize("run", ["cuda-tiny-fp16-manual", "cuda-tiny-bf16-sdpa"])
+def test_reserved_of_the_committed_cuda_audits(run):
+    """The two real H100 audits whose meta.json is committed: the allocator model's segments are
+    their memory_reserved() to the byte (two 32 MiB cuBLAS workspaces and three 2 MiB segments)."""
+    from conftest import ROOT
+    from memory_audit.reconcile import device_from_meta
+    meta = json.load(open(os.path.join(ROOT, "snapshots", "examples", run, "meta.json")))
+    measured = max(p["memory_reserved"] for p in meta["phases"].values())
+    assert predict(meta["config"], device_from_meta(meta))["totals"]["reserved_peak_bytes"] == measured == 73_400_320
