@@ -64,6 +64,7 @@ min_lr = 6e-5
 device = "auto"  # auto | cpu | cuda | cuda:1 ...
 dtype = "auto"  # auto = float16 on CUDA, float32 on CPU; float32 | bfloat16 | float16 (GradScaler)
 compile = False
+activation_memory_budget = 1.0  # compile: the partitioner's memory budget (0..1); 1.0 = its default behaviour
 seed = 1337
 log_interval = 1
 losses_out = ""  # write the per-step losses (exact, as float.hex) to this JSON file
@@ -123,7 +124,17 @@ if audit and audit_step < 2:
 if audit and max_iters < audit_step:
     fail(f"max_iters={max_iters} ends before audit_step={audit_step}")
 if audit and compile:
-    fail("--audit with compile=True is not supported: compiled graphs hide the saved tensors")
+    fail("--audit with compile=True is not supported yet (issue #11): memory_audit.Audit(compiled=True) names a "
+         "compiled graph's saved tensors, but a CPU audit still misses tensors older than its profiler")
+if not 0.0 <= activation_memory_budget <= 1.0:
+    fail(f"activation_memory_budget must be between 0 and 1, got {activation_memory_budget}")
+if compile and device_type == "cpu":
+    import shutil
+    if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        fail("compile=True on CPU needs a C++ compiler (g++ or clang++) for inductor; none was found")
+if compile:
+    import torch._functorch.config
+    torch._functorch.config.activation_memory_budget = activation_memory_budget
 config = {k: globals()[k] for k in config_keys}
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=vocab_size, dropout=dropout, attention=attention, activation=activation,
@@ -187,7 +198,7 @@ if audit:
         run_dir = os.path.join(audit_dir, f"{run_name}-{_n}")
     try:  # step indexes count from 0 (iter_num); audit_step counts from 1
         audit_obj = Audit(out_dir=run_dir, device=device, step=audit_step - 1, config=config,
-                          max_entries=audit_max_entries)
+                          max_entries=audit_max_entries, compiled=compile)
     except AuditError as e:
         fail(str(e))
     print(f"audit: recording allocator history into {run_dir}")
@@ -202,7 +213,7 @@ def train():
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer_impl)
     train_model = torch.compile(model) if compile else model
     if audit_obj is not None:
-        audit_obj.watch(model, optimizer, scaler)
+        audit_obj.watch(model, optimizer, scaler, compiled=compile)
 
     def get_lr(it):
         if it < warmup_iters:  # linear warmup

@@ -39,7 +39,7 @@ class Audit:
     """
 
     def __init__(self, model=None, optimizer=None, out_dir="snapshots/audit", *, step=1, scaler=None,
-                 device=None, config=None, max_entries=1_000_000):
+                 device=None, config=None, max_entries=1_000_000, compiled=False):
         if model is None and device is None:
             raise AuditError("Audit needs a model, or a device when it starts before the model exists")
         if model is not None:
@@ -54,11 +54,12 @@ class Audit:
         self._ledger = None
         self._hooks = []
         self._output_hook = None
+        self._graphs = self._compile_ctx = None  # compiled: the partitioner's saved values
         self._loop = {}  # name -> weak reference: the model's last output and loss, as the loop holds them
-        self.recording = AuditRecording(out_dir, device, config or {}, max_entries=max_entries)
+        self.recording = AuditRecording(out_dir, device, config or {}, max_entries=max_entries, defer_cpu=compiled)
         self.recording.__enter__()
         if model is not None:
-            self.watch(model, optimizer, scaler)
+            self.watch(model, optimizer, scaler, compiled)
 
     @property
     def run_dir(self):
@@ -68,15 +69,24 @@ class Audit:
     def files(self):
         return self.recording.files
 
-    def watch(self, model, optimizer, scaler=None):
-        """Name this model's parameters, buffers and gradients and this optimizer's state."""
+    def watch(self, model, optimizer, scaler=None, compiled=False):
+        """Name this model's parameters, buffers and gradients and this optimizer's state.
+        compiled: the loop runs `torch.compile(model)`; call watch before its first step, so the
+        partitioner's saved values are captured (they name the saved tensors)."""
         _check_pair(model, optimizer)
         if torch.device(_model_device(model)) != self.recording.device:
             raise AuditError(f"the model is on {_model_device(model)} but the audit records {self.recording.device}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         if self._output_hook is not None:
             self._output_hook.remove()
-        self._output_hook = model.register_forward_hook(self._note_output)
+        if compiled:  # hooks on the compiled model would change its graph
+            from .compiled import capture, no_cache
+            self._graphs = []
+            self._compile_ctx = ExitStack()
+            self._compile_ctx.enter_context(no_cache())
+            self._compile_ctx.enter_context(capture(self._graphs, getattr(model, "audit_prefix", "")))
+        else:
+            self._output_hook = model.register_forward_hook(self._note_output)
         config = self.recording.config
         config.setdefault("model_class", type(model).__name__)
         config.setdefault("optimizer_class", type(optimizer).__name__)
@@ -100,6 +110,7 @@ class Audit:
             raise AuditError("Audit.step: call watch(model, optimizer) first")
         self.state, self._tensors, self._inside = "recording", tensors, True
         try:
+            self.recording.begin_cpu(self._live_tensors())  # compiled on CPU: profile from the audited step
             self._phase("step2_start")
             self._start_ledger()
             self._hook_gradients()
@@ -161,6 +172,14 @@ class Audit:
         t = self._tensors() if callable(self._tensors) else self._tensors
         return dict(t or {})
 
+    def _live_tensors(self):
+        """Every tensor a phase would name now (registry, the loop's tensors)."""
+        out = list(self.model.parameters()) + list(self.model.buffers())
+        out += [p.grad for p in self.model.parameters() if p.grad is not None]
+        out += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        out += [t for t in self._current_tensors().values() if torch.is_tensor(t)]
+        return out + [r() for r in self._loop.values() if r() is not None]
+
     def _note_output(self, module, args, output):
         if torch._C._current_autograd_node() is None:  # a forward, not a checkpoint's recompute
             tensors = _tensors_in(output)
@@ -176,7 +195,13 @@ class Audit:
 
     def _start_ledger(self):
         stack, saved = ExitStack(), []
-        label = stack.enter_context(saved_tensor_ledger(self.model, saved, str(self.recording.device)))
+        if self._graphs is not None:
+            from .compiled import compiled_ledger
+            from .recorder import module_namer
+            ledger = compiled_ledger(saved, str(self.recording.device), self._graphs, module_namer(self.model))
+        else:
+            ledger = saved_tensor_ledger(self.model, saved, str(self.recording.device))
+        label = stack.enter_context(ledger)
         self._ledger = (stack, label, saved)
 
     def _stop_ledger(self):
@@ -211,6 +236,9 @@ class Audit:
         if self.state == "done" and self._output_hook is not None:
             self._output_hook.remove()
             self._output_hook = None
+        if self.state == "done" and self._compile_ctx is not None:
+            self._compile_ctx.close()
+            self._compile_ctx = None
 
 
 def _model_device(model):

@@ -357,8 +357,9 @@ class AuditRecording:
     an out-of-memory error still leaves a snapshot on disk.
     """
 
-    def __init__(self, run_dir, device, config, max_entries=1_000_000):
+    def __init__(self, run_dir, device, config, max_entries=1_000_000, defer_cpu=False):
         self.run_dir = run_dir
+        self.defer_cpu = defer_cpu
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.config = config
@@ -386,14 +387,27 @@ class AuditRecording:
             torch.cuda.memory._record_memory_history(
                 enabled="all", context="all", stacks="python", max_entries=self.max_entries)
             torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
-        else:
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                               profile_memory=True, record_shapes=True,
-                                               with_stack=True)
-            self.prof.__enter__()
+        elif not self.defer_cpu:
+            self._start_profiler()
         self.active = True
         self.t0 = time.time()
         return self
+
+    def _start_profiler(self):
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                           profile_memory=True, record_shapes=True, with_stack=True)
+        self.prof.__enter__()
+
+    def begin_cpu(self, tensors=()):
+        """CPU, deferred: start the profiler now (a compiled run's audited step: profiling
+        inductor's compilation with stacks would take more memory than the machine has). The
+        profiler reports a tensor older than itself only once an op uses it, and compiled code
+        uses them outside aten: an alias of each of `tensors` (a view: no memory, no effect on
+        training) shows it the ones that exist now."""
+        if not self.cuda and self.prof is None and self.active:
+            self._start_profiler()
+            for t in tensors:
+                torch.ops.aten.alias.default(t)
 
     def __exit__(self, exc_type, exc, tb):
         if exc is not None and self.error is None:
@@ -413,7 +427,7 @@ class AuditRecording:
         self.active = False
         if self.cuda:
             torch.cuda.memory._record_memory_history(enabled=None)
-        else:
+        elif self.prof is not None:
             self.prof.__exit__(None, None, None)
             self._write_cpu_snapshots()
 

@@ -1,0 +1,171 @@
+"""torch.compile: what AOTAutograd's partitioner decides to save, by FX node.
+
+Inductor partitions each compiled graph's joint forward/backward with
+`min_cut_rematerialization_partition` (its choice, shaped by
+`torch._functorch.config.activation_memory_budget`). The forward graph's outputs past the
+user's are the values saved for backward, in the order the compiled function hands them to
+`ctx.save_for_backward`, which is the order the pack hooks of `saved_tensors_hooks` see them
+(checked on cpu-tiny: 51 of 51 in order, shapes and dtypes equal). So:
+
+- `capture()` records, for every graph compiled while it is on, its saved values (FX node name,
+  shape, dtype, bytes, module path from `nn_module_stack`); the audit names each packed tensor
+  by its position.
+- `predict_saved(model, x, y)` runs inductor's own compile_fx on the model with a compile step
+  that stops once the forward graph exists: the same partition, without generating or running
+  kernels (a few seconds instead of tens). The model's parameters and the batch are real (CPU).
+
+A warm inductor cache skips the partitioner; `no_cache()` turns the FX graph and AOT autograd
+caches off for the audited process (the compiled code is the same).
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+
+def _module_path(node, prefix):
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]  # "L['self'].transformer.h.0.ln_1"
+    path = path.split("L['self']", 1)[-1].lstrip(".") if "L['self']" in path else path
+    return path[len(prefix):] if prefix and path.startswith(prefix) else path
+
+
+def saved_values(fw_module, num_fwd_outputs, prefix=""):
+    """[{node, module, shape, dtype, nbytes}] of the tensors a partitioned forward saves."""
+    out = []
+    for node in fw_module.graph.output_node().args[0][num_fwd_outputs:]:
+        val = getattr(node, "meta", {}).get("val")
+        if isinstance(val, torch.Tensor):
+            out.append({"node": node.name, "module": _module_path(node, prefix), "shape": list(val.shape),
+                        "dtype": str(val.dtype).replace("torch.", ""),
+                        "nbytes": val.numel() * val.element_size(), "target": str(node.target)})
+    return out
+
+
+@contextmanager
+def capture(graphs, prefix=""):
+    """While on, append each compiled graph's saved values (a list, see saved_values) to `graphs`."""
+    import torch._inductor.compile_fx as cfx
+    original = cfx.min_cut_rematerialization_partition
+
+    def partition(joint, inputs, *args, num_fwd_outputs=None, **kwargs):
+        fw, bw = original(joint, inputs, *args, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        graphs.append(saved_values(fw, num_fwd_outputs, prefix))
+        return fw, bw
+    cfx.min_cut_rematerialization_partition = partition
+    try:
+        yield graphs
+    finally:
+        cfx.min_cut_rematerialization_partition = original
+
+
+@contextmanager
+def no_cache():
+    """Inductor's FX graph cache and AOT autograd's cache off: a hit would skip the partitioner."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+    saved = (iconfig.fx_graph_cache, getattr(fconfig, "enable_autograd_cache", None))
+    iconfig.fx_graph_cache = False
+    if saved[1] is not None:
+        fconfig.enable_autograd_cache = False
+    try:
+        yield
+    finally:
+        iconfig.fx_graph_cache = saved[0]
+        if saved[1] is not None:
+            fconfig.enable_autograd_cache = saved[1]
+
+
+class _Partitioned(Exception):
+    """Raised by the stand-in compile step once the partition is known."""
+
+
+@contextmanager
+def memory_budget(budget):
+    """torch._functorch.config.activation_memory_budget = budget, restored on exit."""
+    import torch._functorch.config as fconfig
+    before = fconfig.activation_memory_budget
+    fconfig.activation_memory_budget = float(budget)
+    try:
+        yield
+    finally:
+        fconfig.activation_memory_budget = before
+
+
+def predict_saved(model, inputs, budget=1.0, prefix=""):
+    """The saved values of `model(*inputs)` compiled by inductor at this activation memory
+    budget, without code generation or a step: a list per compiled graph."""
+    import torch._inductor.compile_fx as cfx
+
+    def stop(gm, example_inputs, **kwargs):
+        raise _Partitioned()
+
+    def backend(gm, example_inputs):
+        return cfx.compile_fx(gm, example_inputs, inner_compile=stop)
+
+    graphs = []
+    torch._dynamo.reset()
+    with capture(graphs, prefix), no_cache(), memory_budget(budget):
+        try:
+            torch.compile(model, backend=backend)(*inputs)
+        except Exception as e:  # the stand-in stops every compile once it is partitioned
+            if not _caused_by(e, _Partitioned):
+                raise
+    torch._dynamo.reset()
+    return graphs
+
+
+def _caused_by(exc, kind):
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextmanager
+def compiled_ledger(out, device, graphs, short):
+    """The saved-tensor ledger of a compiled forward: every tensor packed for backward, named by
+    its position in the partitioner's saved values (`graphs`, from capture()). No module hooks:
+    they would change what dynamo compiles. Yields label(loss=None, held=None) as the eager
+    ledger does; fills `out` with SavedTensor dicts keyed activations/<module>/<FX node>."""
+    packed = []
+
+    def pack(t):
+        st = t.untyped_storage()
+        packed.append((st.data_ptr(), st.nbytes(), str(t.dtype).replace("torch.", ""), list(t.shape), str(t.device)))
+        return t
+
+    def label(loss=None, held=None):
+        values = [v for graph in graphs for v in graph]
+        named = len(values) == len(packed)  # one graph, or graphs run in the order they compiled
+        seen = {}
+        for i, (ptr, nbytes, dtype, shape, dev) in enumerate(packed):
+            if ptr in seen or dev != device:
+                continue
+            v = values[i] if named else {"node": f"saved{i}", "module": "", "target": ""}
+            seen[ptr] = {"key": f"activations/{short(v['module'])}/{v['node']}", "module": v["module"],
+                         "op": v["node"], "grad_fn": "CompiledFunctionBackward", "savers": [v["target"]],
+                         "data_ptr": ptr, "nbytes": nbytes, "dtype": dtype, "shape": shape}
+        if loss is not None:  # eager ops around the compiled graph (the loop's loss / accumulation)
+            from .recorder import _graph_savers, _op_name
+            savers, info = _graph_savers([loss.grad_fn])
+            for ptr, found in savers.items():
+                if ptr not in seen and info[ptr]["device"] == device:
+                    _, fn, attr = sorted(found)[0]
+                    op = _op_name(fn, attr)
+                    seen[ptr] = {"key": f"activations/{short('')}/{op}", "module": "", "op": op, "grad_fn": fn,
+                                 "savers": [op], "data_ptr": ptr, "nbytes": info[ptr]["nbytes"],
+                                 "dtype": info[ptr]["dtype"], "shape": info[ptr]["shape"]}
+        for module, t in (held or {}).items():
+            st = t.untyped_storage()
+            seen.setdefault(st.data_ptr(), {
+                "key": f"activations/{short(module)}/output", "module": module, "op": "output", "grad_fn": "",
+                "savers": [], "data_ptr": st.data_ptr(), "nbytes": st.nbytes(),
+                "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)})
+        out.extend(seen.values())
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield label
