@@ -143,3 +143,13 @@ def test_newer_generation_keys_and_actions_are_tolerated():
     r = attribute(snap)[0]
     assert r["reserved_bytes"] == 2 ** 21 and r["allocated_bytes"] == 512 and r["categories"]["gaps"] == 508
     assert replay(snap)["peak"]["bytes"] == 512  # the block the 4-byte request got
+
+
+def test_reading_snapshots_does_not_import_torch():
+    """attribute/replay stay light (the benchmark's RSS target): only the recorder needs torch."""
+    import subprocess
+    import sys
+    code = ("import sys, memory_audit, memory_audit.loader, memory_audit.attribute, memory_audit.timeline; "
+            "print('torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "False", p.stderr
