@@ -310,6 +310,8 @@ def main(argv=None):
     s.add_argument("--device", default="auto")
     s.add_argument("--out", default=None, help="results .jsonl (default snapshots/results/<device>.jsonl)")
     s.add_argument("--timeout", type=int, default=900)
+    s.add_argument("--jobs", type=int, default=1, help="configs audited at once (CPU; on a GPU keep 1: "
+                   "the plain-step overhead runs only then)")
     s.add_argument("--keep", action="store_true", help="keep each run's snapshots")
     s.add_argument("--audit-dir", default=None, help="where runs go (default snapshots/sweep)")
     t = sub.add_parser("accuracy", help="markdown table of sweep results (the README's table)")

@@ -132,6 +132,19 @@ def _outside(run_dir):
     return max(values) if values else None
 
 
+def _runs(configs, audit_dir, timeout, jobs):
+    """run_one for every config, `jobs` child processes at a time, results in config order.
+    The overhead runs (plain step times) are for GPUs, where one process runs at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(cfg):
+        return run_one(cfg, audit_dir, timeout, overhead=cfg.get("device", "auto") != "cpu" and jobs == 1)
+    if jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {jobs}")
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        yield from pool.map(one, configs)
+
+
 def run_sweep(args):
     configs = grid(args.grid) if args.grid else None
     if args.configs:
@@ -144,9 +157,8 @@ def run_sweep(args):
     audit_dir = args.audit_dir or os.path.join(ROOT, "snapshots", "sweep")
     out = args.out
     rows = []
-    for i, cfg in enumerate(configs):
-        on_gpu = cfg.get("device", "auto") != "cpu"
-        status, run_dir, log, wall, plain = run_one(cfg, audit_dir, args.timeout, overhead=on_gpu)
+    for i, (cfg, run) in enumerate(zip(configs, _runs(configs, audit_dir, args.timeout, args.jobs))):
+        status, run_dir, log, wall, plain = run
         row = row_for(cfg, status, run_dir, log, wall, plain)
         row["produced_by"] = "python -m memory_audit sweep " + (f"--grid={args.grid}" if args.grid else f"--configs={args.configs}")
         if out is None:

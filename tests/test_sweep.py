@@ -9,7 +9,7 @@ from memory_audit.sweep import accuracy_table, grid
 def _sweep(tmp_path, name):
     """Run a grid in child processes; its rows and the results file."""
     out = tmp_path / f"{name}.jsonl"
-    p = run_cli("sweep", f"--grid={name}", f"--out={out}", f"--audit-dir={tmp_path}/runs", timeout=1800)
+    p = run_cli("sweep", f"--grid={name}", f"--out={out}", f"--audit-dir={tmp_path}/runs", "--jobs=2", timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return [json.loads(line) for line in open(out)], out
 
