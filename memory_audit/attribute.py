@@ -73,13 +73,16 @@ def name_from_frames(frames):
     return None, None
 
 
+BASELINE = "baseline/before-recording"
+
+
 def baseline_name(snap):
     """A block with no frames that no entry of the trace made existed before recording began
     (what ptmem calls the baseline): the weights and state a script made before it called
     _record_memory_history. Which of them it is the snapshot cannot say; that it predates the
     recording it can, and the name says which evidence: a trace that began late, or no trace."""
     traces = snap.get("device_traces") or []
-    return "baseline/before-recording" if any(len(t) for t in traces) else "baseline/no-trace"
+    return BASELINE if any(len(t) for t in traces) else "baseline/no-trace"
 
 
 def workspace_sizes(meta):

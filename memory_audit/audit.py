@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .recorder import AuditError, AuditRecording, _tensors_in, saved_tensor_ledger
+from .recorder import AuditError, AuditRecording, _tensors_in, named_tensors, saved_tensor_ledger
 
 
 class Audit:
@@ -110,7 +110,7 @@ class Audit:
             raise AuditError("Audit.step: call watch(model, optimizer) first")
         self.state, self._tensors, self._inside = "recording", tensors, True
         try:
-            self.recording.begin_cpu(self._live_tensors())  # compiled on CPU: profile from the audited step
+            self.recording.begin_cpu(self._live_tensors)  # compiled on CPU: profile from the audited step
             self._phase("step2_start")
             self._start_ledger()
             self._hook_gradients()
@@ -174,11 +174,8 @@ class Audit:
 
     def _live_tensors(self):
         """Every tensor a phase would name now (registry, the loop's tensors)."""
-        out = list(self.model.parameters()) + list(self.model.buffers())
-        out += [p.grad for p in self.model.parameters() if p.grad is not None]
-        out += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        out += [t for t in self._current_tensors().values() if torch.is_tensor(t)]
-        return out + [r() for r in self._loop.values() if r() is not None]
+        named = named_tensors(self.model, self.optimizer, self.scaler, self._current_tensors())
+        return [t for _, t in named] + [r() for r in self._loop.values() if r() is not None]
 
     def _note_output(self, module, args, output):
         if torch._C._current_autograd_node() is None:  # a forward, not a checkpoint's recompute
@@ -248,9 +245,8 @@ def _model_device(model):
 
 
 def _check_pair(model, optimizer):
+    _model_device(model)  # refuses a model without parameters
     params = list(model.parameters())
-    if not params:
-        raise AuditError(f"the model ({type(model).__name__}) has no parameters: nothing to audit")
     if optimizer is None or not hasattr(optimizer, "param_groups"):
         raise AuditError(f"expected a torch.optim optimizer, got {type(optimizer).__name__}")
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -149,22 +149,19 @@ def compiled_ledger(out, device, graphs, short):
             seen[ptr] = {"key": f"activations/{short(v['module'])}/{v['node']}", "module": v["module"],
                          "op": v["node"], "grad_fn": "CompiledFunctionBackward", "savers": [v["target"]],
                          "data_ptr": ptr, "nbytes": nbytes, "dtype": dtype, "shape": shape}
-        if loss is not None:  # eager ops around the compiled graph (the loop's loss / accumulation)
-            from .recorder import _graph_savers, _op_name
-            savers, info = _graph_savers([loss.grad_fn])
-            for ptr, found in savers.items():
-                if ptr not in seen and info[ptr]["device"] == device:
-                    _, fn, attr = sorted(found)[0]
-                    op = _op_name(fn, attr)
-                    seen[ptr] = {"key": f"activations/{short('')}/{op}", "module": "", "op": op, "grad_fn": fn,
-                                 "savers": [op], "data_ptr": ptr, "nbytes": info[ptr]["nbytes"],
-                                 "dtype": info[ptr]["dtype"], "shape": info[ptr]["shape"]}
+        # eager ops around the compiled graph (the loop's division) and what the loop holds:
+        # named as the eager ledger names them
+        from .recorder import _graph_savers, _saved_records
+        savers, info = _graph_savers([loss.grad_fn]) if loss is not None else ({}, {})
+        rest = {p: {"module": "", **info[p]} for p in savers if p not in seen}
         for module, t in (held or {}).items():
             st = t.untyped_storage()
-            seen.setdefault(st.data_ptr(), {
-                "key": f"activations/{short(module)}/output", "module": module, "op": "output", "grad_fn": "",
-                "savers": [], "data_ptr": st.data_ptr(), "nbytes": st.nbytes(),
-                "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)})
+            if st.data_ptr() not in seen:
+                rest.setdefault(st.data_ptr(), {"module": module, "held": True, "device": str(t.device),
+                                                "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
+                                                "shape": list(t.shape)})
+        for r in _saved_records(rest, savers, device, checkpointed=False, short=short):
+            seen[r["data_ptr"]] = r
         out.extend(seen.values())
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

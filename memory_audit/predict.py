@@ -230,7 +230,7 @@ def _totals(ledger, params, dev, gaps_bytes, cfg):
         # memory_reserved(): segments the allocator model made (CPU: no cache, = allocated)
         "reserved_steady_bytes": modelled.get("reserved_steady", steady + rounding),
         "reserved_peak_bytes": _reserved_peak(modelled, peak),
-        "outside_pytorch_bytes": dev.get("outside_pytorch") or 0 if dev["type"] == "cuda" else 0,
+        "outside_pytorch_bytes": (dev.get("outside_pytorch") or 0) if dev["type"] == "cuda" else 0,
     }
 
 

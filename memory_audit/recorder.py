@@ -50,34 +50,34 @@ def _tensor_entry(name, t):
             "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
 
 
-def build_registry(model, optimizer=None, scaler=None, tensors=None):
-    """Name every long-lived tensor by its storage address.
-
-    Returns a list of RegistryEntry dicts: weights, buffers, grads, optimizer state
-    (exp_avg, exp_avg_sq, step) and the GradScaler's state, plus `tensors` (name -> tensor).
-    """
-    entries = []
+def named_tensors(model, optimizer=None, scaler=None, tensors=None):
+    """(name, tensor) of every long-lived tensor: weights, buffers, grads, optimizer state
+    (exp_avg, exp_avg_sq, step), the GradScaler's state, plus `tensors` (name -> tensor)."""
     names = {}
     for name, p in model.named_parameters():  # tied weights appear once, under their first name
         names[p] = name
-        entries.append(_tensor_entry(f"weights/{name}", p))
+        yield f"weights/{name}", p
     for name, b in model.named_buffers():
-        entries.append(_tensor_entry(f"buffers/{name}", b))
+        yield f"buffers/{name}", b
     for p, name in names.items():
         if p.grad is not None:
-            entries.append(_tensor_entry(f"grads/{name}", p.grad))
+            yield f"grads/{name}", p.grad
     if optimizer is not None:
         for p, state in optimizer.state.items():
             for key, value in state.items():
                 if torch.is_tensor(value) and value.device == p.device:
-                    entries.append(_tensor_entry(f"optimizer/{key}/{names.get(p, '?')}", value))
+                    yield f"optimizer/{key}/{names.get(p, '?')}", value
     if scaler is not None and scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
-        entries.append(_tensor_entry("optimizer/grad_scaler/scale", scaler._scale))
-        entries.append(_tensor_entry("optimizer/grad_scaler/growth_tracker", scaler._growth_tracker))
+        yield "optimizer/grad_scaler/scale", scaler._scale
+        yield "optimizer/grad_scaler/growth_tracker", scaler._growth_tracker
     for name, t in (tensors or {}).items():
         if torch.is_tensor(t):
-            entries.append(_tensor_entry(name, t))
-    return entries
+            yield name, t
+
+
+def build_registry(model, optimizer=None, scaler=None, tensors=None):
+    """Name every long-lived tensor by its storage address: a list of RegistryEntry dicts."""
+    return [_tensor_entry(name, t) for name, t in named_tensors(model, optimizer, scaler, tensors)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,15 +398,15 @@ class AuditRecording:
                                            profile_memory=True, record_shapes=True, with_stack=True)
         self.prof.__enter__()
 
-    def begin_cpu(self, tensors=()):
+    def begin_cpu(self, tensors=lambda: ()):
         """CPU, deferred: start the profiler now (a compiled run's audited step: profiling
         inductor's compilation with stacks would take more memory than the machine has). The
         profiler reports a tensor older than itself only once an op uses it, and compiled code
         uses them outside aten: an alias of each of `tensors` (a view: no memory, no effect on
-        training) shows it the ones that exist now."""
+        training) shows it the ones that exist now. `tensors` is called only then."""
         if not self.cuda and self.prof is None and self.active:
             self._start_profiler()
-            for t in tensors:
+            for t in tensors():
                 torch.ops.aten.alias.default(t)
 
     def __exit__(self, exc_type, exc, tb):

@@ -12,7 +12,7 @@ allocation live at that moment, never to the address.
 
 import numpy as np
 
-from .attribute import baseline_name, name_from_frames, phase_names, trace_workspaces
+from .attribute import BASELINE, baseline_name, name_from_frames, phase_names, trace_workspaces
 from .schema import CATEGORIES, RECOMPUTE_LABEL
 from .trace import A, FREES, Trace, as_trace
 
@@ -85,7 +85,8 @@ def recompute_labels(t):
 
 
 def name_events(trace, cuts):
-    """Name each alloc event by the phases at which it is live.
+    """Name each alloc event by the phases at which it is live, and each free of an allocation
+    older than the trace by the phases before it.
 
     Returns (event_name {index: name}, freed (bool per entry: an alloc whose free the trace
     holds), unmatched_free_bytes).
@@ -113,8 +114,12 @@ def name_events(trace, cuts):
     done = allocs[pair[allocs] >= 0]
     freed[done[np.isin(act[pair[done]], FREES)]] = True
     frees = np.isin(act, FREES)
-    unmatched_free = int(t.size[frees & (pair < 0)].sum())
-    return event_name, freed, unmatched_free
+    unmatched = frees & (pair < 0)
+    for i in np.flatnonzero(unmatched).tolist():  # frees of what is older than the trace
+        name = _name_at(cuts, int(addr[i]), i) if cuts else BASELINE  # a snapshot from elsewhere
+        if name:
+            event_name[i] = name
+    return event_name, freed, int(t.size[unmatched].sum())
 
 
 def categorize_trace(snap, meta=None, detail=True):
@@ -128,9 +133,6 @@ def categorize_trace(snap, meta=None, detail=True):
         event_name, freed, _ = name_events(t, cuts)
         temporary = _TemporaryNames(t)
         act, addr = t.act.tolist(), t.addr.tolist()
-        block, pair = t.replayed((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline", False))
-        # frees of what predates the trace: the viewer draws them with the free's category
-        before = {i: name for name, _, i in pre_trace_blocks(snap, t, pair, block, cuts, d) if i is not None and name}
         live, cats = {}, []
         for i in range(t.n):
             a = act[i]
@@ -146,8 +148,9 @@ def categorize_trace(snap, meta=None, detail=True):
                     cat = (name_from_frames(t.frames(i))[0] or "unknown").split("/", 1)[0] if meta is None else "unknown"
                 live[addr[i]] = cat
             elif a in (A["free_requested"], A["free_completed"], A["free"]):
-                cat = live.get(addr[i]) or (before[i].split("/", 1)[0] if i in before else "unknown")
-                if i in before and a == A["free_requested"]:  # its free_completed follows
+                # a free of what predates the trace: the viewer draws it with the free's category
+                cat = live.get(addr[i]) or (event_name[i].split("/", 1)[0] if i in event_name else "unknown")
+                if i in event_name and a == A["free_requested"]:  # its free_completed follows
                     live[addr[i]] = cat
                 if a != A["free_requested"]:
                     live.pop(addr[i], None)
@@ -176,7 +179,8 @@ def _viewer_needs_unknown(cats, act):
 def _entry_categories(trace, meta, cuts, pair):
     """Category code of every entry: an alloc's from its name (phases' registry and saved
     tensors, recomputation), else workspace, else temporary when freed in the trace, else
-    unattributed; a free takes its alloc's. Returns (cat, event_name, unmatched_free)."""
+    unattributed; a free takes its alloc's (one older than the trace, its name's). Returns (cat,
+    event_name, unmatched_free)."""
     act, addr = trace.act, trace.addr
     event_name, freed, unmatched_free = name_events(trace, cuts)
     is_alloc = act == A["alloc"]
@@ -201,7 +205,7 @@ def _name_at(cuts, address, before=None):
     return None
 
 
-def pre_trace_blocks(snap, trace, pair, block, cuts, device=0):
+def pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device=0):
     """Allocations made before the trace began, named by the phases where they can be:
     [(name or None, bytes, index of their free in the trace or None)].
 
@@ -214,8 +218,8 @@ def pre_trace_blocks(snap, trace, pair, block, cuts, device=0):
     out = [(_name_at(cuts, b["address"]) or unnamed, b["size"], None)
            for s in snap.get("segments", []) if s.get("device", 0) == device for b in s["blocks"]
            if b["state"] == "active_allocated" and b["address"] not in traced_live]
-    for i in np.flatnonzero(np.isin(act, FREES) & (pair < 0)).tolist():
-        out.append((_name_at(cuts, int(addr[i]), i) or unnamed, int(block[i]), i))
+    for i in np.flatnonzero(np.isin(act, FREES) & (pair < 0)).tolist():  # named by name_events
+        out.append((event_name.get(i), int(block[i]), i))
     return out
 
 
@@ -282,10 +286,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     # block sizes as memory_allocated() counts them (CPU: no caching allocator, exact bytes)
     block, pair = trace.replayed(cpu)
     cat, event_name, unmatched_free = _entry_categories(trace, meta, cuts, pair)
-    pre = pre_trace_blocks(snap, trace, pair, block, cuts, device)
-    for name, _, freed_at in pre:  # a free of what predates the trace counts against its category
-        if freed_at is not None:
-            cat[freed_at] = _code(name)
+    pre = pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device)
     delta = np.where(act == A["alloc"], block, np.where(np.isin(act, FREES), -block, 0))
     allocated = np.cumsum(delta)
 
