@@ -123,9 +123,13 @@ if audit and audit_step < 2:
     fail("audit_step must be at least 2: step 1 has no optimizer state yet")
 if audit and max_iters < audit_step:
     fail(f"max_iters={max_iters} ends before audit_step={audit_step}")
-if audit and compile:
-    fail("--audit with compile=True is not supported yet (issue #11): memory_audit.Audit(compiled=True) names a "
-         "compiled graph's saved tensors, but a CPU audit still misses tensors older than its profiler")
+if audit and compile and device_type == "cpu":
+    # the CPU profiler starts one step before the audited one, and step 1 compiles
+    if "audit_step" not in _given:
+        audit_step = 3
+    elif audit_step < 3:
+        fail(f"a compiled CPU audit needs audit_step >= 3 (got {audit_step}): step 1 compiles, and the step "
+             "before the audited one is profiled too")
 if not 0.0 <= activation_memory_budget <= 1.0:
     fail(f"activation_memory_budget must be between 0 and 1, got {activation_memory_budget}")
 if compile and device_type == "cpu":

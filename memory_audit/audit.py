@@ -46,6 +46,9 @@ class Audit:
             device = _model_device(model)
         if not isinstance(step, int) or step < 0:
             raise AuditError(f"step must be a step index >= 0, got {step!r}")
+        if compiled and torch.device(device).type == "cpu" and step < 2:
+            raise AuditError(f"a compiled CPU audit needs step >= 2 (got {step}): it profiles from the step before "
+                             "the audited one, and the first step compiles (profiling that takes gigabytes)")
         self.audit_step = step
         self.model = self.optimizer = self.scaler = None
         self.state = "waiting"  # -> "recording" (inside the audited step) -> "done"
@@ -100,6 +103,10 @@ class Audit:
         at each phase, so a loop that rebinds its batch names the current one).
         """
         if index != self.audit_step or self.state != "waiting":
+            if index == self.audit_step - 1 and self.state == "waiting" and self.model is not None:
+                # compiled on CPU: profile from the step before, so the batch and loss that the
+                # audited step frees were allocated under the profiler (it drops frees of older ones)
+                self.recording.begin_cpu(self._live_tensors)
             self._inside = True
             try:
                 yield self

@@ -42,7 +42,7 @@ def timeline_events(prof, markers, keep=()):
     from torch.profiler._memory_profiler import Action, TensorKey
 
     mp = prof._memory_profile()
-    stacks, marker_times, ranges = {}, {}, []
+    stacks, marker_times, ranges, unseen = {}, {}, [], []
     for event in mp._op_tree.sorted_nodes:
         if event.tag == _EventType.TorchOp:
             name = _name(event)
@@ -52,16 +52,11 @@ def timeline_events(prof, markers, keep=()):
                 ranges.append((event.start_time_ns, event.end_time_ns, name[len(MARKER_PREFIX):]))
         if event.tag == _EventType.Allocation:
             key = TensorKey.from_allocation(event.extra_fields)
-            if key and event.extra_fields.alloc_size > 0:
-                frames, parent, op = [], event.parent, None
-                while parent:
-                    if parent.tag in (_EventType.PyCall, _EventType.PyCCall):
-                        frames.append(_frame(_name(parent)))
-                    elif op is None and parent.tag == _EventType.TorchOp and not _name(parent).startswith(MARKER_PREFIX):
-                        op = _name(parent)  # the innermost op: aten::mm, or an autograd node in backward
-                    parent = parent.parent
-                # the op that allocated it, as a frame of its own (CUDA stacks name Python only)
-                stacks[key] = ([{"filename": "<op>", "line": 0, "name": op}] if op else []) + frames
+            if key is None:  # memory no aten op saw (compiled code's own buffers): by address
+                unseen.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size,
+                               _stack(event) if event.extra_fields.alloc_size > 0 else []))
+            elif event.extra_fields.alloc_size > 0:
+                stacks[key] = _stack(event)
 
     events, live = [], {}
     t_first = None
@@ -88,8 +83,37 @@ def timeline_events(prof, markers, keep=()):
             addr, size0 = live.pop(key)
             events.append((t, "free", addr, size0, stacks.get(key, []), None, ""))
         # INCREMENT_VERSION: an in-place write, the same bytes stay allocated
+    events += _unseen_events(unseen, ranges)
     events.sort(key=lambda e: (e[0], 0 if e[1] == "free" else 1))
     return events, marker_times
+
+
+def _stack(event):
+    """Python frames of an allocation event, innermost first, with the op that allocated it as a
+    frame of its own (CUDA stacks name Python only)."""
+    from torch._C._profiler import _EventType
+    frames, parent, op = [], event.parent, None
+    while parent:
+        if parent.tag in (_EventType.PyCall, _EventType.PyCCall):
+            frames.append(_frame(_name(parent)))
+        elif op is None and parent.tag == _EventType.TorchOp and not _name(parent).startswith(MARKER_PREFIX):
+            op = _name(parent)  # the innermost op: aten::mm, or an autograd node in backward
+        parent = parent.parent
+    return ([{"filename": "<op>", "line": 0, "name": op}] if op else []) + frames
+
+
+def _unseen_events(unseen, ranges):
+    """Allocations the memory profiler gives no tensor key (no aten op saw the memory: compiled
+    code's buffers), paired with their frees by address."""
+    out, live = [], {}
+    for t, ptr, size, frames in sorted(unseen, key=lambda u: u[0]):
+        if size > 0:
+            live[ptr] = size
+            label = next((text for a, b, text in ranges if a <= t <= b), "") if ranges else ""
+            out.append((t, "alloc", ptr, size, frames, "unknown", label))
+        elif ptr in live:
+            out.append((t, "free", ptr, live.pop(ptr), frames, None, ""))
+    return out
 
 
 def snapshot_at(events, t_cut):

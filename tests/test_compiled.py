@@ -28,10 +28,10 @@ def test_compiled_saved_tensors_are_named_by_the_partition_and_predicted(tmp_pat
     x = torch.randint(cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(1))
     predicted = predict_saved(model, (x, x), 1.0, "transformer.")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    audit = Audit(model, opt, out_dir=str(tmp_path / "run"), step=1, compiled=True)
+    audit = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2, compiled=True)
     compiled = torch.compile(model)
     audited_losses = []
-    for step in range(2):
+    for step in range(3):
         with audit.step(step, tensors={"inputs/x": x}):
             _, loss = compiled(x, x)
             audit.before_backward(loss)
