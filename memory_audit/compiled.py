@@ -166,3 +166,65 @@ def compiled_ledger(out, device, graphs, short):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield label
+
+
+class _Generated(Exception):
+    """Raised once inductor has written a graph's wrapper code (before it compiles kernels)."""
+
+
+def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
+    """What inductor would run for `model(*inputs)` at this activation memory budget, without
+    compiling a kernel or running a step: the partitioner's saved values and the generated
+    Python wrappers of the forward and the backward (their memory plans, see inductor_plan.py).
+
+    Returns {"saved": [saved values], "forward": code, "backward": code, "inputs": [{"param":
+    bool, "nbytes": int}] per forward input (primals_1, ...)}. One graph only: a graph break
+    raises ValueError. `context`: entered around the call (autocast, as the loop runs it).
+    """
+    from contextlib import nullcontext
+
+    import torch._functorch.config as fconfig
+    import torch._inductor.compile_fx as cfx
+    from torch._inductor.graph import GraphLowering
+
+    codes, graphs, primals = [], [], []
+    owned = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+
+    def grab(self, wrapper_code):
+        codes.append(wrapper_code.value)
+        raise _Generated()
+
+    def inner(gm, example_inputs, **kwargs):
+        try:
+            cfx.compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception as e:
+            if not _caused_by(e, _Generated):
+                raise
+        if kwargs.get("is_backward"):
+            raise _Generated()
+        return lambda args: None
+
+    def backend(gm, example_inputs):
+        primals[:] = [{"param": t.data_ptr() in owned, "nbytes": t.untyped_storage().nbytes()}
+                      for t in example_inputs]
+        return cfx.compile_fx(gm, example_inputs, inner_compile=inner)
+
+    original, lazy = GraphLowering._compile_to_module_lines, fconfig.force_non_lazy_backward_lowering
+    GraphLowering._compile_to_module_lines = grab
+    fconfig.force_non_lazy_backward_lowering = True  # the backward is generated with the forward
+    torch._dynamo.reset()
+    try:
+        with capture(graphs, prefix), no_cache(), memory_budget(budget), context or nullcontext():
+            try:
+                torch.compile(model, backend=backend)(*inputs)
+            except Exception as e:
+                if not _caused_by(e, _Generated):
+                    raise
+    finally:
+        GraphLowering._compile_to_module_lines = original
+        fconfig.force_non_lazy_backward_lowering = lazy
+        torch._dynamo.reset()
+    if len(graphs) != 1 or len(codes) != 2:
+        raise ValueError(f"expected one compiled graph with a forward and a backward, got {len(graphs)} "
+                         f"graphs and {len(codes)} wrappers (a graph break?)")
+    return {"saved": graphs[0], "forward": codes[0], "backward": codes[1], "inputs": primals}

@@ -197,6 +197,15 @@ def predict(config=None, device=None, gaps_bytes=None):
     return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward}
 
 
+def predict_run(config=None, device=None, gaps_bytes=None):
+    """predict() for any train.py config. A compiled run (compile=True) is predicted from
+    inductor's own partition and memory plan (compiled_predict.py: needs torch and model.py)."""
+    if (config or {}).get("compile"):
+        from .compiled_predict import predict_compiled
+        return predict_compiled(config, device)
+    return predict(config, device, gaps_bytes)
+
+
 def _sum(ledger, phase, field="bytes", category=None):
     return sum(l[field] for l in ledger if phase in l["phases"] and (category is None or l["category"] == category))
 

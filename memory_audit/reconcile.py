@@ -8,7 +8,7 @@ import os
 
 from .attribute import attribute
 from .loader import find_snapshots, load_meta, load_snapshot, SnapshotError
-from .predict import device_facts, predict, published_formulas
+from .predict import device_facts, predict_run, published_formulas
 from .schema import CATEGORIES, PHASES, REPORT_SCHEMA_VERSION
 from .timeline import replay
 
@@ -111,7 +111,7 @@ def refresh_predictions(rec):
     """
     dev = device_from_meta({"device": rec["device"], "torch_version": rec["torch_version"],
                             "env": rec.get("env")})
-    pred = predict(rec["config"], dev)
+    pred = predict_run(rec["config"], dev)
     rows = []
     for phase, ph in rec["phases"].items():
         actual_lines = {r["key"]: r["actual"] for r in rec["rows"]
@@ -133,7 +133,7 @@ def reconcile(run_dir):
     m = measure(run_dir)
     meta = m["meta"]
     dev = device_from_meta(meta)
-    pred = predict(meta["config"], dev)
+    pred = predict_run(meta["config"], dev)
     rows, by_phase = [], {}
     for phase, info in m["phases"].items():
         attr = info["attribution"]

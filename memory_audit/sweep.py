@@ -188,7 +188,7 @@ def repredict(row):
     Measurements are data; predictions come from the config alone, so a results file stays
     comparable after the predictor improves.
     """
-    from .predict import predict
+    from .predict import predict_run
     from .reconcile import device_from_meta
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
@@ -200,7 +200,7 @@ def repredict(row):
         cfg.update({k: v for k, v in PRESETS.get(cfg.pop("preset", None), {}).items() if k not in row["config"]})
     name = row.get("device") or "cpu"
     device = {"type": "cpu"} if name == "cpu" else {"type": "cuda", "name": name}
-    t = predict(cfg, device_from_meta({"device": device}))["totals"]
+    t = predict_run(cfg, device_from_meta({"device": device}))["totals"]
     out = {"reserved": _pair(t["reserved_peak_bytes"] if name != "cpu" else None, row.get("reserved_actual"))}
     for key, pkey in (("steady_state", "steady_state_allocated"), ("activations", "activations_bytes"),
                       ("peak", "peak_allocated_bytes")):

@@ -1,0 +1,133 @@
+"""Predict a compiled (torch.compile) training step, line by line.
+
+The eager predictor's rules (parts.py) describe what autograd saves op by op; a compiled step
+saves what AOTAutograd's partitioner chose and runs the buffers inductor planned. Both are
+decided before anything runs, so the prediction asks inductor itself: compiled.inductor_plans
+traces the model, partitions it at the run's activation memory budget and generates the
+wrappers' code, stopping before any kernel is compiled (seconds, no step, no GPU memory). Then:
+
+  steady state   the eager predictor's lines (weights, grads, Adam state, batch, workspaces)
+  activations    one line per storage the forward hands to backward, keyed
+                 activations/<module>/<FX node> as the audit names them, its bytes the
+                 storage inductor allocated for it (inductor_plan.replay of the forward); the
+                 loop's own tensors as in eager (CPU's wrapped divisor, held logits)
+  peak           the larger of the forward's end and the backward's busiest line: the
+                 backward wrapper replayed from the before-backward ledger, with the tangents
+                 autograd hands it (the logits' gradient is materialized as zeros even though
+                 the loss does not use it), its buffers, and the saved storages it frees
+
+Needs torch and model.py (it builds the model); the eager predictor stays torch-free.
+"""
+
+from .backward import _backward_begun, _delta
+from .inductor_plan import replay
+from .levers import forward_flops
+from .parts import act, shape_facts
+from .predict import DEFAULTS, _plain, _totals, _validate, device_facts, param_shapes, steady_lines
+from .recorder import _short_module
+
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attention", "activation")
+COMPILED_DEFAULTS = dict(DEFAULTS, activation_memory_budget=1.0)
+
+
+def plan_for(cfg, device="cpu"):
+    """inductor_plans for train.py's GPT at this config (seeded weights, a zero batch: memory
+    does not depend on values), under the autocast the loop uses."""
+    import torch
+
+    from model import GPT, GPTConfig
+
+    from .compiled import inductor_plans
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})).to(device)
+    x = torch.zeros((cfg["batch_size"], cfg["block_size"]), dtype=torch.long, device=device)
+    y = torch.zeros_like(x)
+    ctx = None
+    if cfg["dtype"] != "float32":
+        ctx = torch.autocast(device_type=torch.device(device).type, dtype=getattr(torch, cfg["dtype"]))
+    return inductor_plans(model, (x, y), cfg["activation_memory_budget"], model.audit_prefix, ctx)
+
+
+def _forward(plan):
+    """Replay the forward: every input is the caller's (weights, the batch)."""
+    inputs = {f"primals_{i + 1}": (f"primal:{i + 1}", p["nbytes"]) for i, p in enumerate(plan["inputs"])}
+    fw = replay(plan["forward"], inputs, held=frozenset(sid for sid, _ in inputs.values()))
+    n_user = len(fw["outputs"]) - len(plan["saved"])
+    if n_user < 1:
+        raise ValueError("the forward returns fewer values than the partition saved")
+    return fw, fw["outputs"][:n_user], fw["outputs"][n_user:]
+
+
+def compiled_activation_lines(s, cfg, plan, short=_short_module):
+    """(activation lines, {storage id: key} of what the forward saved, the forward's replay)."""
+    fw, user, saved = _forward(plan)
+    lines, keys = [], {}
+    for v, (sid, nbytes) in zip(plan["saved"], saved):
+        if sid is None or sid.startswith("primal:") or sid in keys:
+            continue  # a weight or the batch (named as themselves), or a storage named already
+        keys[sid] = f"activations/{short(v['module'])}/{v['node']}"
+        lines.append(act(s, keys[sid][len("activations/"):], nbytes, v["dtype"], v["shape"],
+                         f"inductor buffer, {v['target']}"))
+    if s["dt"] == "cpu":  # the loop's division keeps its wrapped divisor (eager, outside the graph)
+        lines.append(act(s, "gpt/div.other", 8, "int64", [], "8", "gradient_accumulation_steps, a CPU tensor"))
+    logits_sid, logits_bytes = user[0]
+    if cfg["keep_logits"] and logits_sid not in keys:
+        lines.append(act(s, "lm_head/output", logits_bytes, s["lowp"], [s["B"], s["T"], s["V"]], "compiled output",
+                         "logits held by the training loop"))
+    return lines, keys, (fw, user)
+
+
+def compiled_peak_lines(s, cfg, plan, keys, fw_user):
+    """(peak lines as changes from the before-backward ledger, a summary): the backward's
+    busiest line against the forward's end."""
+    fw, user = fw_user
+    inputs, held = {}, set()
+    for i, p in enumerate(plan["inputs"]):
+        inputs[f"primals_{i + 1}"] = (f"primal:{i + 1}", p["nbytes"])
+        if p["param"]:
+            held.add(f"primal:{i + 1}")  # the model keeps its weights; the batch only the graph
+    for v, (sid, nbytes) in zip(plan["saved"], fw["outputs"][len(user):]):
+        inputs.setdefault(v["node"], (sid, nbytes))
+    if cfg["keep_logits"]:
+        held.add(user[0][0])
+    for j, (_, nbytes) in enumerate(user):
+        inputs[f"tangents_{j + 1}"] = (f"tangent:{j + 1}", nbytes)
+    bw = replay(plan["backward"], inputs, frozenset(held))
+    batch = [f"primal:{i + 1}" for i, p in enumerate(plan["inputs"]) if not p["param"]]
+    names = dict(keys, **dict(zip(batch, ("inputs/x", "inputs/y"))))
+    tangents = [t for t in bw["inputs"] if t.startswith("tangents_") and inputs[t][0] not in bw["freed_at_peak"]]
+    lines = _backward_begun(s, cfg)
+    if s["dt"] == "cpu":  # the loop's division ran its backward first and let its divisor go
+        lines.append(_delta(s, "released/activations/gpt/div.other", -8, "-8", "DivBackward has run"))
+    lines += [_delta(s, f"temporary/compiled_backward/{t}", inputs[t][1], "output size",
+                     "the output's gradient handed to the backward") for t in tangents]
+    lines += [_delta(s, f"temporary/compiled_backward/{b}", n, "inductor buffer") for b, n in bw["peak_live"].items()]
+    size = {sid: n for sid, n in inputs.values()}
+    lines += [_delta(s, f"released/{names.get(sid, sid)}", -size[sid], "freed by the backward")
+              for sid in bw["freed_at_peak"]]
+    return lines, {"peak_at": "compiled backward", "backward_peak_line": bw["peak_line"],
+                   "forward_peak_bytes": fw["peak"], "candidates": []}
+
+
+def predict_compiled(config=None, device=None, plan=None):
+    """predict() for a compiled run: the same dict (config, device, ledger, totals, backward)."""
+    cfg = dict(COMPILED_DEFAULTS)
+    cfg.update({k: v for k, v in (config or {}).items() if k in COMPILED_DEFAULTS})
+    _validate(cfg)
+    if cfg["activation_checkpointing"] != "none":
+        raise ValueError("compiled runs with activation checkpointing are not predicted yet")
+    if not 0.0 <= float(cfg["activation_memory_budget"]) <= 1.0:
+        raise ValueError(f"activation_memory_budget must be between 0 and 1, got {cfg['activation_memory_budget']}")
+    dev = device or device_facts("cpu")
+    s = shape_facts(cfg, dev)
+    plan = plan or plan_for(cfg, dev["type"])
+    params = param_shapes(cfg)
+    acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: _short_module(m, "", "gpt"))
+    peak, backward = compiled_peak_lines(s, cfg, plan, keys, fw_user)
+    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
+    totals = _totals(ledger, params, dev, None, cfg)
+    totals["saved_bytes"] = sum(l["bytes"] for l in acts)
+    totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
+    totals["recompute_flops"] = plan.get("recompute_flops", 0) * cfg["gradient_accumulation_steps"]
+    return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward,
+            "compiled": {"saved_values": len(plan["saved"]), "budget": cfg["activation_memory_budget"]}}

@@ -1,0 +1,162 @@
+"""Inductor's memory plan, read from the Python wrapper it generates for a compiled graph.
+
+Inductor decides every buffer of a compiled graph before it runs: the wrapper's `call(args)`
+allocates with `empty_strided_<device>(size, stride, dtype)`, hands a dead buffer on to a new
+one (`buf7 = buf3; del buf3  # reuse`, or `reinterpret_tensor(buf3, ...)`), frees with `del`, and
+returns the graph's outputs. Replaying those lines gives the bytes the graph holds at every
+line, exactly as inductor planned them (no model of fusion or reuse of our own: the plan is
+inductor's). Pure Python, no torch: the code is text.
+
+Storage is what counts: a name is a view of a storage, a storage is freed when its last name is
+deleted, and an input whose storage the caller still holds (weights, the batch, an output the
+loop keeps) is never freed by the graph.
+"""
+
+import re
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1, "float64": 8,
+            "int8": 1, "uint8": 1, "int16": 2}
+
+_ALLOC = re.compile(r"^(\w+) = empty_strided_\w+\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)\)$")
+_VIEW = re.compile(r"^(\w+) = reinterpret_tensor\((\w+),")
+_ALIAS = re.compile(r"^(\w+) = (\w+)$")
+_ASSIGN = re.compile(r"^(\w+) = (.+)$")
+_REINTERPRET = re.compile(r"reinterpret_tensor\((\w+),")
+
+
+class PlanError(ValueError):
+    """The wrapper has a line whose memory this reader cannot tell."""
+
+
+def _ints(text):
+    return [int(v) for v in text.replace(" ", "").split(",") if v]
+
+
+def strided_bytes(size, stride, dtype):
+    """Bytes empty_strided allocates: the span of the strides, times the item size."""
+    if any(s == 0 for s in size):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(size, stride))) * ITEMSIZE[dtype]
+
+
+def call_body(code):
+    """The statements of the wrapper's `call(args)`, one per list item ("a; b" split)."""
+    lines = code.splitlines()
+    start = next((i for i, l in enumerate(lines) if re.match(r"^\s*def call\((self, )?args\):", l)), None)
+    if start is None:
+        raise PlanError("no `def call(args)` in the generated wrapper")
+    indent = len(lines[start + 1]) - len(lines[start + 1].lstrip())
+    body = []
+    for l in lines[start + 1:]:
+        if l.strip() and len(l) - len(l.lstrip()) < indent:
+            break
+        s = l.strip().split("  #")[0]
+        if s and not s.startswith("#"):
+            body += [part.strip() for part in s.split("; ")]
+    return body
+
+
+def replay(code, inputs, held=frozenset()):
+    """Replay a wrapper's memory plan.
+
+    inputs: {input name: (storage id, bytes)}; names that share a storage id are one storage.
+    held: storage ids the caller keeps alive (never freed by the graph).
+    Returns {"inputs": [names], "peak": bytes above the start, "peak_line": index,
+    "end": bytes above the start when it returns, "outputs": [(storage id, bytes) per output],
+    "peak_live": {name: bytes of buffers made by the graph, live at the peak},
+    "freed_at_peak": [storage ids of inputs already freed at the peak]}.
+    """
+    body = call_body(code)
+    names, storages, size = {}, {}, {}  # name -> storage; storage -> names; storage -> bytes
+    order = []
+    for stmt in body:
+        if stmt.endswith("= args"):
+            order = [n.strip() for n in stmt[:-len("= args")].split(",") if n.strip()]
+            break
+    for n in order:
+        sid, nbytes = inputs.get(n, (f"input:{n}", 0))
+        names[n] = sid
+        storages.setdefault(sid, set()).add(n)
+        size[sid] = nbytes
+    input_sids = {names[n] for n in order}
+    live, peak, peak_line, peak_live, freed_at_peak = 0, 0, -1, {}, []
+    made, freed = {}, []  # storages the graph allocated -> first name; inputs it freed
+
+    def drop(name):
+        nonlocal live
+        sid = names.pop(name, None)
+        if sid is None:
+            return
+        storages[sid].discard(name)
+        if not storages[sid] and sid not in held:
+            live -= size[sid]
+            made.pop(sid, None)
+            if sid in input_sids:
+                freed.append(sid)
+
+    for i, stmt in enumerate(body):
+        if stmt.startswith("del "):
+            for n in stmt[4:].split(","):
+                drop(n.strip())
+        elif stmt.startswith("return "):
+            outputs = []
+            for item in _split_top(stmt[len("return "):].strip().strip("()")):
+                m = _REINTERPRET.match(item)
+                ref = m.group(1) if m else item
+                outputs.append((names[ref], size[names[ref]]) if ref in names else (None, 0))
+            return {"inputs": order, "peak": peak, "peak_line": peak_line, "end": live, "outputs": outputs,
+                    "peak_live": peak_live, "freed_at_peak": freed_at_peak}
+        elif stmt.endswith("= args") or stmt == "args.clear()" or not _ASSIGN.match(stmt):
+            continue
+        else:
+            live += _assign(stmt, names, storages, size, made, i)
+        if live > peak:
+            peak, peak_line = live, i
+            peak_live = {made[s]: size[s] for s in made}
+            freed_at_peak = list(freed)
+    raise PlanError("the wrapper's call(args) has no return")
+
+
+def _assign(stmt, names, storages, size, made, i):
+    """One assignment: a new buffer (returns its bytes) or a new name for an existing storage."""
+    m = _ALLOC.match(stmt)
+    if m:
+        name, sid = m.group(1), f"buf:{m.group(1)}@{i}"
+        _bind(name, sid, names, storages)
+        size[sid] = strided_bytes(_ints(m.group(2)), _ints(m.group(3)), m.group(4))
+        made[sid] = name
+        return size[sid]
+    m = _VIEW.match(stmt) or _ALIAS.match(stmt)
+    if m and m.group(2) in names:
+        _bind(m.group(1), names[m.group(2)], names, storages)
+        return 0
+    if stmt.startswith(("assert_", "buf")) and "(" not in stmt.split("=", 1)[0]:
+        raise PlanError(f"a buffer made by a call this reader cannot size: {stmt[:120]}")
+    return 0
+
+
+def _bind(name, sid, names, storages):
+    old = names.get(name)
+    if old is not None:
+        storages[old].discard(name)
+    names[name] = sid
+    storages.setdefault(sid, set()).add(name)
+
+
+def _split_top(text):
+    """Split 'a, f(b, c), d' at the top-level commas."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            if cur.strip():
+                out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
