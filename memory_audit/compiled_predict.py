@@ -51,7 +51,7 @@ def plan_for(cfg, device="cpu"):
 def _forward(plan):
     """Replay the forward: every input is the caller's (weights, the batch)."""
     inputs = {f"primals_{i + 1}": (f"primal:{i + 1}", p["nbytes"]) for i, p in enumerate(plan["inputs"])}
-    fw = replay(plan["forward"], inputs, held=frozenset(sid for sid, _ in inputs.values()))
+    fw = replay(plan["forward"], inputs, held=frozenset(sid for sid, _ in inputs.values()), tag="forward")
     n_user = len(fw["outputs"]) - len(plan["saved"])
     if n_user < 1:
         raise ValueError("the forward returns fewer values than the partition saved")
@@ -92,7 +92,7 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user):
         held.add(user[0][0])
     for j, (_, nbytes) in enumerate(user):
         inputs[f"tangents_{j + 1}"] = (f"tangent:{j + 1}", nbytes)
-    bw = replay(plan["backward"], inputs, frozenset(held))
+    bw = replay(plan["backward"], inputs, frozenset(held), tag="backward")
     batch = [f"primal:{i + 1}" for i, p in enumerate(plan["inputs"]) if not p["param"]]
     names = dict(keys, **dict(zip(batch, ("inputs/x", "inputs/y"))))
     tangents = [t for t in bw["inputs"] if t.startswith("tangents_") and inputs[t][0] not in bw["freed_at_peak"]]
@@ -104,9 +104,27 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user):
     lines += [_delta(s, f"temporary/compiled_backward/{b}", n, "inductor buffer") for b, n in bw["peak_live"].items()]
     size = {sid: n for sid, n in inputs.values()}
     lines += [_delta(s, f"released/{names.get(sid, sid)}", -size[sid], "freed by the backward")
-              for sid in bw["freed_at_peak"]]
-    return lines, {"peak_at": "compiled backward", "backward_peak_line": bw["peak_line"],
-                   "forward_peak_bytes": fw["peak"], "candidates": []}
+              for sid in bw["freed_at_peak"] if not sid.startswith("tangent:")]
+    return lines, bw
+
+
+def forward_peak_lines(s, fw, acts):
+    """The forward's busiest line as changes from the before-backward ledger: its buffers live
+    then instead of what the forward ends with (the saved storages and the loop's tensors)."""
+    lines = [_delta(s, f"released/{l['key']}", -l["bytes"], "not made yet") for l in acts]
+    return lines + [_delta(s, f"temporary/compiled_forward/{b}", n, "inductor buffer") for b, n in fw["peak_live"].items()]
+
+
+def peak_candidates(s, cfg, plan, acts, keys, fw_user):
+    """(the peak's lines, a summary): the larger of the backward's and the forward's busiest lines."""
+    back, bw = compiled_peak_lines(s, cfg, plan, keys, fw_user)
+    candidates = [("compiled backward", back), ("compiled forward", forward_peak_lines(s, fw_user[0], acts))]
+
+    def total(lines):
+        return sum(l["allocated"] for l in lines)
+    best = max(candidates, key=lambda c: total(c[1]))
+    return best[1], {"peak_at": best[0], "backward_peak_line": bw["peak_line"],
+                     "candidates": [{"at": name, "delta_bytes": total(lines)} for name, lines in candidates]}
 
 
 def predict_compiled(config=None, device=None, plan=None):
@@ -123,7 +141,7 @@ def predict_compiled(config=None, device=None, plan=None):
     plan = plan or plan_for(cfg, dev["type"])
     params = param_shapes(cfg)
     acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: _short_module(m, "", "gpt"))
-    peak, backward = compiled_peak_lines(s, cfg, plan, keys, fw_user)
+    peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user)
     ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
     totals = _totals(ledger, params, dev, None, cfg)
     totals["saved_bytes"] = sum(l["bytes"] for l in acts)

@@ -56,11 +56,12 @@ def call_body(code):
     return body
 
 
-def replay(code, inputs, held=frozenset()):
+def replay(code, inputs, held=frozenset(), tag="buf"):
     """Replay a wrapper's memory plan.
 
     inputs: {input name: (storage id, bytes)}; names that share a storage id are one storage.
-    held: storage ids the caller keeps alive (never freed by the graph).
+    held: storage ids the caller keeps alive (never freed by the graph). tag: the prefix of the
+    storage ids of the buffers this graph makes ("<tag>:<name>@<line>"), unique per graph.
     Returns {"inputs": [names], "peak": bytes above the start, "peak_line": index,
     "end": bytes above the start when it returns, "outputs": [(storage id, bytes) per output],
     "peak_live": {name: bytes of buffers made by the graph, live at the peak},
@@ -109,7 +110,10 @@ def replay(code, inputs, held=frozenset()):
         elif stmt.endswith("= args") or stmt == "args.clear()" or not _ASSIGN.match(stmt):
             continue
         else:
-            live += _assign(stmt, names, storages, size, made, i)
+            target = _ASSIGN.match(stmt).group(1)
+            if target in names:  # a name bound again: what it named loses it first
+                drop(target)
+            live += _assign(stmt, names, storages, size, made, f"{tag}:{{}}@{i}")
         if live > peak:
             peak, peak_line = live, i
             peak_live = {made[s]: size[s] for s in made}
@@ -117,11 +121,12 @@ def replay(code, inputs, held=frozenset()):
     raise PlanError("the wrapper's call(args) has no return")
 
 
-def _assign(stmt, names, storages, size, made, i):
+def _assign(stmt, names, storages, size, made, sid_format):
     """One assignment: a new buffer (returns its bytes) or a new name for an existing storage."""
     m = _ALLOC.match(stmt)
     if m:
-        name, sid = m.group(1), f"buf:{m.group(1)}@{i}"
+        name = m.group(1)
+        sid = sid_format.format(name)
         _bind(name, sid, names, storages)
         size[sid] = strided_bytes(_ints(m.group(2)), _ints(m.group(3)), m.group(4))
         made[sid] = name
