@@ -44,15 +44,35 @@ def saved_values(fw_module, num_fwd_outputs, prefix=""):
     return out
 
 
+def matmul_flops(gm):
+    """FLOPs of a graph's matrix products: 2*M*N*K per mm/addmm/bmm/baddbmm, 4*B*H*T*S*D per
+    fused attention forward, and twice that for its backward (the usual convention)."""
+    total = 0
+    for node in gm.graph.nodes:
+        name = str(node.target) if node.op == "call_function" else ""
+        vals = [a.meta.get("val") for a in node.args if hasattr(a, "meta")]
+        if name in ("aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default"):
+            a = vals[-2] if name.endswith(("addmm.default", "baddbmm.default")) else vals[0]
+            total += 2 * node.meta["val"].numel() * a.shape[-1]
+        elif name.startswith("aten._scaled_dot_product") and len(vals) >= 2:
+            q, k = vals[0], vals[1]
+            flops = 4 * q.numel() * k.shape[-2]
+            total += 2 * flops if "_backward" in name else flops
+    return total
+
+
 @contextmanager
-def capture(graphs, prefix=""):
-    """While on, append each compiled graph's saved values (a list, see saved_values) to `graphs`."""
+def capture(graphs, prefix="", costs=None):
+    """While on, append each compiled graph's saved values (a list, see saved_values) to `graphs`
+    and, to `costs` when given, its forward's and backward's matmul FLOPs."""
     import torch._inductor.compile_fx as cfx
     original = cfx.min_cut_rematerialization_partition
 
     def partition(joint, inputs, *args, num_fwd_outputs=None, **kwargs):
         fw, bw = original(joint, inputs, *args, num_fwd_outputs=num_fwd_outputs, **kwargs)
         graphs.append(saved_values(fw, num_fwd_outputs, prefix))
+        if costs is not None:
+            costs.append({"forward_matmul_flops": matmul_flops(fw), "backward_matmul_flops": matmul_flops(bw)})
         return fw, bw
     cfx.min_cut_rematerialization_partition = partition
     try:
@@ -177,9 +197,10 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     compiling a kernel or running a step: the partitioner's saved values and the generated
     Python wrappers of the forward and the backward (their memory plans, see inductor_plan.py).
 
-    Returns {"saved": [saved values], "forward": code, "backward": code, "inputs": [{"param":
-    bool, "nbytes": int}] per forward input (primals_1, ...)}. One graph only: a graph break
-    raises ValueError. `context`: entered around the call (autocast, as the loop runs it).
+    Returns {"saved": [saved values], "forward": code, "backward": code (each wrapper's
+    `call` function: its memory plan), "inputs": [{"param": bool, "nbytes": int}] per forward
+    input (primals_1, ...), the matmul FLOPs of both graphs and the recomputation's}. One graph
+    only: a graph break raises ValueError. `context`: entered around the call (autocast, as the loop runs it).
     """
     from contextlib import nullcontext
 
@@ -187,7 +208,7 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     import torch._inductor.compile_fx as cfx
     from torch._inductor.graph import GraphLowering
 
-    codes, graphs, primals = [], [], []
+    codes, graphs, primals, costs = [], [], [], []
     owned = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
 
     def grab(self, wrapper_code):
@@ -214,7 +235,7 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     fconfig.force_non_lazy_backward_lowering = True  # the backward is generated with the forward
     torch._dynamo.reset()
     try:
-        with capture(graphs, prefix), no_cache(), memory_budget(budget), context or nullcontext():
+        with capture(graphs, prefix, costs), no_cache(), memory_budget(budget), context or nullcontext():
             try:
                 torch.compile(model, backend=backend)(*inputs)
             except Exception as e:
@@ -227,4 +248,10 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     if len(graphs) != 1 or len(codes) != 2:
         raise ValueError(f"expected one compiled graph with a forward and a backward, got {len(graphs)} "
                          f"graphs and {len(codes)} wrappers (a graph break?)")
-    return {"saved": graphs[0], "forward": codes[0], "backward": codes[1], "inputs": primals}
+    from .inductor_plan import call_function
+    fw_flops, bw_flops = costs[0]["forward_matmul_flops"], costs[0]["backward_matmul_flops"]
+    return {"saved": graphs[0], "forward": call_function(codes[0]), "backward": call_function(codes[1]),
+            "inputs": primals, "budget": float(budget), "torch_version": torch.__version__,
+            "forward_matmul_flops": fw_flops, "backward_matmul_flops": bw_flops,
+            # a backward computes two products per forward product; what it does beyond is recomputation
+            "recompute_flops": max(0, bw_flops - 2 * fw_flops)}

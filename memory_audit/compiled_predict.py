@@ -30,9 +30,19 @@ MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size",
 COMPILED_DEFAULTS = dict(DEFAULTS, activation_memory_budget=1.0)
 
 
+_PLANS = {}  # the plans made in this process, by config: inductor's answer does not change
+
+
 def plan_for(cfg, device="cpu"):
     """inductor_plans for train.py's GPT at this config (seeded weights, a zero batch: memory
     does not depend on values), under the autocast the loop uses."""
+    key = (device,) + tuple(cfg[k] for k in MODEL_KEYS + ("batch_size", "dtype", "activation_memory_budget"))
+    if key not in _PLANS:
+        _PLANS[key] = _make_plan(cfg, device)
+    return _PLANS[key]
+
+
+def _make_plan(cfg, device):
     import torch
 
     from model import GPT, GPTConfig
@@ -148,4 +158,5 @@ def predict_compiled(config=None, device=None, plan=None):
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
     totals["recompute_flops"] = plan.get("recompute_flops", 0) * cfg["gradient_accumulation_steps"]
     return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward,
-            "compiled": {"saved_values": len(plan["saved"]), "budget": cfg["activation_memory_budget"]}}
+            "compiled": {"saved_values": len(plan["saved"]), "budget": cfg["activation_memory_budget"],
+                         "plan": plan}}

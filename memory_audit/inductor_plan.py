@@ -39,17 +39,26 @@ def strided_bytes(size, stride, dtype):
     return (1 + sum((s - 1) * st for s, st in zip(size, stride))) * ITEMSIZE[dtype]
 
 
-def call_body(code):
-    """The statements of the wrapper's `call(args)`, one per list item ("a; b" split)."""
+def _call_lines(code):
     lines = code.splitlines()
     start = next((i for i, l in enumerate(lines) if re.match(r"^\s*def call\((self, )?args\):", l)), None)
-    if start is None:
+    if start is None or start + 1 >= len(lines):
         raise PlanError("no `def call(args)` in the generated wrapper")
     indent = len(lines[start + 1]) - len(lines[start + 1].lstrip())
+    end = next((j for j in range(start + 1, len(lines))
+                if lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) < indent), len(lines))
+    return lines[start:end]
+
+
+def call_function(code):
+    """The wrapper's `call` function alone (its memory plan; the kernels' source left out)."""
+    return "\n".join(_call_lines(code)) + "\n"
+
+
+def call_body(code):
+    """The statements of the wrapper's `call(args)`, one per list item ("a; b" split)."""
     body = []
-    for l in lines[start + 1:]:
-        if l.strip() and len(l) - len(l.lstrip()) < indent:
-            break
+    for l in _call_lines(code)[1:]:
         s = l.strip().split("  #")[0]
         if s and not s.startswith("#"):
             body += [part.strip() for part in s.split("; ")]

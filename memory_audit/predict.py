@@ -197,12 +197,13 @@ def predict(config=None, device=None, gaps_bytes=None):
     return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward}
 
 
-def predict_run(config=None, device=None, gaps_bytes=None):
+def predict_run(config=None, device=None, gaps_bytes=None, plan=None):
     """predict() for any train.py config. A compiled run (compile=True) is predicted from
-    inductor's own partition and memory plan (compiled_predict.py: needs torch and model.py)."""
+    inductor's own partition and memory plan (compiled_predict.py: needs torch and model.py;
+    `plan`: one made before for this config, e.g. stored with a sweep's row)."""
     if (config or {}).get("compile"):
         from .compiled_predict import predict_compiled
-        return predict_compiled(config, device)
+        return predict_compiled(config, device, plan=plan)
     return predict(config, device, gaps_bytes)
 
 

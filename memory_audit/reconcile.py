@@ -189,4 +189,5 @@ def reconcile(run_dir):
         },
         "error": meta.get("error"),
         "env": meta.get("env"),
+        "compiled": pred.get("compiled"),  # compile=True: inductor's plan the prediction read
     }

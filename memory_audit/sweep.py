@@ -46,6 +46,12 @@ def grid(name):
                 for c in _product(attention=["manual", "sdpa"], dtype=["float32", "bfloat16"])]
         return rows + [dict(preset="cpu-tiny", batch_size=2, device="cpu", n_layer=3, dtype="float32",
                             activation_checkpointing=m, ac_every=2) for m in ("none", "full", "selective", "sac")]
+    if name == "cpu-compile-budget":  # torch.compile's activation memory budget, cpu-tiny
+        return [dict(preset="cpu-tiny", batch_size=2, device="cpu", compile=True, activation_memory_budget=b)
+                for b in COMPILE_BUDGETS]
+    if name == "gpu-compile-budget":  # for a lent GPU: GPT-2 small fp16 compiled (manual attention)
+        return [dict(preset="gpt2", batch_size=12, dtype="float16", attention="manual", compile=True,
+                     activation_memory_budget=b) for b in (1.0, 0.5, 0.1)]
     if name == "smoke":  # one tiny CPU run, for tests
         return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
     if name == "gpu-ac":  # for a lent GPU: GPT-2 small and medium, fp16, full and selective
@@ -54,7 +60,8 @@ def grid(name):
     raise ValueError(f"unknown grid {name!r}; one of {', '.join(GRIDS)}")
 
 
-GRIDS = ("cpu-small", "cpu-ac", "gpt2-sizes", "variants", "gpu-ac", "smoke")
+GRIDS = ("cpu-small", "cpu-ac", "cpu-compile-budget", "gpt2-sizes", "variants", "gpu-ac", "gpu-compile-budget", "smoke")
+COMPILE_BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
 def _args(cfg):
@@ -104,6 +111,8 @@ def row_for(cfg, status, run_dir, log, wall, plain):
         row["error"] = (log.strip().splitlines() or [""])[-1][:300]
         return row
     rec = reconcile(run_dir)
+    a = rec["config"].get("audit_step", 2)  # compiled CPU audits record step 3
+    row["step_ms"].update({"audited": audited.get(a), "after_recording": audited.get(a + 1)})
     row.update({"run": rec["run"], "device": rec["device"].get("name"), "torch": rec["torch_version"],
                 "params": rec["params"], "totals": rec["totals"], "unattributed_bytes": rec["unattributed_bytes"],
                 "checks": rec["checks"], "cost": rec["cost"], "resolved_config": rec["config"],
@@ -111,6 +120,8 @@ def row_for(cfg, status, run_dir, log, wall, plain):
                 "outside_pytorch": _outside(run_dir)})
     acts = [r for r in rec["rows"] if r["phase"] == "step2_before_backward" and r["category"] == "activations"]
     steady = [r for r in rec["rows"] if r["phase"] == "step2_start" and r["category"] not in ("gaps",)]
+    if rec.get("compiled"):  # inductor's plan: repredict() reads it instead of compiling again
+        row["inductor_plan"] = rec["compiled"]["plan"]
     row["activation_lines"] = len(acts)
     row["activation_lines_mismatched"] = sorted(r["key"] for r in mismatched(acts))[:20]
     row["steady_lines"] = len(steady)
@@ -200,7 +211,7 @@ def repredict(row):
         cfg.update({k: v for k, v in PRESETS.get(cfg.pop("preset", None), {}).items() if k not in row["config"]})
     name = row.get("device") or "cpu"
     device = {"type": "cpu"} if name == "cpu" else {"type": "cuda", "name": name}
-    t = predict_run(cfg, device_from_meta({"device": device}))["totals"]
+    t = predict_run(cfg, device_from_meta({"device": device}), plan=row.get("inductor_plan"))["totals"]
     out = {"reserved": _pair(t["reserved_peak_bytes"] if name != "cpu" else None, row.get("reserved_actual"))}
     for key, pkey in (("steady_state", "steady_state_allocated"), ("activations", "activations_bytes"),
                       ("peak", "peak_allocated_bytes")):
