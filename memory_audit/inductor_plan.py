@@ -72,7 +72,7 @@ def replay(code, inputs, held=frozenset(), tag="buf"):
     held: storage ids the caller keeps alive (never freed by the graph). tag: the prefix of the
     storage ids of the buffers this graph makes ("<tag>:<name>@<line>"), unique per graph.
     Returns {"inputs": [names], "peak": bytes above the start, "peak_line": index,
-    "end": bytes above the start when it returns, "outputs": [(storage id, bytes) per output],
+    "end": bytes above the start once it has returned (its locals gone), "outputs": [(storage id, bytes) per output],
     "peak_live": {name: bytes of buffers made by the graph, live at the peak},
     "freed_at_peak": [storage ids of inputs already freed at the peak]}.
     """
@@ -114,7 +114,9 @@ def replay(code, inputs, held=frozenset(), tag="buf"):
                 m = _REINTERPRET.match(item)
                 ref = m.group(1) if m else item
                 outputs.append((names[ref], size[names[ref]]) if ref in names else (None, 0))
-            return {"inputs": order, "peak": peak, "peak_line": peak_line, "end": live, "outputs": outputs,
+            returned = {sid for sid, _ in outputs}
+            end = live - sum(size[s] for s in made if s not in returned)  # the call's locals die
+            return {"inputs": order, "peak": peak, "peak_line": peak_line, "end": end, "outputs": outputs,
                     "peak_live": peak_live, "freed_at_peak": freed_at_peak}
         elif stmt.endswith("= args") or stmt == "args.clear()" or not _ASSIGN.match(stmt):
             continue
