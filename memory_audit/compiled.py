@@ -188,6 +188,21 @@ def compiled_ledger(out, device, graphs, short):
         yield label
 
 
+def buffer_layouts(graph):
+    """{buffer name: [size, stride, dtype]} of a lowered graph's buffers with a fixed layout:
+    what sizes the outputs of fallback kernels (aten ops inductor calls as they are), which the
+    wrapper makes without an empty_strided line."""
+    out = {}
+    for name, buf in graph.name_to_buffer.items():
+        try:
+            layout = buf.get_layout()
+            size, stride = [int(s) for s in layout.size], [int(s) for s in layout.stride]
+        except (AttributeError, TypeError, NotImplementedError):
+            continue  # a multi-output kernel's own node, or a symbolic size
+        out[name] = [size, stride, str(layout.dtype).replace("torch.", "")]
+    return out
+
+
 class _Generated(Exception):
     """Raised once inductor has written a graph's wrapper code (before it compiles kernels)."""
 
@@ -208,11 +223,12 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     import torch._inductor.compile_fx as cfx
     from torch._inductor.graph import GraphLowering
 
-    codes, graphs, primals, costs = [], [], [], []
+    codes, graphs, primals, costs, layouts = [], [], [], [], []
     owned = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
 
     def grab(self, wrapper_code):
         codes.append(wrapper_code.value)
+        layouts.append(buffer_layouts(self))
         raise _Generated()
 
     def inner(gm, example_inputs, **kwargs):
@@ -251,6 +267,7 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     from .inductor_plan import call_function
     fw_flops, bw_flops = costs[0]["forward_matmul_flops"], costs[0]["backward_matmul_flops"]
     return {"saved": graphs[0], "forward": call_function(codes[0]), "backward": call_function(codes[1]),
+            "forward_layouts": layouts[0], "backward_layouts": layouts[1],
             "inputs": primals, "budget": float(budget), "torch_version": torch.__version__,
             "forward_matmul_flops": fw_flops, "backward_matmul_flops": bw_flops,
             # a backward computes two products per forward product; what it does beyond is recomputation

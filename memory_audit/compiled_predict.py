@@ -61,7 +61,8 @@ def _make_plan(cfg, device):
 def _forward(plan):
     """Replay the forward: every input is the caller's (weights, the batch)."""
     inputs = {f"primals_{i + 1}": (f"primal:{i + 1}", p["nbytes"]) for i, p in enumerate(plan["inputs"])}
-    fw = replay(plan["forward"], inputs, held=frozenset(sid for sid, _ in inputs.values()), tag="forward")
+    fw = replay(plan["forward"], inputs, held=frozenset(sid for sid, _ in inputs.values()), tag="forward",
+                layouts=plan.get("forward_layouts"))
     n_user = len(fw["outputs"]) - len(plan["saved"])
     if n_user < 1:
         raise ValueError("the forward returns fewer values than the partition saved")
@@ -102,7 +103,7 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user):
         held.add(user[0][0])
     for j, (_, nbytes) in enumerate(user):
         inputs[f"tangents_{j + 1}"] = (f"tangent:{j + 1}", nbytes)
-    bw = replay(plan["backward"], inputs, frozenset(held), tag="backward")
+    bw = replay(plan["backward"], inputs, frozenset(held), tag="backward", layouts=plan.get("backward_layouts"))
     batch = [f"primal:{i + 1}" for i, p in enumerate(plan["inputs"]) if not p["param"]]
     names = dict(keys, **dict(zip(batch, ("inputs/x", "inputs/y"))))
     tangents = [t for t in bw["inputs"] if t.startswith("tangents_") and inputs[t][0] not in bw["freed_at_peak"]]

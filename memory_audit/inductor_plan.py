@@ -22,6 +22,7 @@ _VIEW = re.compile(r"^(\w+) = reinterpret_tensor\((\w+),")
 _ALIAS = re.compile(r"^(\w+) = (\w+)$")
 _ASSIGN = re.compile(r"^(\w+) = (.+)$")
 _REINTERPRET = re.compile(r"reinterpret_tensor\((\w+),")
+_ITEM = re.compile(r"^(\w+) = (\w+)\[(\d+)\]$")
 
 
 class PlanError(ValueError):
@@ -65,12 +66,14 @@ def call_body(code):
     return body
 
 
-def replay(code, inputs, held=frozenset(), tag="buf"):
+def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
     """Replay a wrapper's memory plan.
 
     inputs: {input name: (storage id, bytes)}; names that share a storage id are one storage.
     held: storage ids the caller keeps alive (never freed by the graph). tag: the prefix of the
     storage ids of the buffers this graph makes ("<tag>:<name>@<line>"), unique per graph.
+    layouts: {buffer name: [size, stride, dtype]} (compiled.buffer_layouts), which sizes what a
+    fallback kernel returns (`buf7 = torch.ops.aten.<op>(...)`, `buf8 = buf7[0]`).
     Returns {"inputs": [names], "peak": bytes above the start, "peak_line": index,
     "end": bytes above the start once it has returned (its locals gone), "outputs": [(storage id, bytes) per output],
     "peak_live": {name: bytes of buffers made by the graph, live at the peak},
@@ -89,6 +92,7 @@ def replay(code, inputs, held=frozenset(), tag="buf"):
         storages.setdefault(sid, set()).add(n)
         size[sid] = nbytes
     input_sids = {names[n] for n in order}
+    sizing = {"layouts": layouts or {}, "tuples": {m.group(2) for m in map(_ITEM.match, body) if m}}
     live, peak, peak_line, peak_live, freed_at_peak = 0, 0, -1, {}, []
     made, freed = {}, []  # storages the graph allocated -> first name; inputs it freed
 
@@ -124,7 +128,7 @@ def replay(code, inputs, held=frozenset(), tag="buf"):
             target = _ASSIGN.match(stmt).group(1)
             if target in names:  # a name bound again: what it named loses it first
                 drop(target)
-            live += _assign(stmt, names, storages, size, made, f"{tag}:{{}}@{i}")
+            live += _assign(stmt, names, storages, size, made, f"{tag}:{{}}@{i}", sizing)
         if live > peak:
             peak, peak_line = live, i
             peak_live = {made[s]: size[s] for s in made}
@@ -132,23 +136,35 @@ def replay(code, inputs, held=frozenset(), tag="buf"):
     raise PlanError("the wrapper's call(args) has no return")
 
 
-def _assign(stmt, names, storages, size, made, sid_format):
-    """One assignment: a new buffer (returns its bytes) or a new name for an existing storage."""
+def _assign(stmt, names, storages, size, made, sid_format, sizing):
+    """One assignment: a new buffer (returns its bytes) or a new name for an existing storage.
+    sizing: {"layouts": buffer layouts, "tuples": names of multi-output kernels' results}."""
+    layouts = sizing["layouts"]
     m = _ALLOC.match(stmt)
     if m:
-        name = m.group(1)
-        sid = sid_format.format(name)
-        _bind(name, sid, names, storages)
-        size[sid] = strided_bytes(_ints(m.group(2)), _ints(m.group(3)), m.group(4))
-        made[sid] = name
-        return size[sid]
+        return _new(m.group(1), strided_bytes(_ints(m.group(2)), _ints(m.group(3)), m.group(4)),
+                    names, storages, size, made, sid_format)
     m = _VIEW.match(stmt) or _ALIAS.match(stmt)
     if m and m.group(2) in names:
         _bind(m.group(1), names[m.group(2)], names, storages)
         return 0
-    if stmt.startswith(("assert_", "buf")) and "(" not in stmt.split("=", 1)[0]:
+    name = stmt.split("=", 1)[0].strip()
+    if _ITEM.match(stmt) or (name.startswith("buf") and "(" in stmt):  # a fallback kernel's output(s)
+        if name in layouts:
+            return _new(name, strided_bytes(*layouts[name]), names, storages, size, made, sid_format)
+        if name in sizing["tuples"]:  # several outputs: the tuple itself holds no memory of its own
+            return _new(name, 0, names, storages, size, made, sid_format)
+    if name.startswith("buf"):
         raise PlanError(f"a buffer made by a call this reader cannot size: {stmt[:120]}")
     return 0
+
+
+def _new(name, nbytes, names, storages, size, made, sid_format):
+    sid = sid_format.format(name)
+    _bind(name, sid, names, storages)
+    size[sid] = nbytes
+    made[sid] = name
+    return nbytes
 
 
 def _bind(name, sid, names, storages):

@@ -253,6 +253,7 @@ def accuracy_rows(path):
     out = []
     for r in rows:
         row = {"file": os.path.basename(path), "config": r["config"], "status": r["status"], "run": r.get("run"),
+               "dtype": r["config"].get("dtype", (r.get("resolved_config") or {}).get("dtype")),
                "device": r.get("device"), "unattributed_bytes": r.get("unattributed_bytes")}
         if r.get("status") == "ok":
             row["totals"] = repredict(r)
@@ -283,7 +284,7 @@ def accuracy_table(path):
                        f"{variant} | {r['status']} | | | | | | | | |")
             continue
         t, rv = r["totals"], r["totals"]["reserved"]
-        out.append(f"| {c.get('preset')} | {c.get('batch_size')} | {c.get('dtype')} | {c.get('attention', 'manual')} | {variant} | "
+        out.append(f"| {c.get('preset')} | {c.get('batch_size')} | {r['dtype']} | {c.get('attention', 'manual')} | {variant} | "
                    f"{fmt_bytes(t['steady_state']['predicted'])} / {fmt_bytes(t['steady_state']['actual'])} | "
                    f"{fmt_bytes(t['activations']['predicted'])} / {fmt_bytes(t['activations']['actual'])} | "
                    f"{fmt_bytes(t['peak']['predicted'])} / {fmt_bytes(t['peak']['actual'])} | "

@@ -330,6 +330,60 @@ def fig_levers(rows):
     return fig
 
 
+def _budget_rows(rows):
+    """The compiled rows (compile=True), predictions recomputed, by device then budget."""
+    from .sweep import repredict
+    ok = [dict(r, totals=repredict(r)) for r in rows if r.get("status") == "ok" and r["config"].get("compile")]
+    return sorted(ok, key=lambda r: (r.get("device") or "cpu", r["config"].get("activation_memory_budget", 1.0)))
+
+
+def compile_budget_table(rows):
+    """torch.compile's activation memory budget: what each budget saves for backward, the step's
+    peak (predicted beside measured) and the recomputation it costs (share of the forward's FLOPs)."""
+    out = []
+    for r in _budget_rows(rows):
+        c, t, cost = r["config"], r["totals"], r.get("cost") or {}
+        share = cost.get("recompute_flops", 0) / cost["forward_flops"] if cost.get("forward_flops") else None
+        dtype = (r.get("resolved_config") or c).get("dtype", "auto")
+        out.append((f"{c.get('preset')} b{c.get('batch_size')} {dtype} ({r.get('device') or 'cpu'})",
+                    c.get("activation_memory_budget", 1.0), t["activations"]["predicted"], t["activations"]["actual"],
+                    t["peak"]["predicted"], t["peak"]["actual"], t["peak"]["diff"],
+                    None if share is None else round(share, 3), r["unattributed_bytes"]))
+    return formatted(_frame(out, ["setup", "budget", "saved predicted B", "saved measured B", "peak predicted B",
+                                  "peak measured B", "peak diff B", "recompute / forward FLOPs", "unattributed B"]))
+
+
+def fig_compile_budget(rows):
+    """The memory/recompute curve of the activation memory budget: saved bytes and peak against
+    recomputed FLOPs, predicted (lines) beside measured (open markers), one colour per setup."""
+    import matplotlib.pyplot as plt
+    ok = _budget_rows(rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if not ok:
+        ax.text(0.5, 0.5, "no compiled results", ha="center")
+        return fig
+    setups = {}
+    for r in ok:
+        setups.setdefault((r["config"].get("preset"), r["config"].get("batch_size"), r.get("device")), []).append(r)
+    for (preset, batch, device), rs in setups.items():
+        rs = sorted(rs, key=lambda r: r["cost"]["recompute_flops"])
+        x = [r["cost"]["recompute_flops"] / r["cost"]["forward_flops"] for r in rs]
+        for what, style in (("activations", "-"), ("peak", "--")):
+            pred = [r["totals"][what]["predicted"] / 2 ** 20 for r in rs]
+            meas = [r["totals"][what]["actual"] / 2 ** 20 for r in rs]
+            line, = ax.plot(x, pred, style, marker=".", label=f"{preset} b{batch} {what} (predicted)")
+            ax.scatter(x, meas, s=60, facecolors="none", edgecolors=line.get_color(), label=f"{what} (measured)")
+        for r, xi in zip(rs, x):
+            ax.annotate(f"{r['config'].get('activation_memory_budget', 1.0):g}", (xi, r["totals"]["activations"]["actual"] / 2 ** 20),
+                        textcoords="offset points", xytext=(3, -10), fontsize=7)
+    ax.set_xlabel("recomputed FLOPs / forward FLOPs")
+    ax.set_ylabel("MiB")
+    ax.set_title("torch.compile activation_memory_budget (labels: budget)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def save(fig, run_dir, name):
     """Save a figure as PNG beside the run (skipped where the run directory is read-only)."""
     path = os.path.join(run_dir, name)

@@ -29,6 +29,14 @@ def test_accuracy_table_is_the_command_output():
     assert table.strip() == p.stdout.strip()
 
 
+def test_compile_table_is_the_command_output():
+    readme = _readme()
+    table = re.search(r"<!-- compile:start -->\n(.*?)<!-- compile:end -->", readme, re.S)[1]
+    p = run_cli("accuracy", "snapshots/results/cpu-compile-budget.jsonl")
+    assert p.returncode == 0, p.stderr
+    assert table.strip() == p.stdout.strip()
+
+
 def test_every_results_file_names_its_command():
     """snapshots/results/README.md names the command and configs behind each results file, and
     every script and config file it names exists."""
