@@ -98,6 +98,7 @@ def _overrides(extra):
     """--KEY=VALUE pairs (train.py keys) -> dict with Python values."""
     from .predict import DEFAULTS
     from model import PRESETS  # the presets live beside the model
+    known = dict(DEFAULTS, compile=False, activation_memory_budget=1.0)  # compile=True: compiled_predict
     cfg = {}
     for arg in extra:
         if not arg.startswith("--") or "=" not in arg:
@@ -108,13 +109,13 @@ def _overrides(extra):
                 raise ValueError(f"unknown preset {value!r}; one of {', '.join(PRESETS)}")
             cfg.update(PRESETS[value])
             continue
-        if key not in DEFAULTS:
+        if key not in known:
             raise ValueError(f"unknown config key {key!r}")
         try:
             cfg[key] = literal_eval(value)
         except (ValueError, SyntaxError):
             cfg[key] = value
-        if isinstance(DEFAULTS[key], bool) and not isinstance(cfg[key], bool):
+        if isinstance(known[key], bool) and not isinstance(cfg[key], bool):
             raise ValueError(f"--{key} expects True or False, got {value!r}")
     return cfg
 
@@ -152,9 +153,9 @@ def _allocator(args):
 
 
 def cmd_predict(args, extra):
-    from .predict import predict
+    from .predict import predict_run
     cfg = _overrides(extra)
-    pred = predict(cfg, _device(args), gaps_bytes=args.gaps)
+    pred = predict_run(cfg, _device(args), gaps_bytes=args.gaps)  # --compile=True: inductor's plan
     if args.json:
         print(json.dumps(pred, indent=1))
         return

@@ -74,3 +74,15 @@ def test_api_on_a_cuda_loop_that_is_not_gpt(tmp_path):
     assert not [k for k in rp["peak"]["lines"] if k.startswith("unattributed")], rp["peak"]["lines"]
     assert rp["peak"]["bytes"] == m["phases"]["step2_end"]["max_memory_allocated"]
     assert any(k.startswith("weights/") for k in rp["peak"]["lines"])
+
+
+@pytest.mark.parametrize("dtype, attention, budget", [("float16", "manual", 1.0), ("bfloat16", "sdpa", 0.5)])
+def test_cuda_compiled_audit(tmp_path, dtype, attention, budget):
+    """A compiled step on CUDA: training unchanged, every saved storage named by its FX node and
+    predicted from inductor's plan (made on this GPU); the peak within 0.5% (allocator gaps)."""
+    rec = _audit_beside_plain(tmp_path, f"--dtype={dtype}", f"--attention={attention}", "--compile=True",
+                              f"--activation_memory_budget={budget}")
+    assert rec["unattributed_bytes"] == 0
+    assert mismatched(rec["rows"], categories=("activations",)) == []
+    assert rec["checks"]["replayed_peak_equals_max_memory_allocated"] is True
+    assert abs(rec["totals"]["peak"]["diff_pct"]) < 0.5, rec["totals"]["peak"]
