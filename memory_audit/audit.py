@@ -87,7 +87,9 @@ class Audit:
             self._graphs = []
             self._compile_ctx = ExitStack()
             self._compile_ctx.enter_context(no_cache())
-            self._compile_ctx.enter_context(capture(self._graphs, getattr(model, "audit_prefix", "")))
+            self.recording.compiled_wrappers = []  # names inductor's buffers in the trace
+            self._compile_ctx.enter_context(capture(self._graphs, getattr(model, "audit_prefix", ""),
+                                                    wrappers=self.recording.compiled_wrappers))
         else:
             self._output_hook = model.register_forward_hook(self._note_output)
         config = self.recording.config

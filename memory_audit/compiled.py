@@ -62,11 +62,20 @@ def matmul_flops(gm):
 
 
 @contextmanager
-def capture(graphs, prefix="", costs=None):
-    """While on, append each compiled graph's saved values (a list, see saved_values) to `graphs`
-    and, to `costs` when given, its forward's and backward's matmul FLOPs."""
+def capture(graphs, prefix="", costs=None, wrappers=None):
+    """While on, append each compiled graph's saved values (a list, see saved_values) to `graphs`;
+    to `costs` when given, its forward's and backward's matmul FLOPs; to `wrappers` when given,
+    every wrapper module inductor loads: {"file", "kind" (forward/backward), "allocations"}."""
     import torch._inductor.compile_fx as cfx
+    from torch._inductor.graph import GraphLowering
     original = cfx.min_cut_rematerialization_partition
+    load = GraphLowering._compile_to_module_lines
+
+    def loaded(self, wrapper_code):
+        mod = load(self, wrapper_code)
+        if wrappers is not None:
+            wrappers.append(wrapper_entry(mod.__file__, wrapper_code.value, buffer_layouts(self)))
+        return mod
 
     def partition(joint, inputs, *args, num_fwd_outputs=None, **kwargs):
         fw, bw = original(joint, inputs, *args, num_fwd_outputs=num_fwd_outputs, **kwargs)
@@ -75,10 +84,25 @@ def capture(graphs, prefix="", costs=None):
             costs.append({"forward_matmul_flops": matmul_flops(fw), "backward_matmul_flops": matmul_flops(bw)})
         return fw, bw
     cfx.min_cut_rematerialization_partition = partition
+    GraphLowering._compile_to_module_lines = loaded
     try:
         yield graphs
     finally:
         cfx.min_cut_rematerialization_partition = original
+        GraphLowering._compile_to_module_lines = load
+
+
+def wrapper_entry(path, code, layouts):
+    """What names a wrapper's allocations in a trace: its file, forward or backward, and the
+    buffers its `call` makes, in order ([] when the plan cannot be read)."""
+    from .inductor_plan import PlanError, call_body, replay
+    try:
+        body = call_body(code)
+        kind = "backward" if body and "tangents_" in body[0] else "forward"
+        allocations = replay(code, {}, layouts=layouts)["allocations"]
+    except PlanError:
+        kind, allocations = "forward", []
+    return {"file": path, "kind": kind, "allocations": allocations}
 
 
 @contextmanager
@@ -213,8 +237,8 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     Python wrappers of the forward and the backward (their memory plans, see inductor_plan.py).
 
     Returns {"saved": [saved values], "forward": code, "backward": code (each wrapper's
-    `call` function: its memory plan), "inputs": [{"param": bool, "nbytes": int}] per forward
-    input (primals_1, ...), the matmul FLOPs of both graphs and the recomputation's}. One graph
+    `call` function: its memory plan), "inputs": [{"param": bool, "nbytes": int, "name": the
+    parameter's name or None}] per forward input (primals_1, ...), the matmul FLOPs of both graphs and the recomputation's}. One graph
     only: a graph break raises ValueError. `context`: entered around the call (autocast, as the loop runs it).
     """
     from contextlib import nullcontext
@@ -225,6 +249,7 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
 
     codes, graphs, primals, costs, layouts = [], [], [], [], []
     owned = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    names = {p.data_ptr(): n for n, p in model.named_parameters()}
 
     def grab(self, wrapper_code):
         codes.append(wrapper_code.value)
@@ -242,8 +267,8 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
         return lambda args: None
 
     def backend(gm, example_inputs):
-        primals[:] = [{"param": t.data_ptr() in owned, "nbytes": t.untyped_storage().nbytes()}
-                      for t in example_inputs]
+        primals[:] = [{"param": t.data_ptr() in owned, "nbytes": t.untyped_storage().nbytes(),
+                       "name": names.get(t.data_ptr())} for t in example_inputs]
         return cfx.compile_fx(gm, example_inputs, inner_compile=inner)
 
     original, lazy = GraphLowering._compile_to_module_lines, fconfig.force_non_lazy_backward_lowering

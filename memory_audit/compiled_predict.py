@@ -22,7 +22,7 @@ Needs torch and model.py (it builds the model); the eager predictor stays torch-
 from .backward import _backward_begun, _delta
 from .inductor_plan import replay
 from .levers import forward_flops
-from .parts import act, shape_facts
+from .parts import act, grad_phases, shape_facts
 from .predict import DEFAULTS, _plain, _totals, _validate, device_facts, param_shapes, steady_lines
 from .recorder import _short_module
 
@@ -112,7 +112,12 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user):
         lines.append(_delta(s, "released/activations/gpt/div.other", -8, "-8", "DivBackward has run"))
     lines += [_delta(s, f"temporary/compiled_backward/{t}", inputs[t][1], "output size",
                      "the output's gradient handed to the backward") for t in tangents]
-    lines += [_delta(s, f"temporary/compiled_backward/{b}", n, "inductor buffer") for b, n in bw["peak_live"].items()]
+    grads = {}  # buffers the backward returns as a parameter's gradient: grads/<name> where fresh
+    if "step2_before_backward" not in grad_phases(cfg):
+        grads = {b: f"grads/{plan['inputs'][j]['name']}" for j, b in enumerate(bw["output_buffers"])
+                 if b and j < len(plan["inputs"]) and plan["inputs"][j].get("name")}
+    lines += [_delta(s, grads.get(b, f"temporary/compiled_backward/{b}"), n, "inductor buffer")
+              for b, n in bw["peak_live"].items()]
     size = {sid: n for sid, n in inputs.values()}
     lines += [_delta(s, f"released/{names.get(sid, sid)}", -size[sid], "freed by the backward")
               for sid in bw["freed_at_peak"] if not sid.startswith("tangent:")]

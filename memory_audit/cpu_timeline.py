@@ -116,6 +116,31 @@ def _unseen_events(unseen, ranges):
     return out
 
 
+def name_compiled(events, wrappers):
+    """Name the allocations a compiled graph's wrapper makes by its own buffer names: within each
+    call of a wrapper file the buffers come in the order of its plan, so the k-th allocation is
+    its k-th buffer when the sizes agree (else "unplanned": an allocation inside a kernel). The
+    name rides as a first frame ("<inductor>", "backward/buf12") that timeline.temporary_name reads."""
+    plans = {w["file"]: w for w in wrappers if w.get("allocations")}
+    if not plans:
+        return events
+    pos, out = dict.fromkeys(plans, 0), []
+    for e in events:
+        t, action, addr, size, frames, category, label = e
+        path = next((f["filename"] for f in frames if f.get("name") == "call" and f.get("filename") in plans), None)
+        if action == "alloc" and path:
+            w = plans[path]
+            name, nbytes = w["allocations"][pos[path] % len(w["allocations"])]
+            if nbytes == size:
+                pos[path] += 1
+            else:
+                name = "unplanned"
+            e = (t, action, addr, size, [{"filename": "<inductor>", "line": 0, "name": f"{w['kind']}/{name}"}] + frames,
+                 category, label)
+        out.append(e)
+    return out
+
+
 def snapshot_at(events, t_cut):
     """The snapshot dict of the allocations live at time t_cut (ns), with the trace up to it."""
     trace, live = [], {}

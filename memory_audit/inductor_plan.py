@@ -77,7 +77,8 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
     Returns {"inputs": [names], "peak": bytes above the start, "peak_line": index,
     "end": bytes above the start once it has returned (its locals gone), "outputs": [(storage id, bytes) per output],
     "peak_live": {name: bytes of buffers made by the graph, live at the peak},
-    "freed_at_peak": [storage ids of inputs already freed at the peak]}.
+    "freed_at_peak": [storage ids of inputs already freed at the peak], "allocations": [[name,
+    bytes] of each buffer made, in order]}.
     """
     body = call_body(code)
     names, storages, size = {}, {}, {}  # name -> storage; storage -> names; storage -> bytes
@@ -95,6 +96,7 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
     sizing = {"layouts": layouts or {}, "tuples": {m.group(2) for m in map(_ITEM.match, body) if m}}
     live, peak, peak_line, peak_live, freed_at_peak = 0, 0, -1, {}, []
     made, freed = {}, []  # storages the graph allocated -> first name; inputs it freed
+    allocations = []  # [name, bytes] of every buffer it makes, in order (what the trace shows)
 
     def drop(name):
         nonlocal live
@@ -119,16 +121,21 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
                 ref = m.group(1) if m else item
                 outputs.append((names[ref], size[names[ref]]) if ref in names else (None, 0))
             returned = {sid for sid, _ in outputs}
+            output_buffers = [made.get(sid) for sid, _ in outputs]  # the buffer name each output was made as
             end = live - sum(size[s] for s in made if s not in returned)  # the call's locals die
             return {"inputs": order, "peak": peak, "peak_line": peak_line, "end": end, "outputs": outputs,
-                    "peak_live": peak_live, "freed_at_peak": freed_at_peak}
+                    "peak_live": peak_live, "freed_at_peak": freed_at_peak, "allocations": allocations,
+                    "output_buffers": output_buffers}
         elif stmt.endswith("= args") or stmt == "args.clear()" or not _ASSIGN.match(stmt):
             continue
         else:
             target = _ASSIGN.match(stmt).group(1)
             if target in names:  # a name bound again: what it named loses it first
                 drop(target)
-            live += _assign(stmt, names, storages, size, made, f"{tag}:{{}}@{i}", sizing)
+            grew = _assign(stmt, names, storages, size, made, f"{tag}:{{}}@{i}", sizing)
+            if grew:
+                allocations.append([target, grew])
+            live += grew
         if live > peak:
             peak, peak_line = live, i
             peak_live = {made[s]: size[s] for s in made}

@@ -366,6 +366,7 @@ class AuditRecording:
         self.max_entries = max_entries
         self.phases = {}
         self.saved_tensors = []
+        self.compiled_wrappers = None  # compiled runs: the wrappers inductor loaded (compiled.capture)
         self.markers = {}  # CPU: phase -> marker name in the profile
         self.markers_seen = []
         self.error = None
@@ -520,6 +521,9 @@ class AuditRecording:
     def _write_cpu_snapshots(self):
         from .cpu_timeline import timeline_events, snapshot_at
         events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses())
+        if self.compiled_wrappers:
+            from .cpu_timeline import name_compiled
+            events = name_compiled(events, self.compiled_wrappers)
         for name, marker in self.markers.items():
             t = marker_times.get(marker)
             if t is None:
@@ -544,6 +548,7 @@ class AuditRecording:
             "max_entries": self.max_entries,
             "phases": self.phases,
             "saved_tensors": self.saved_tensors,
+            "compiled_wrappers": self.compiled_wrappers,
             "error": self.error,
             "files": self.files,
         }

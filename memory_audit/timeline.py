@@ -40,6 +40,8 @@ def temporary_name(frames):
     """'temporary/<what made it>[/<op>]' for a short-lived allocation: the innermost frame that
     says (the backward, the optimizer, clip_grad_norm, the GradScaler, the loss, the model's
     forward, the loop); <op> is the aten op or autograd node where the stack has one (CPU)."""
+    if frames and frames[0].get("filename") == "<inductor>":  # a compiled graph's buffer, by its wrapper name
+        return f"temporary/compiled_{frames[0].get('name')}"
     op = frames[0].get("name") if frames and frames[0].get("filename") == "<op>" else ""
     for f in frames:
         text = f"{f.get('filename') or ''}:{f.get('name') or ''}"

@@ -15,9 +15,11 @@ import torch
 from memory_audit import Audit, AuditError
 from memory_audit.compiled_predict import COMPILED_DEFAULTS, predict_compiled
 from memory_audit.inductor_plan import PlanError, replay, strided_bytes
-from memory_audit.predict import device_facts
+from memory_audit.loader import load_meta, load_snapshot
+from memory_audit.predict import device_facts, predict_run
 from memory_audit.reconcile import mismatched, reconcile
 from memory_audit.sweep import repredict
+from memory_audit.timeline import replay as replay_trace
 from model import GPT, GPTConfig, PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,6 +99,15 @@ def test_train_py_compiled_audit_is_predicted_to_the_byte(tmp_path):
     for total in ("steady_state", "activations", "peak"):
         assert rec["totals"][total]["diff"] == 0, (total, rec["totals"][total])
     assert rec["cost"]["peak_at"] == "compiled backward"
+    # at the peak, inductor's buffers are named by the wrapper (buf12) and the gradients it
+    # returned by parameter, in the trace as in the prediction
+    run = str(tmp_path / "c")
+    peak = replay_trace(load_snapshot(os.path.join(run, "step2_end.pickle")), load_meta(run))["peak"]["lines"]
+    pred = predict_run(rec["config"], device_facts("cpu"))["ledger"]
+    inductor = ("temporary/compiled_", "grads/")
+    measured = {k: v for k, v in peak.items() if k.startswith(inductor)}
+    assert len(measured) > 10
+    assert measured == {l["key"]: l["bytes"] for l in pred if "peak" in l["phases"] and l["key"].startswith(inductor)}
     meta = json.load(open(tmp_path / "c" / "meta.json"))
     assert meta["config"]["audit_step"] == 3 and meta["config"]["activation_memory_budget"] == 0.5
 
