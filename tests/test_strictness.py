@@ -12,7 +12,7 @@ import pytest
 
 import memory_audit.reconcile as reconcile_mod
 from conftest import EXAMPLES
-from memory_audit.predict import predict as real_predict
+from memory_audit.predict import predict_run as real_predict
 from memory_audit.reconcile import mismatched, reconcile
 from memory_audit.sweep import row_for
 
@@ -56,7 +56,7 @@ def test_each_break_is_caught(run_dir, brk, monkeypatch):
         pred = copy.deepcopy(real_predict(*args, **kwargs))
         broken.update(brk(pred))
         return pred
-    monkeypatch.setattr(reconcile_mod, "predict", wrong_predict)
+    monkeypatch.setattr(reconcile_mod, "predict_run", wrong_predict)
     rec = reconcile(run_dir)
     caught = {r["key"] for r in mismatched(rec["rows"])}
     assert broken and broken <= caught, (broken, caught)
