@@ -28,7 +28,7 @@ def _name(event):
         return "<undecodable>"
 
 
-def timeline_events(prof, markers, keep=()):
+def timeline_events(prof, markers, keep=(), info=None):
     """Allocation events of a finished profile and the times of the named markers.
 
     Returns (events, marker_times): events is a time-ordered list of
@@ -36,14 +36,24 @@ def timeline_events(prof, markers, keep=()):
     that existed before the profile began and whose address is in `keep` (the recorder's named
     addresses: weights made before an Audit was); marker_times maps
     marker -> t_ns. user_metadata is "recompute:<module>" for an allocation made inside a
-    labelled recomputation (as CUDA's allocator records it), else "".
+    labelled recomputation (as CUDA's allocator records it), else "". info: a dict that gets
+    "source": "memory_profile" or "raw allocations" (the road taken, below).
     """
     from torch._C._profiler import _EventType
-    from torch.profiler._memory_profiler import Action, TensorKey
+    from torch.profiler._memory_profiler import Action, OpTree, TensorKey
 
-    mp = prof._memory_profile()
+    try:
+        mp = prof._memory_profile()
+        tree = mp._op_tree
+    except AssertionError:
+        # The memory profiler's data-flow graph checks fail when another thread's ops interleave
+        # (gloo's collectives under torchrun): every allocation is then taken by address, as
+        # compiled code's are below; only tensors older than the profile go unseen.
+        mp, tree = None, OpTree(prof.profiler.kineto_results)
+    if info is not None:
+        info["source"] = "memory_profile" if mp is not None else "raw allocations"
     stacks, marker_times, ranges, unseen = {}, {}, [], []
-    for event in mp._op_tree.sorted_nodes:
+    for event in tree.sorted_nodes:
         if event.tag == _EventType.TorchOp:
             name = _name(event)
             if name in markers and name not in marker_times:
@@ -51,7 +61,7 @@ def timeline_events(prof, markers, keep=()):
             if name.startswith(RECOMPUTE_RANGE):  # a range across Python frames: nothing nests in it
                 ranges.append((event.start_time_ns, event.end_time_ns, name[len(MARKER_PREFIX):]))
         if event.tag == _EventType.Allocation:
-            key = TensorKey.from_allocation(event.extra_fields)
+            key = TensorKey.from_allocation(event.extra_fields) if mp is not None else None
             if key is None:  # memory no aten op saw (compiled code's own buffers): by address
                 unseen.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size,
                                _stack(event) if event.extra_fields.alloc_size > 0 else []))
@@ -60,7 +70,7 @@ def timeline_events(prof, markers, keep=()):
 
     events, live = [], {}
     t_first = None
-    for t, action, (key, version), size in mp.timeline:
+    for t, action, (key, version), size in (mp.timeline if mp is not None else ()):
         if not isinstance(key, TensorKey) or key.device.type != "cpu":
             continue
         if t_first is None and t >= 0:

@@ -367,6 +367,7 @@ class AuditRecording:
         self.phases = {}
         self.saved_tensors = []
         self.compiled_wrappers = None  # compiled runs: the wrappers inductor loaded (compiled.capture)
+        self.cpu_timeline = None
         self.markers = {}  # CPU: phase -> marker name in the profile
         self.markers_seen = []
         self.error = None
@@ -520,7 +521,9 @@ class AuditRecording:
     # -- CPU: profiler timeline -> snapshot schema
     def _write_cpu_snapshots(self):
         from .cpu_timeline import timeline_events, snapshot_at
-        events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses())
+        road = {}
+        events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses(), road)
+        self.cpu_timeline = road.get("source")
         if self.compiled_wrappers:
             from .cpu_timeline import name_compiled
             events = name_compiled(events, self.compiled_wrappers)
@@ -549,6 +552,7 @@ class AuditRecording:
             "phases": self.phases,
             "saved_tensors": self.saved_tensors,
             "compiled_wrappers": self.compiled_wrappers,
+            "cpu_timeline": self.cpu_timeline,  # CPU: how the profile became a trace
             "error": self.error,
             "files": self.files,
         }

@@ -48,3 +48,44 @@ def test_recording_turns_history_off_on_exit(tmp_path):
         assert rec.active
     assert not rec.active
     rec.stop()  # idempotent
+
+
+def _tiny_audit(out_dir):
+    from memory_audit import Audit
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{k: v for k, v in PRESETS["cpu-tiny"].items() if k in GPTConfig.__dataclass_fields__})
+    audit = Audit(out_dir=str(out_dir), device="cpu", step=1)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    audit.watch(model, opt)
+    x = torch.randint(cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    for step in range(2):
+        with audit.step(step, tensors={"inputs/x": x}):
+            _, loss = model(x, x)
+            audit.before_backward(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    audit.close()
+
+
+def test_raw_allocations_give_the_same_books_when_the_memory_profiler_fails(tmp_path, monkeypatch):
+    """Under torchrun, gloo's threads make the memory profiler's data-flow checks fail
+    (AssertionError: duplicate outputs); the CPU timeline then pairs every allocation by address.
+    On a single-process audit both roads give the same lines in every phase."""
+    from memory_audit.attribute import attribute
+    from memory_audit.loader import load_meta
+    _tiny_audit(tmp_path / "keyed")
+
+    def fail(self):
+        raise AssertionError("duplicate outputs (forced)")
+    monkeypatch.setattr(torch.profiler.profile, "_memory_profile", fail)
+    _tiny_audit(tmp_path / "raw")
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        books = []
+        for road in ("keyed", "raw"):
+            run = str(tmp_path / road)
+            res = attribute(load_snapshot(os.path.join(run, f"{phase}.pickle")), load_meta(run), phase)
+            books.append(res[min(res)])
+        assert books[0]["lines"] == books[1]["lines"] and books[1]["unattributed_bytes"] == 0, phase
+    assert [load_meta(str(tmp_path / r))["cpu_timeline"] for r in ("keyed", "raw")] == ["memory_profile", "raw allocations"]
