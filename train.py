@@ -66,6 +66,9 @@ dtype = "auto"  # auto = float16 on CUDA, float32 on CPU; float32 | bfloat16 | f
 compile = False
 activation_memory_budget = 1.0  # compile: the partitioner's memory budget (0..1); 1.0 = its default behaviour
 seed = 1337
+# distributed (torchrun --standalone --nproc_per_node=N train.py ...)
+parallel = "auto"  # auto = ddp under torchrun, none otherwise | none | ddp (fsdp, tp: not built yet, issue #12)
+dist_timeout_s = 120  # a rank waiting longer than this on another ends with one line instead of hanging
 log_interval = 1
 losses_out = ""  # write the per-step losses (exact, as float.hex) to this JSON file
 # memory audit
@@ -139,7 +142,31 @@ if compile and device_type == "cpu":
 if compile:
     import torch._functorch.config
     torch._functorch.config.activation_memory_budget = activation_memory_budget
+# torchrun: one process per rank; DDP averages the gradients (gloo on CPU, nccl on CUDA)
+_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+if parallel == "auto":
+    parallel = "ddp" if _torchrun else "none"
+if parallel not in ("none", "ddp"):
+    fail(f"parallel must be none or ddp (fsdp, tp and tp-sp are not built yet), got {parallel!r}")
+if parallel == "ddp" and not _torchrun:
+    fail("parallel=ddp runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
+if parallel == "none" and _torchrun and int(os.environ["WORLD_SIZE"]) > 1:
+    fail("under torchrun with more than one rank, parallel must be ddp")
+rank, world_size = 0, 1
+if parallel == "ddp":
+    import torch.distributed as dist
+    from datetime import timedelta
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if gradient_accumulation_steps % world_size:
+        fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the world size {world_size}")
+    gradient_accumulation_steps //= world_size  # each rank does its share, as nanoGPT does
+    if device_type == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=dist_timeout_s))
+master = rank == 0
 config = {k: globals()[k] for k in config_keys}
+config.update(world_size=world_size, rank=rank)
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=vocab_size, dropout=dropout, attention=attention, activation=activation,
                   activation_checkpointing=activation_checkpointing, ac_every=ac_every, sac_save_ops=sac_save_ops)
@@ -147,7 +174,7 @@ try:
     GPTConfig(**model_args).validate()
 except ValueError as e:
     fail(str(e))
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
 print(f"tokens per iteration will be: {tokens_per_iter:,}")
 if not audit:
     print(f"training for max_iters={max_iters:,} steps (--max_iters=N for fewer; --audit stops after step {audit_step + 1})")
@@ -169,7 +196,7 @@ if dataset != "synthetic":
     print(f"data: {data_dir}/train.bin (GPT-2 tokens)")
 else:
     print("data: synthetic random tokens (memory does not depend on token values)")
-_data_gen = torch.Generator().manual_seed(seed)  # its own stream: nothing else perturbs it
+_data_gen = torch.Generator().manual_seed(seed + rank)  # its own stream (per rank): nothing else perturbs it
 
 
 def get_batch(split):
@@ -200,6 +227,10 @@ if audit:
     while os.path.exists(run_dir):  # never overwrite an earlier run
         _n += 1
         run_dir = os.path.join(audit_dir, f"{run_name}-{_n}")
+    if world_size > 1:  # rank 0 names the run; each rank records into its own rank<r>/
+        _names = [run_dir]
+        dist.broadcast_object_list(_names, src=0)
+        run_dir = os.path.join(_names[0], f"rank{rank}")
     try:  # step indexes count from 0 (iter_num); audit_step counts from 1
         audit_obj = Audit(out_dir=run_dir, device=device, step=audit_step - 1, config=config,
                           max_entries=audit_max_entries, compiled=compile)
@@ -216,6 +247,9 @@ def train():
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer_impl)
     train_model = torch.compile(model) if compile else model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        train_model = DistributedDataParallel(train_model, device_ids=[torch.device(device).index] if device_type == "cuda" else None)
     if audit_obj is not None:
         audit_obj.watch(model, optimizer, scaler, compiled=compile)
 
@@ -242,7 +276,9 @@ def train():
         with (audit_obj.step(iter_num, tensors=lambda: {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
               if audit_obj is not None else nullcontext()):
             for micro_step in range(gradient_accumulation_steps):
-                with ctx:
+                # DDP: average the gradients once, after the last micro-step's backward
+                last = micro_step == gradient_accumulation_steps - 1
+                with (train_model.no_sync() if parallel == "ddp" and not last else nullcontext()), ctx:
                     logits, loss = train_model(X, Y)
                     loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation
                 if not keep_logits:
@@ -261,7 +297,7 @@ def train():
         lossf = loss.item() * gradient_accumulation_steps
         losses.append(lossf)
         dt = time.time() - t0
-        if iter_num % log_interval == 0:
+        if iter_num % log_interval == 0 and master:
             mem = ""
             if device_type == "cuda":
                 mem = (f", mem {torch.cuda.memory_allocated() / 2**20:.1f} MiB"
@@ -302,6 +338,16 @@ if audit_obj is not None:
         print(summarize_run(audit_obj.run_dir))
     except Exception as e:  # the audit's files are written; say why the report is missing
         print(f"warning: no report for {audit_obj.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
-if losses_out:
+if parallel == "ddp":
+    if audit_obj is not None and world_size > 1:
+        dist.barrier()  # every rank has written its report
+        if master:
+            from memory_audit.report import ranks_report
+            try:
+                print(ranks_report(os.path.dirname(audit_obj.run_dir)))
+            except (OSError, KeyError, ValueError) as e:
+                print(f"warning: no per-rank report: {e}", file=sys.stderr)
+    dist.destroy_process_group()
+if losses_out and master:
     with open(losses_out, "w") as f:
         json.dump([float(x).hex() for x in _losses], f)

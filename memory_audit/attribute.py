@@ -73,6 +73,18 @@ def name_from_frames(frames):
     return None, None
 
 
+_DDP_BUCKETS = ("_ddp_init_helper", "_rebuild_buckets")
+
+
+def ddp_name(frames):
+    """"grads/ddp_buckets" for DDP's gradient buckets (made by its Reducer when DDP is built and
+    when it rebuilds them on the first step), from their stack; else None."""
+    for f in frames or ():
+        if any(k in (f.get("name") or "") for k in _DDP_BUCKETS):
+            return "grads/ddp_buckets"
+    return None
+
+
 BASELINE = "baseline/before-recording"
 
 
@@ -165,6 +177,8 @@ def block_namer(snap, meta=None, phase=None):
             return hit
         if block.get("address") in workspaces:
             return "workspace/cublas", "workspace"
+        if ddp_name(block.get("frames")):
+            return ddp_name(block.get("frames")), "frames:ddp-buckets"
         if meta is None:  # a snapshot from elsewhere: fall back to its stacks
             nm, rule = name_from_frames(block.get("frames") or [])
             if nm:

@@ -52,7 +52,7 @@ def timeline_events(prof, markers, keep=(), info=None):
         mp, tree = None, OpTree(prof.profiler.kineto_results)
     if info is not None:
         info["source"] = "memory_profile" if mp is not None else "raw allocations"
-    stacks, marker_times, ranges, unseen = {}, {}, [], []
+    stacks, marker_times, ranges, unseen, staged = {}, {}, [], [], {}
     for event in tree.sorted_nodes:
         if event.tag == _EventType.TorchOp:
             name = _name(event)
@@ -63,8 +63,11 @@ def timeline_events(prof, markers, keep=(), info=None):
         if event.tag == _EventType.Allocation:
             key = TensorKey.from_allocation(event.extra_fields) if mp is not None else None
             if key is None:  # memory no aten op saw (compiled code's own buffers): by address
+                grow = event.extra_fields.alloc_size > 0
                 unseen.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size,
-                               _stack(event) if event.extra_fields.alloc_size > 0 else []))
+                               _stack(event) if grow else []))
+            if event.extra_fields.alloc_size > 0 and _collective_end(event) is not None:
+                staged[(event.extra_fields.ptr, event.start_time_ns)] = _collective_end(event)
             elif event.extra_fields.alloc_size > 0:
                 stacks[key] = _stack(event)
 
@@ -93,8 +96,9 @@ def timeline_events(prof, markers, keep=(), info=None):
             addr, size0 = live.pop(key)
             events.append((t, "free", addr, size0, stacks.get(key, []), None, ""))
         # INCREMENT_VERSION: an in-place write, the same bytes stay allocated
-    events += _unseen_events(unseen, ranges)
-    events.sort(key=lambda e: (e[0], 0 if e[1] == "free" else 1))
+    order = lambda e: (e[0], 0 if e[1] == "free" else 1)  # noqa: E731
+    events = sorted(events + _unseen_events(unseen, ranges), key=order)
+    events = sorted(_free_staged(events, staged), key=order) if staged else events
     return events, marker_times
 
 
@@ -112,9 +116,26 @@ def _stack(event):
     return ([{"filename": "<op>", "line": 0, "name": op}] if op else []) + frames
 
 
+# c10d calls that stage tensors in a buffer of their own and wait for the collective to finish
+_COLLECTIVES = re.compile(r"<built-in method (_broadcast_coalesced|_verify_params_across_processes)\b")
+
+
+def _collective_end(event):
+    """The end time of the synchronous collective an allocation was made in, else None. Its
+    staging buffer may be let go on gloo's thread, whose frees the profiler does not record."""
+    from torch._C._profiler import _EventType
+    parent = event.parent
+    while parent:
+        if parent.tag == _EventType.PyCCall and _COLLECTIVES.match(_name(parent)):
+            return parent.end_time_ns
+        parent = parent.parent
+    return None
+
+
 def _unseen_events(unseen, ranges):
     """Allocations the memory profiler gives no tensor key (no aten op saw the memory: compiled
-    code's buffers), paired with their frees by address."""
+    code's buffers; every allocation when its data-flow graph fails), paired with their frees by
+    address."""
     out, live = [], {}
     for t, ptr, size, frames in sorted(unseen, key=lambda u: u[0]):
         if size > 0:
@@ -124,6 +145,21 @@ def _unseen_events(unseen, ranges):
         elif ptr in live:
             out.append((t, "free", ptr, live.pop(ptr), frames, None, ""))
     return out
+
+
+def _free_staged(events, staged):
+    """A collective's staging buffer whose free this thread never saw (gloo let it go on its own
+    thread) is freed when the collective returned. staged: {(address, alloc time): end time}."""
+    live, extra = {}, []
+    for t, action, addr, size, *_ in events:
+        if action == "alloc":
+            live[addr] = (t, size)
+        elif action == "free":
+            live.pop(addr, None)
+    for (addr, t_alloc), end in staged.items():
+        if live.get(addr, (None,))[0] == t_alloc:
+            extra.append((end, "free", addr, live[addr][1], [], None, ""))
+    return events + extra
 
 
 def name_compiled(events, wrappers):

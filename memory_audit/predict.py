@@ -44,7 +44,7 @@ DEFAULTS = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=5
                 dropout=0.0, batch_size=12, gradient_accumulation_steps=1, dtype="float16",
                 attention="manual", activation="gelu", optimizer_impl="fused", set_to_none=True,
                 keep_logits=True, grad_clip=1.0, activation_checkpointing="none", ac_every=1,
-                sac_save_ops="")
+                sac_save_ops="", parallel="none", world_size=1)
 
 
 def gpu_name(name):
@@ -132,6 +132,10 @@ def steady_lines(s, cfg, dev, params):
     grads_at = grad_phases(cfg)
     if grads_at:
         out += [line(s, f"grads/{n}", 4 * _numel(sh), "float32", sh, "4*numel", grads_at) for n, sh in params]
+    if cfg["parallel"] == "ddp":  # the Reducer's flat fp32 buckets: a copy of every gradient
+        n = sum(_numel(sh) for _, sh in params)
+        out.append(line(s, "grads/ddp_buckets", 4 * n, "float32", [n], "4*N (DDP gradient buckets)", PHASES,
+                        "DDP averages the gradients in these; they live as long as the DDP module"))
     for state in ("exp_avg", "exp_avg_sq"):
         out += [line(s, f"optimizer/{state}/{n}", 4 * _numel(sh), "float32", sh, "4*numel", PHASES) for n, sh in params]
     if dt == "cpu" or cfg["optimizer_impl"] == "fused":  # where AdamW keeps its `step` tensors

@@ -155,3 +155,32 @@ def summarize_run(run_dir):
     return ("where it went (measured):\n" + "\n".join(where)
             + f"\nmemory report ({os.path.join(run_dir, 'report.md')}):\n" + totals_table(rec)
             + f"\nunattributed: {rec['unattributed_bytes']:,} B")
+
+
+def ranks_report(run_dir):
+    """A torchrun audit (run_dir/rank0, rank1, ...): each rank's totals, predicted beside
+    measured, side by side, with the largest rank and the sum; written to run_dir/report.md and
+    returned. Reads each rank's report.json (written by that rank)."""
+    ranks = sorted((d for d in os.listdir(run_dir) if d.startswith("rank") and d[4:].isdigit()), key=lambda d: int(d[4:]))
+    recs = {}
+    for d in ranks:
+        with open(os.path.join(run_dir, d, "report.json")) as f:
+            recs[d] = json.load(f)
+    if not recs:
+        raise FileNotFoundError(f"{run_dir}: no rank<N>/report.json")
+    keys = ("steady_state", "activations", "peak")
+    out = [f"# Memory report per rank: {os.path.basename(os.path.normpath(run_dir))}", "",
+           "| rank | " + " | ".join(f"{k} predicted / actual" for k in keys) + " | peak diff B | unattributed |",
+           "| --- |" + " --- |" * (len(keys) + 2)]
+    for d, rec in recs.items():
+        t = rec["totals"]
+        out.append(f"| {d[4:]} | " + " | ".join(f"{t[k]['predicted']:,} / {t[k]['actual']:,}" for k in keys)
+                   + f" | {t['peak']['diff']:+,} | {rec['unattributed_bytes']:,} B |")
+    peaks = {d: rec["totals"]["peak"]["actual"] for d, rec in recs.items()}
+    top = max(peaks, key=peaks.get)
+    out += ["", f"Largest peak: rank {top[4:]}, {peaks[top]:,} B. Sum of the ranks' peaks: {sum(peaks.values()):,} B "
+            f"over {len(recs)} ranks (each rank's report.md has its lines)."]
+    text = "\n".join(out) + "\n"
+    with open(os.path.join(run_dir, "report.md"), "w") as f:
+        f.write(text)
+    return text

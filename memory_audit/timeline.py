@@ -12,7 +12,7 @@ allocation live at that moment, never to the address.
 
 import numpy as np
 
-from .attribute import BASELINE, baseline_name, name_from_frames, phase_names, trace_workspaces
+from .attribute import BASELINE, baseline_name, ddp_name, name_from_frames, phase_names, trace_workspaces
 from .schema import CATEGORIES, RECOMPUTE_LABEL
 from .trace import A, FREES, Trace, as_trace
 
@@ -40,6 +40,8 @@ def temporary_name(frames):
     """'temporary/<what made it>[/<op>]' for a short-lived allocation: the innermost frame that
     says (the backward, the optimizer, clip_grad_norm, the GradScaler, the loss, the model's
     forward, the loop); <op> is the aten op or autograd node where the stack has one (CPU)."""
+    if ddp_name(frames):  # not a temporary: DDP's buckets live as long as the DDP module
+        return ddp_name(frames)
     if frames and frames[0].get("filename") == "<inductor>":  # a compiled graph's buffer, by its wrapper name
         return f"temporary/compiled_{frames[0].get('name')}"
     op = frames[0].get("name") if frames and frames[0].get("filename") == "<op>" else ""
@@ -110,6 +112,11 @@ def name_events(trace, cuts):
         for j in np.flatnonzero(hit).tolist():
             event_name[int(allocs[j])] = names[int(addr[allocs[j]])]
         named |= hit
+    first_cut = min((cut for cut, names, _ in cuts if names), default=0)
+    for j in np.flatnonzero(~named & (ends > n) & (allocs < first_cut)).tolist():  # made before the step, live at its end
+        frames_name = ddp_name(t.frames(int(allocs[j])))  # DDP's buckets, by their stack
+        if frames_name:
+            event_name[int(allocs[j])] = frames_name
     for i, label in recompute_labels(t).items():  # what a checkpoint recomputed in backward
         event_name.setdefault(i, "recomputed/" + label)
     freed = np.zeros(n, dtype=bool)
