@@ -44,7 +44,14 @@ def _write_pickle(obj, path):
         raise AuditError(f"could not write {path}: {e.strerror or e}") from None
 
 
+def _local(t):
+    """The tensor whose memory this rank holds: a DTensor's (FSDP2's sharded parameters, their
+    gradients and Adam state) local shard, else the tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
 def _tensor_entry(name, t):
+    t = _local(t)
     st = t.untyped_storage()
     return {"name": name, "data_ptr": st.data_ptr(), "nbytes": st.nbytes(),
             "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
