@@ -134,6 +134,8 @@ def predicted_gaps(ledger, cfg, expandable=False):
     for l in ledger:
         if l["category"] in ("weights", "buffers"):
             alloc(l["key"], l["bytes"])
+    for i, l in enumerate(l for l in ledger if l["key"] == "grads/ddp_buckets"):  # made by DDP(model)
+        alloc(("ddp_bucket", i), l["bytes"])
     # cuBLAS workspaces hold segments of their own size class; they stay out of the free lists
     # (where they fall in the history is not modelled) and count in reserved only
     workspaces = [round_size(l["bytes"]) for l in ledger if l["category"] == "workspace"]

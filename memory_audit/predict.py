@@ -111,6 +111,24 @@ def param_shapes(cfg):
     return out
 
 
+DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 2 ** 20, 25 * 2 ** 20  # torch's defaults (bucket_cap_mb=25)
+
+
+def ddp_bucket_numels(params):
+    """Elements per DDP gradient bucket after the Reducer rebuilds them on the first step: the
+    gradients in the order backward makes them (the parameters in reverse, the tied wte last),
+    a bucket closing once it holds at least 1 MiB (the first) or 25 MiB (the rest). The order is
+    an approximation of autograd's; the total is exact (measured on CPU: one bucket for
+    cpu-tiny)."""
+    sizes, cur, limit = [], 0, DDP_FIRST_BUCKET_BYTES
+    for _, shape in reversed(params):
+        cur += _numel(shape)
+        if 4 * cur >= limit:
+            sizes.append(cur)
+            cur, limit = 0, DDP_BUCKET_BYTES
+    return sizes + ([cur] if cur else [])
+
+
 def _validate(cfg):
     """The model rules model.py applies, plus the run's own keys."""
     check_model_config(cfg)
@@ -133,9 +151,9 @@ def steady_lines(s, cfg, dev, params):
     if grads_at:
         out += [line(s, f"grads/{n}", 4 * _numel(sh), "float32", sh, "4*numel", grads_at) for n, sh in params]
     if cfg["parallel"] == "ddp":  # the Reducer's flat fp32 buckets: a copy of every gradient
-        n = sum(_numel(sh) for _, sh in params)
-        out.append(line(s, "grads/ddp_buckets", 4 * n, "float32", [n], "4*N (DDP gradient buckets)", PHASES,
-                        "DDP averages the gradients in these; they live as long as the DDP module"))
+        out += [line(s, "grads/ddp_buckets", 4 * n, "float32", [n], f"4*{n} (DDP gradient bucket {i})", PHASES,
+                     "DDP averages the gradients in these; they live as long as the DDP module")
+                for i, n in enumerate(ddp_bucket_numels(params))]
     for state in ("exp_avg", "exp_avg_sq"):
         out += [line(s, f"optimizer/{state}/{n}", 4 * _numel(sh), "float32", sh, "4*numel", PHASES) for n, sh in params]
     if dt == "cpu" or cfg["optimizer_impl"] == "fused":  # where AdamW keeps its `step` tensors

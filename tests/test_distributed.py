@@ -2,6 +2,7 @@
 is bounded twice: the process group's timeout (dist_timeout_s) and the subprocess timeout."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,3 +49,17 @@ def test_bad_parallel_input_is_one_line(tmp_path):
     odd = _torchrun("--gradient_accumulation_steps=3", "--max_iters=1", timeout=120)
     assert odd.returncode != 0
     assert odd.stderr.count("must be a multiple of the world size 2") == 2  # one line from each rank
+
+
+def test_ddp_buckets_are_predicted_per_bucket_and_count_in_fit():
+    from memory_audit.predict import DEFAULTS, ddp_bucket_numels, device_facts, param_shapes, predict
+    gpt2 = param_shapes(dict(DEFAULTS))
+    sizes = ddp_bucket_numels(gpt2)
+    assert sum(sizes) == sum(math.prod(s) for _, s in gpt2)  # every gradient, once
+    assert 4 * sizes[0] >= 2 ** 20 and all(4 * n >= 25 * 2 ** 20 for n in sizes[1:-1])
+    tiny = param_shapes(dict(DEFAULTS, n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512))
+    assert len(ddp_bucket_numels(tiny)) == 1  # 541,952 B: under the first bucket's 1 MiB
+    h100 = device_facts()
+    plain, ddp = (predict(dict(parallel=p), h100)["totals"] for p in ("none", "ddp"))
+    assert ddp["steady_state_bytes"] - plain["steady_state_bytes"] == 4 * sum(sizes)
+    assert ddp["reserved_peak_bytes"] > plain["reserved_peak_bytes"]
