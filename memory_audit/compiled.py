@@ -1,4 +1,4 @@
-"""torch.compile: what AOTAutograd's partitioner decides to save, by FX node.
+"""torch.compile: what AOTAutograd's partitioner decides to save, and what inductor plans.
 
 Inductor partitions each compiled graph's joint forward/backward with
 `min_cut_rematerialization_partition` (its choice, shaped by
@@ -8,11 +8,11 @@ user's are the values saved for backward, in the order the compiled function han
 (checked on cpu-tiny: 51 of 51 in order, shapes and dtypes equal). So:
 
 - `capture()` records, for every graph compiled while it is on, its saved values (FX node name,
-  shape, dtype, bytes, module path from `nn_module_stack`); the audit names each packed tensor
-  by its position.
-- `predict_saved(model, x, y)` runs inductor's own compile_fx on the model with a compile step
-  that stops once the forward graph exists: the same partition, without generating or running
-  kernels (a few seconds instead of tens). The model's parameters and the batch are real (CPU).
+  shape, dtype, bytes, module path from `nn_module_stack`), and every wrapper inductor loads;
+  the audit names each packed tensor by its position and each wrapper buffer by its name.
+- `inductor_plans(model, inputs, budget)` runs inductor's own compile_fx and stops once both
+  wrappers are written (no kernel compiled, no step run): the partition and the memory plan
+  compiled_predict.py turns into a ledger.
 
 A warm inductor cache skips the partitioner; `no_cache()` turns the FX graph and AOT autograd
 caches off for the audited process (the compiled code is the same).
@@ -122,10 +122,6 @@ def no_cache():
             fconfig.enable_autograd_cache = saved[1]
 
 
-class _Partitioned(Exception):
-    """Raised by the stand-in compile step once the partition is known."""
-
-
 @contextmanager
 def memory_budget(budget):
     """torch._functorch.config.activation_memory_budget = budget, restored on exit."""
@@ -136,29 +132,6 @@ def memory_budget(budget):
         yield
     finally:
         fconfig.activation_memory_budget = before
-
-
-def predict_saved(model, inputs, budget=1.0, prefix=""):
-    """The saved values of `model(*inputs)` compiled by inductor at this activation memory
-    budget, without code generation or a step: a list per compiled graph."""
-    import torch._inductor.compile_fx as cfx
-
-    def stop(gm, example_inputs, **kwargs):
-        raise _Partitioned()
-
-    def backend(gm, example_inputs):
-        return cfx.compile_fx(gm, example_inputs, inner_compile=stop)
-
-    graphs = []
-    torch._dynamo.reset()
-    with capture(graphs, prefix), no_cache(), memory_budget(budget):
-        try:
-            torch.compile(model, backend=backend)(*inputs)
-        except Exception as e:  # the stand-in stops every compile once it is partitioned
-            if not _caused_by(e, _Partitioned):
-                raise
-    torch._dynamo.reset()
-    return graphs
 
 
 def _caused_by(exc, kind):
