@@ -88,7 +88,7 @@ def recompute_labels(t):
     return out
 
 
-def name_events(trace, cuts):
+def name_events(trace, cuts, wrappers=None):
     """Name each alloc event by the phases at which it is live, and each free of an allocation
     older than the trace by the phases before it.
 
@@ -117,6 +117,8 @@ def name_events(trace, cuts):
         frames_name = ddp_name(t.frames(int(allocs[j])))  # DDP's buckets, by their stack
         if frames_name:
             event_name[int(allocs[j])] = frames_name
+    for i, name in compiled_names(t, wrappers).items():  # inductor's buffers, by wrapper name
+        event_name.setdefault(i, name)
     for i, label in recompute_labels(t).items():  # what a checkpoint recomputed in backward
         event_name.setdefault(i, "recomputed/" + label)
     freed = np.zeros(n, dtype=bool)
@@ -131,6 +133,36 @@ def name_events(trace, cuts):
     return event_name, freed, int(t.size[unmatched].sum())
 
 
+def compiled_names(t, wrappers):
+    """{alloc index: "temporary/compiled_<forward|backward>/<buf>"} for the allocations a compiled
+    graph's wrapper makes (frames: its file's `call`), matched to the buffers of its plan in order
+    when the size agrees (the caching allocator's rounding allowed), else ".../unplanned". CPU
+    audits are named when the profile is converted (a first "<inductor>" frame); this names CUDA
+    traces, whose frames carry the wrapper's file."""
+    from .allocator_sim import round_size
+    plans = {w["file"]: w for w in wrappers or () if w.get("allocations")}
+    col = t.columns.get("frames")
+    if not plans or col is None or col[1] is None:
+        return {}
+    values, table = col
+    stacks = {k: next((f["filename"] for f in fr if f.get("name") == "call" and f.get("filename") in plans), None)
+              for k, fr in enumerate(table) if fr and fr[0].get("filename") != "<inductor>"}
+    stacks = {k: v for k, v in stacks.items() if v}
+    if not stacks:
+        return {}
+    hits = np.flatnonzero((t.act == A["alloc"]) & np.isin(values, np.fromiter(stacks, dtype=np.int64)))
+    pos, out = dict.fromkeys(plans, 0), {}
+    for i in hits.tolist():
+        w = plans[stacks[int(values[i])]]
+        name, nbytes = w["allocations"][pos[w["file"]] % len(w["allocations"])]
+        if int(t.size[i]) in (nbytes, round_size(nbytes)):
+            pos[w["file"]] += 1
+        else:
+            name = "unplanned"
+        out[i] = f"temporary/compiled_{w['kind']}/{name}"
+    return out
+
+
 def categorize_trace(snap, meta=None, detail=True):
     """Set `category` on every trace entry, so MemoryViz colours by category. detail=False keeps
     the top level only (temporary/backward -> temporary): the viewer has ten colours."""
@@ -139,7 +171,7 @@ def categorize_trace(snap, meta=None, detail=True):
     for d, trace in enumerate(traces):
         t = traces[d] = as_trace(trace)
         workspaces = trace_workspaces(t, meta)
-        event_name, freed, _ = name_events(t, cuts)
+        event_name, freed, _ = name_events(t, cuts, (meta or {}).get("compiled_wrappers"))
         temporary = _TemporaryNames(t)
         act, addr = t.act.tolist(), t.addr.tolist()
         live, cats = {}, []
@@ -191,7 +223,7 @@ def _entry_categories(trace, meta, cuts, pair):
     unattributed; a free takes its alloc's (one older than the trace, its name's). Returns (cat,
     event_name, unmatched_free)."""
     act, addr = trace.act, trace.addr
-    event_name, freed, unmatched_free = name_events(trace, cuts)
+    event_name, freed, unmatched_free = name_events(trace, cuts, (meta or {}).get("compiled_wrappers"))
     is_alloc = act == A["alloc"]
     cat = np.full(trace.n, _CODE["unattributed"], dtype=np.int64)
     cat[is_alloc & freed] = _CODE["temporary"]

@@ -161,3 +161,31 @@ def test_bad_compile_configs_end_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, "train.py", "config/audit_cpu_tiny.py", "--compile=True"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env=bare)
     assert out.returncode == 2 and "C++ compiler" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_cuda_trace_names_inductor_buffers_by_the_wrapper_plan():
+    """CUDA-shaped: allocations made in a wrapper's `call` (its file in the frames, sizes rounded
+    to 512 B by the caching allocator) take the plan's buffer names in order; one that does not
+    fit the plan is 'unplanned'; a second call of the wrapper starts the plan again."""
+    from memory_audit.loader import normalize
+    from memory_audit.timeline import replay as replay_cuda
+    wrapper = "/tmp/torchinductor_x/ab/cabc.py"
+    frames = [{"filename": wrapper, "line": 1380, "name": "call"}, {"filename": "output_code.py", "line": 7, "name": "__call__"}]
+
+    def alloc(addr, size):
+        return {"action": "alloc", "addr": addr, "size": size, "stream": 0, "frames": frames}
+
+    def free(addr, size):
+        return [{"action": a, "addr": addr, "size": size, "stream": 0, "frames": frames}
+                for a in ("free_requested", "free_completed")]
+    trace = [alloc(0, 1024), alloc(1024, 4096), alloc(8192, 512)] + free(0, 1024) + free(1024, 4096) + free(8192, 512)
+    trace += [alloc(0, 1024)] + free(0, 1024)
+    snap = normalize({"segments": [{"device": 0, "address": 0, "total_size": 2 ** 21, "stream": 0,
+                                    "segment_type": "large", "blocks": [{"address": 0, "size": 2 ** 21,
+                                                                         "requested_size": 0, "state": "inactive", "frames": []}]}],
+                      "device_traces": [trace]})
+    meta = {"phases": {"step2_start": {"trace_entries": 0, "registry": []}},
+            "compiled_wrappers": [{"file": wrapper, "kind": "backward", "allocations": [["buf0", 1000], ["buf3", 4096]]}]}
+    rp = replay_cuda(snap, meta)
+    assert rp["peak"]["lines"] == {"temporary/compiled_backward/buf0": 1024, "temporary/compiled_backward/buf3": 4096,
+                                   "temporary/compiled_backward/unplanned": 512}
