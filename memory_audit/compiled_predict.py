@@ -154,6 +154,11 @@ def predict_compiled(config=None, device=None, plan=None):
         raise ValueError(f"activation_memory_budget must be between 0 and 1, got {cfg['activation_memory_budget']}")
     dev = device or device_facts("cpu")
     s = shape_facts(cfg, dev)
+    if plan is None and dev["type"] == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("a compiled CUDA step is predicted from inductor's CUDA plan, which needs a GPU here "
+                             "(fake CUDA tensors cannot be made without one); --gpu=cpu predicts the CPU plan")
     plan = plan or plan_for(cfg, dev["type"])
     params = param_shapes(cfg)
     acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: _short_module(m, "", "gpt"))

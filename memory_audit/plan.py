@@ -12,7 +12,7 @@ gradient_accumulation_steps for its smaller, less efficient GEMMs: an assumption
 measurement. attention=sdpa and expandable_segments cost nothing here (SDPA is faster).
 """
 
-from .predict import predict
+from .predict import predict_run
 
 MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulation_steps
 AC_MODES = ("selective", "sac", "full")
@@ -20,7 +20,7 @@ AC_MODES = ("selective", "sac", "full")
 
 def need(cfg, dev):
     """{allocated, reserved, outside, total, recompute_flops, forward_flops}: predicted bytes."""
-    t = predict(cfg, dev)["totals"]
+    t = predict_run(cfg, dev)["totals"]  # compile=True: inductor's plan (on CUDA it needs a GPU)
     outside = t["outside_pytorch_bytes"]
     return {"allocated": t["peak_allocated_bytes"], "reserved": t["reserved_peak_bytes"], "outside": outside,
             "total": t["reserved_peak_bytes"] + outside, "recompute_flops": t["recompute_flops"],

@@ -189,3 +189,11 @@ def test_a_cuda_trace_names_inductor_buffers_by_the_wrapper_plan():
     rp = replay_cuda(snap, meta)
     assert rp["peak"]["lines"] == {"temporary/compiled_backward/buf0": 1024, "temporary/compiled_backward/buf3": 4096,
                                    "temporary/compiled_backward/unplanned": 512}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")
+def test_a_compiled_cuda_prediction_without_a_gpu_is_one_line():
+    from conftest import run_cli
+    for cmd in (["predict"], ["fit"]):
+        p = run_cli(*cmd, "--preset=gpt2", "--compile=True", "--gpu=H100")
+        assert p.returncode == 2 and "needs a GPU" in p.stderr and "Traceback" not in p.stderr, p.stderr
