@@ -77,11 +77,15 @@ _DDP_BUCKETS = ("_ddp_init_helper", "_rebuild_buckets")
 
 
 def ddp_name(frames):
-    """"grads/ddp_buckets" for DDP's gradient buckets (made by its Reducer when DDP is built and
-    when it rebuilds them on the first step), from their stack; else None."""
+    """Names from the stack for what torch.distributed keeps: "grads/ddp_buckets" for DDP's
+    gradient buckets (made by its Reducer when DDP is built and when it rebuilds them on the first
+    step), "buffers/device_mesh" for a DeviceMesh's rank tensor (FSDP2); else None."""
     for f in frames or ():
-        if any(k in (f.get("name") or "") for k in _DDP_BUCKETS):
+        name = f.get("name") or ""
+        if any(k in name for k in _DDP_BUCKETS):
             return "grads/ddp_buckets"
+        if name == "init_device_mesh":
+            return "buffers/device_mesh"
     return None
 
 

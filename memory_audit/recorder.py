@@ -57,12 +57,35 @@ def _tensor_entry(name, t):
             "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
 
 
+def _fsdp_params(model):
+    """FSDP2's (fully_shard) per-parameter records of this model, [] without FSDP2."""
+    out = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        out += list(getattr(group, "fsdp_params", ()) or ())
+    return out
+
+
 def named_tensors(model, optimizer=None, scaler=None, tensors=None):
     """(name, tensor) of every long-lived tensor: weights, buffers, grads, optimizer state
-    (exp_avg, exp_avg_sq, step), the GradScaler's state, plus `tensors` (name -> tensor)."""
-    names = {}
-    for name, p in model.named_parameters():  # tied weights appear once, under their first name
-        names[p] = name
+    (exp_avg, exp_avg_sq, step), the GradScaler's state, plus `tensors` (name -> tensor).
+    FSDP2: a parameter's padded local shard is weights/<name>; while the parameter is
+    unsharded (the root after forward, a block inside its forward or backward) the module holds
+    the all-gathered copy, weights/<name>/unsharded."""
+    names, unsharded = {}, {}
+    params = dict(model.named_parameters())
+    for fp in _fsdp_params(model):
+        name = next((n for n, p in params.items() if p is fp.sharded_param or p is getattr(fp, "_unsharded_param", None)), None)
+        if name is not None:
+            names[fp.sharded_param] = name
+            unsharded[id(getattr(fp, "_unsharded_param", None))] = name
+            yield f"weights/{name}", fp._sharded_param_data
+    for name, p in params.items():  # tied weights appear once, under their first name
+        if id(p) in unsharded:
+            yield f"weights/{name}/unsharded", p
+            continue
+        names.setdefault(p, name)
         yield f"weights/{name}", p
     for name, b in model.named_buffers():
         yield f"buffers/{name}", b
