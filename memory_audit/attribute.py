@@ -181,8 +181,9 @@ def block_namer(snap, meta=None, phase=None):
             return hit
         if block.get("address") in workspaces:
             return "workspace/cublas", "workspace"
-        if ddp_name(block.get("frames")):
-            return ddp_name(block.get("frames")), "frames:ddp-buckets"
+        kept = ddp_name(block.get("frames"))
+        if kept:
+            return kept, "frames:distributed"
         if meta is None:  # a snapshot from elsewhere: fall back to its stacks
             nm, rule = name_from_frames(block.get("frames") or [])
             if nm:

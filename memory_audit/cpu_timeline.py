@@ -62,14 +62,15 @@ def timeline_events(prof, markers, keep=(), info=None):
                 ranges.append((event.start_time_ns, event.end_time_ns, name[len(MARKER_PREFIX):]))
         if event.tag == _EventType.Allocation:
             key = TensorKey.from_allocation(event.extra_fields) if mp is not None else None
+            grow = event.extra_fields.alloc_size > 0
+            frames = _stack(event) if grow else []
             if key is None:  # memory no aten op saw (compiled code's own buffers): by address
-                grow = event.extra_fields.alloc_size > 0
-                unseen.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size,
-                               _stack(event) if grow else []))
-            if event.extra_fields.alloc_size > 0 and _collective_end(event) is not None:
-                staged[(event.extra_fields.ptr, event.start_time_ns)] = _collective_end(event)
-            elif event.extra_fields.alloc_size > 0:
-                stacks[key] = _stack(event)
+                unseen.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size, frames))
+            elif grow:
+                stacks[key] = frames
+            end = _collective_end(event) if grow else None
+            if end is not None:
+                staged[(event.extra_fields.ptr, event.start_time_ns)] = end
 
     events, live = [], {}
     t_first = None
@@ -163,25 +164,18 @@ def _free_staged(events, staged):
 
 
 def name_compiled(events, wrappers):
-    """Name the allocations a compiled graph's wrapper makes by its own buffer names: within each
-    call of a wrapper file the buffers come in the order of its plan, so the k-th allocation is
-    its k-th buffer when the sizes agree (else "unplanned": an allocation inside a kernel). The
-    name rides as a first frame ("<inductor>", "backward/buf12") that timeline.temporary_name reads."""
-    plans = {w["file"]: w for w in wrappers if w.get("allocations")}
-    if not plans:
+    """Name the allocations a compiled graph's wrapper makes by its own buffer names
+    (inductor_plan.PlanCursor). The name rides as a first frame ("<inductor>", "backward/buf12")
+    that timeline.temporary_name reads."""
+    from .inductor_plan import PlanCursor
+    cursor, out = PlanCursor(wrappers), []
+    if not cursor.plans:
         return events
-    pos, out = dict.fromkeys(plans, 0), []
     for e in events:
         t, action, addr, size, frames, category, label = e
-        path = next((f["filename"] for f in frames if f.get("name") == "call" and f.get("filename") in plans), None)
-        if action == "alloc" and path:
-            w = plans[path]
-            name, nbytes = w["allocations"][pos[path] % len(w["allocations"])]
-            if nbytes == size:
-                pos[path] += 1
-            else:
-                name = "unplanned"
-            e = (t, action, addr, size, [{"filename": "<inductor>", "line": 0, "name": f"{w['kind']}/{name}"}] + frames,
+        path = cursor.file_of(frames) if action == "alloc" else None
+        if path:
+            e = (t, action, addr, size, [{"filename": "<inductor>", "line": 0, "name": cursor.name(path, size)}] + frames,
                  category, label)
         out.append(e)
     return out

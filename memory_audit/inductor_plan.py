@@ -199,3 +199,31 @@ def _split_top(text):
     if cur.strip():
         out.append(cur.strip())
     return out
+
+
+class PlanCursor:
+    """Names the allocations compiled wrappers make in a trace by the buffers of their plans
+    (compiled.wrapper_entry's "allocations"). Within each call of a wrapper file the buffers come
+    in the plan's order, so the k-th allocation is the k-th buffer when its size is one of
+    `sizes(planned bytes)` (what a trace may show: CUDA rounds to 512 B), else "unplanned" (an
+    allocation inside a kernel). Feed it the trace's allocations in order."""
+
+    def __init__(self, wrappers, sizes=lambda nbytes: (nbytes,)):
+        self.plans = {w["file"]: w for w in wrappers or () if w.get("allocations")}
+        self.pos = dict.fromkeys(self.plans, 0)
+        self.sizes = sizes
+
+    def file_of(self, frames):
+        """The planned wrapper whose `call` the stack is in, else None."""
+        return next((f["filename"] for f in frames or () if f.get("name") == "call" and f.get("filename") in self.plans),
+                    None)
+
+    def name(self, path, size):
+        """"<forward|backward>/<buffer>" for the next allocation of wrapper `path`."""
+        w = self.plans[path]
+        buf, nbytes = w["allocations"][self.pos[path] % len(w["allocations"])]
+        if size in self.sizes(nbytes):
+            self.pos[path] += 1
+        else:
+            buf = "unplanned"
+        return f"{w['kind']}/{buf}"

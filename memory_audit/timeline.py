@@ -40,8 +40,9 @@ def temporary_name(frames):
     """'temporary/<what made it>[/<op>]' for a short-lived allocation: the innermost frame that
     says (the backward, the optimizer, clip_grad_norm, the GradScaler, the loss, the model's
     forward, the loop); <op> is the aten op or autograd node where the stack has one (CPU)."""
-    if ddp_name(frames):  # not a temporary: DDP's buckets live as long as the DDP module
-        return ddp_name(frames)
+    kept = ddp_name(frames)
+    if kept:  # not a temporary: DDP's buckets live as long as the DDP module
+        return kept
     if frames and frames[0].get("filename") == "<inductor>":  # a compiled graph's buffer, by its wrapper name
         return f"temporary/compiled_{frames[0].get('name')}"
     op = frames[0].get("name") if frames and frames[0].get("filename") == "<op>" else ""
@@ -134,33 +135,23 @@ def name_events(trace, cuts, wrappers=None):
 
 
 def compiled_names(t, wrappers):
-    """{alloc index: "temporary/compiled_<forward|backward>/<buf>"} for the allocations a compiled
-    graph's wrapper makes (frames: its file's `call`), matched to the buffers of its plan in order
-    when the size agrees (the caching allocator's rounding allowed), else ".../unplanned". CPU
-    audits are named when the profile is converted (a first "<inductor>" frame); this names CUDA
-    traces, whose frames carry the wrapper's file."""
+    """{alloc index: "temporary/compiled_<forward|backward>/<buf>"} for the allocations compiled
+    wrappers make in a CUDA trace (its frames carry the wrapper's file), by the buffers of their
+    plans (inductor_plan.PlanCursor, the allocator's 512 B rounding allowed). CPU audits are named
+    when the profile is converted (a first "<inductor>" frame) and are skipped here."""
     from .allocator_sim import round_size
-    plans = {w["file"]: w for w in wrappers or () if w.get("allocations")}
+    from .inductor_plan import PlanCursor
+    cursor = PlanCursor(wrappers, sizes=lambda nbytes: (nbytes, round_size(nbytes)))
     col = t.columns.get("frames")
-    if not plans or col is None or col[1] is None:
+    if not cursor.plans or col is None or col[1] is None:
         return {}
     values, table = col
-    stacks = {k: next((f["filename"] for f in fr if f.get("name") == "call" and f.get("filename") in plans), None)
-              for k, fr in enumerate(table) if fr and fr[0].get("filename") != "<inductor>"}
+    stacks = {k: cursor.file_of(fr) for k, fr in enumerate(table) if fr and fr[0].get("filename") != "<inductor>"}
     stacks = {k: v for k, v in stacks.items() if v}
     if not stacks:
         return {}
     hits = np.flatnonzero((t.act == A["alloc"]) & np.isin(values, np.fromiter(stacks, dtype=np.int64)))
-    pos, out = dict.fromkeys(plans, 0), {}
-    for i in hits.tolist():
-        w = plans[stacks[int(values[i])]]
-        name, nbytes = w["allocations"][pos[w["file"]] % len(w["allocations"])]
-        if int(t.size[i]) in (nbytes, round_size(nbytes)):
-            pos[w["file"]] += 1
-        else:
-            name = "unplanned"
-        out[i] = f"temporary/compiled_{w['kind']}/{name}"
-    return out
+    return {i: "temporary/compiled_" + cursor.name(stacks[int(values[i])], int(t.size[i])) for i in hits.tolist()}
 
 
 def categorize_trace(snap, meta=None, detail=True):
