@@ -51,6 +51,32 @@ def cpu_run(audits):
     return audits("fp32-manual-gelu", "--dtype=float32", "--attention=manual", "--activation=gelu")
 
 
+def tiny_gpt(seed=0):
+    """cpu-tiny's GPT (model.py), seeded, and its config."""
+    import torch
+    from model import GPT, GPTConfig, PRESETS
+    torch.manual_seed(seed)
+    cfg = GPTConfig(**{k: v for k, v in PRESETS["cpu-tiny"].items() if k in GPTConfig.__dataclass_fields__})
+    return GPT(cfg), cfg
+
+
+def gpt_steps(forward, opt, batches, audit=None):
+    """The loop the Audit API tests share: for each (x, y), forward(x, y) -> (logits, loss),
+    before_backward when audited, backward, optimizer step. Returns the losses."""
+    from contextlib import nullcontext
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        with audit.step(step, tensors={"inputs/x": x}) if audit else nullcontext():
+            _, loss = forward(x, y)
+            if audit:
+                audit.before_backward(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def load_json(path):
     with open(path) as f:
         return json.load(f)

@@ -19,18 +19,12 @@ from memory_audit.predict import device_facts, predict_run
 from memory_audit.reconcile import mismatched, reconcile
 from memory_audit.sweep import repredict
 from memory_audit.timeline import replay as replay_trace
-from model import GPT, GPTConfig, PRESETS
+from conftest import gpt_steps, tiny_gpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "snapshots", "results", "cpu-compile-budget.jsonl")
 needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                                     reason="inductor needs a C++ compiler on CPU")
-
-
-def _tiny():
-    torch.manual_seed(0)
-    cfg = GPTConfig(**{k: v for k, v in PRESETS["cpu-tiny"].items() if k in GPTConfig.__dataclass_fields__})
-    return GPT(cfg), cfg
 
 
 def _env(tmp_path):
@@ -43,7 +37,7 @@ def test_a_compiled_audit_names_the_partition_and_changes_nothing(tmp_path, monk
     and the same compiled function, rerun from the same weights without the audit, gives the
     same losses bit for bit (the audit adds no hook the graph sees: one graph, no recompile)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    model, cfg = _tiny()
+    model, cfg = tiny_gpt()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(cfg.vocab_size, (2, cfg.block_size), generator=g),) * 2 for _ in range(4)]
@@ -51,19 +45,9 @@ def test_a_compiled_audit_names_the_partition_and_changes_nothing(tmp_path, monk
 
     def loop(audit=None):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
         if audit is not None:
             audit.watch(model, opt, compiled=True)
-        for step, (x, y) in enumerate(batches):
-            with (audit.step(step, tensors={"inputs/x": x}) if audit else torch.enable_grad()):
-                _, loss = compiled(x, y)
-                if audit:
-                    audit.before_backward(loss)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return gpt_steps(compiled, opt, batches, audit)
 
     audit = Audit(out_dir=str(tmp_path / "run"), device="cpu", step=2, compiled=True)
     audited = loop(audit)
@@ -78,7 +62,7 @@ def test_a_compiled_audit_names_the_partition_and_changes_nothing(tmp_path, monk
 
 
 def test_a_compiled_cpu_audit_needs_a_step_after_the_compiling_one():
-    model, _ = _tiny()
+    model, _ = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(AuditError, match="step >= 2"):
         Audit(model, opt, out_dir="/nonexistent/never-made", step=1, compiled=True)

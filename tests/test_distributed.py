@@ -71,27 +71,19 @@ def test_ddp_buckets_are_predicted_per_bucket_and_count_in_fit():
 FSDP_LOOP = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {tests!r}]
+from conftest import gpt_steps, tiny_gpt
 from memory_audit import Audit
-from model import GPT, GPTConfig, PRESETS
 dist.init_process_group("gloo")
-torch.manual_seed(0)
-cfg = GPTConfig(**{{k: v for k, v in PRESETS["cpu-tiny"].items() if k in GPTConfig.__dataclass_fields__}})
 audit = Audit(out_dir={out!r}, device="cpu", step=1)
-model = GPT(cfg)
+model, cfg = tiny_gpt()
 for block in model.transformer.h:
     fully_shard(block)
 fully_shard(model)
 opt = torch.optim.AdamW(model.parameters(), foreach=True)
 audit.watch(model, opt)
 x = torch.randint(cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
-for step in range(2):
-    with audit.step(step, tensors={{"inputs/x": x}}):
-        _, loss = model(x, x)
-        audit.before_backward(loss)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+gpt_steps(model, opt, [(x, x)] * 2, audit)
 audit.close()
 dist.destroy_process_group()
 """
@@ -106,7 +98,7 @@ def test_fsdp2_shards_are_named_by_parameter(tmp_path):
     from memory_audit.attribute import attribute
     from memory_audit.loader import load_meta, load_snapshot
     script = tmp_path / "fsdp_loop.py"
-    script.write_text(FSDP_LOOP.format(root=ROOT, out=str(tmp_path / "run")))
+    script.write_text(FSDP_LOOP.format(root=ROOT, tests=os.path.dirname(__file__), out=str(tmp_path / "run")))
     import socket
     with socket.socket() as s:  # a free port on localhost for the one-rank process group
         s.bind(("127.0.0.1", 0))

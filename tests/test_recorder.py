@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from conftest import load_json, run_train
+from conftest import gpt_steps, load_json, run_train, tiny_gpt
 from memory_audit.loader import load_snapshot
 from memory_audit.recorder import AuditError, AuditRecording, _write_pickle
 from model import GPT, GPTConfig, PRESETS
@@ -52,20 +52,12 @@ def test_recording_turns_history_off_on_exit(tmp_path):
 
 def _tiny_audit(out_dir):
     from memory_audit import Audit
-    torch.manual_seed(0)
-    cfg = GPTConfig(**{k: v for k, v in PRESETS["cpu-tiny"].items() if k in GPTConfig.__dataclass_fields__})
     audit = Audit(out_dir=str(out_dir), device="cpu", step=1)
-    model = GPT(cfg)
+    model, cfg = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters())
     audit.watch(model, opt)
     x = torch.randint(cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
-    for step in range(2):
-        with audit.step(step, tensors={"inputs/x": x}):
-            _, loss = model(x, x)
-            audit.before_backward(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+    gpt_steps(model, opt, [(x, x)] * 2, audit)
     audit.close()
 
 
