@@ -58,9 +58,14 @@ def _make_plan(cfg, device):
     return inductor_plans(model, (x, y), cfg["activation_memory_budget"], model.audit_prefix, ctx)
 
 
+def _primals(plan):
+    """{wrapper input name: (storage id, bytes)} of the forward's inputs (weights, the batch)."""
+    return {f"primals_{i + 1}": (f"primal:{i + 1}", p["nbytes"]) for i, p in enumerate(plan["inputs"])}
+
+
 def _forward(plan):
     """Replay the forward: every input is the caller's (weights, the batch)."""
-    inputs = {f"primals_{i + 1}": (f"primal:{i + 1}", p["nbytes"]) for i, p in enumerate(plan["inputs"])}
+    inputs = _primals(plan)
     fw = replay(plan["forward"], inputs, held=frozenset(sid for sid, _ in inputs.values()), tag="forward",
                 layouts=plan.get("forward_layouts"))
     n_user = len(fw["outputs"]) - len(plan["saved"])
@@ -89,14 +94,12 @@ def compiled_activation_lines(s, cfg, plan, short=_short_module):
 
 
 def compiled_peak_lines(s, cfg, plan, keys, fw_user):
-    """(peak lines as changes from the before-backward ledger, a summary): the backward's
-    busiest line against the forward's end."""
+    """(the backward's busiest line as changes from the before-backward ledger, the backward's
+    replay)."""
     fw, user = fw_user
-    inputs, held = {}, set()
-    for i, p in enumerate(plan["inputs"]):
-        inputs[f"primals_{i + 1}"] = (f"primal:{i + 1}", p["nbytes"])
-        if p["param"]:
-            held.add(f"primal:{i + 1}")  # the model keeps its weights; the batch only the graph
+    inputs = _primals(plan)
+    # the model keeps its weights; the batch only the graph
+    held = {f"primal:{i + 1}" for i, p in enumerate(plan["inputs"]) if p["param"]}
     for v, (sid, nbytes) in zip(plan["saved"], fw["outputs"][len(user):]):
         inputs.setdefault(v["node"], (sid, nbytes))
     if cfg["keep_logits"]:
