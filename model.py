@@ -119,17 +119,19 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("bias", mask.view(1, 1, config.block_size, config.block_size))
 
     def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        qkv = self.c_attn(x)  # (B, T, 3 * width): width = n_embd, or n_embd / t on a tensor-parallel rank
+        B, T, W = qkv.size()
+        q, k, v = qkv.split(W // 3, dim=2)
+        hs = self.n_embd // self.n_head
+        nh = W // 3 // hs  # the heads this rank holds: all of them unless tensor parallelism splits them
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         if self.checkpoint_core:  # selective recomputation: keep q, k, v, recompute the rest
             y = run_checkpointed(self, self.core, q, k, v)
         else:
             y = self.core(q, k, v)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
     def core(self, q, k, v):

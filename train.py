@@ -67,7 +67,7 @@ compile = False
 activation_memory_budget = 1.0  # compile: the partitioner's memory budget (0..1); 1.0 = its default behaviour
 seed = 1337
 # distributed (torchrun --standalone --nproc_per_node=N train.py ...)
-parallel = "auto"  # auto = ddp under torchrun, none otherwise | none | ddp (fsdp, tp: not built yet, issue #12)
+parallel = "auto"  # auto = ddp under torchrun, none otherwise | none | ddp | tp | tp-sp (tensor parallel, + sequence parallel; fsdp: not yet)
 dist_timeout_s = 120  # a rank waiting longer than this on another ends with one line instead of hanging
 log_interval = 1
 losses_out = ""  # write the per-step losses (exact, as float.hex) to this JSON file
@@ -146,20 +146,33 @@ if compile:
 _torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 if parallel == "auto":
     parallel = "ddp" if _torchrun else "none"
-if parallel not in ("none", "ddp"):
-    fail(f"parallel must be none or ddp (fsdp, tp and tp-sp are not built yet), got {parallel!r}")
-if parallel == "ddp" and not _torchrun:
-    fail("parallel=ddp runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
+if parallel in ("fsdp", "fsdp+tp"):
+    fail(f"parallel={parallel} is not offered yet: on CPU, gloo frees FSDP2's buffers on a thread the "
+         "profiler does not see (see README); use ddp, tp or tp-sp")
+if parallel not in ("none", "ddp", "tp", "tp-sp"):
+    fail(f"parallel must be none, ddp, tp or tp-sp, got {parallel!r}")
+if parallel != "none" and not _torchrun:
+    fail(f"parallel={parallel} runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
 if parallel == "none" and _torchrun and int(os.environ["WORLD_SIZE"]) > 1:
-    fail("under torchrun with more than one rank, parallel must be ddp")
+    fail("under torchrun with more than one rank, parallel must be ddp, tp or tp-sp")
+if parallel.startswith("tp"):
+    _t = int(os.environ["WORLD_SIZE"])
+    if n_head % _t:
+        fail(f"parallel={parallel} splits the heads over {_t} ranks: n_head={n_head} is not divisible by {_t}")
+    if dropout > 0:
+        fail(f"parallel={parallel} is built for dropout=0 only")
+    if compile:
+        fail(f"parallel={parallel} with compile=True is not built yet")
 rank, world_size = 0, 1
-if parallel == "ddp":
+dp_size = 1  # ranks that see different data: all of them with ddp, one replica with tensor parallelism
+if parallel != "none":
     import torch.distributed as dist
     from datetime import timedelta
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if gradient_accumulation_steps % world_size:
+    dp_size = world_size if parallel == "ddp" else 1
+    if gradient_accumulation_steps % dp_size:
         fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the world size {world_size}")
-    gradient_accumulation_steps //= world_size  # each rank does its share, as nanoGPT does
+    gradient_accumulation_steps //= dp_size  # each data-parallel rank does its share, as nanoGPT does
     if device_type == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
@@ -174,7 +187,7 @@ try:
     GPTConfig(**model_args).validate()
 except ValueError as e:
     fail(str(e))
-tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
+tokens_per_iter = gradient_accumulation_steps * dp_size * batch_size * block_size
 print(f"tokens per iteration will be: {tokens_per_iter:,}")
 if not audit:
     print(f"training for max_iters={max_iters:,} steps (--max_iters=N for fewer; --audit stops after step {audit_step + 1})")
@@ -196,7 +209,7 @@ if dataset != "synthetic":
     print(f"data: {data_dir}/train.bin (GPT-2 tokens)")
 else:
     print("data: synthetic random tokens (memory does not depend on token values)")
-_data_gen = torch.Generator().manual_seed(seed + rank)  # its own stream (per rank): nothing else perturbs it
+_data_gen = torch.Generator().manual_seed(seed + (rank if dp_size > 1 else 0))  # its own stream per data-parallel rank
 
 
 def get_batch(split):
@@ -244,6 +257,10 @@ def train():
     model = GPT(GPTConfig(**model_args))
     model.to(device)
     print(f"number of parameters: {model.get_num_params():,}")
+    if parallel.startswith("tp"):  # before the optimizer: Adam's state is made from the sharded parameters
+        from torch.distributed.device_mesh import init_device_mesh
+        from parallelize import tensor_parallel
+        tensor_parallel(model, init_device_mesh(device_type, (world_size,)), sequence_parallel=parallel == "tp-sp")
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer_impl)
     train_model = torch.compile(model) if compile else model
@@ -338,9 +355,9 @@ if audit_obj is not None:
         print(summarize_run(audit_obj.run_dir))
     except Exception as e:  # the audit's files are written; say why the report is missing
         print(f"warning: no report for {audit_obj.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
-if parallel == "ddp":
+if parallel != "none":
+    dist.barrier()  # every rank has written its report (and no collective is in flight at teardown)
     if audit_obj is not None and world_size > 1:
-        dist.barrier()  # every rank has written its report
         if master:
             from memory_audit.report import ranks_report
             try:

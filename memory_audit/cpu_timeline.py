@@ -53,9 +53,11 @@ def timeline_events(prof, markers, keep=(), info=None):
     if info is not None:
         info["source"] = "memory_profile" if mp is not None else "raw allocations"
     stacks, marker_times, ranges, unseen, staged = {}, {}, [], [], {}
+    reads, shared = {}, {}  # address -> [(start, end, collective) of ops reading it]; collectives' addresses
     for event in tree.sorted_nodes:
         if event.tag == _EventType.TorchOp:
             name = _name(event)
+            _note_reads(event, name, reads, shared)
             if name in markers and name not in marker_times:
                 marker_times[name] = event.start_time_ns
             if name.startswith(RECOMPUTE_RANGE):  # a range across Python frames: nothing nests in it
@@ -71,6 +73,8 @@ def timeline_events(prof, markers, keep=(), info=None):
             end = _collective_end(event) if grow else None
             if end is not None:
                 staged[(event.extra_fields.ptr, event.start_time_ns)] = end
+            elif grow and _functional_collective(event):
+                shared.setdefault(event.extra_fields.ptr, []).append(event.start_time_ns)
 
     events, live = [], {}
     t_first = None
@@ -99,6 +103,7 @@ def timeline_events(prof, markers, keep=(), info=None):
         # INCREMENT_VERSION: an in-place write, the same bytes stay allocated
     order = lambda e: (e[0], 0 if e[1] == "free" else 1)  # noqa: E731
     events = sorted(events + _unseen_events(unseen, ranges), key=order)
+    staged.update(_last_reads(events, reads, shared))
     events = sorted(_free_staged(events, staged), key=order) if staged else events
     return events, marker_times
 
@@ -133,6 +138,59 @@ def _collective_end(event):
     return None
 
 
+_FUNCTIONAL = re.compile(r"^_c10d_functional\w*::(?!wait_tensor|_wrap)")
+
+
+def _functional_collective(event):
+    """Whether an allocation is the output of a functional collective (tensor parallelism's
+    all-reduce, all-gather, reduce-scatter): gloo's work holds it too and may let it go on its own
+    thread after the main thread has, a free the profiler does not record."""
+    from torch._C._profiler import _EventType
+    parent = event.parent
+    while parent:
+        if parent.tag == _EventType.TorchOp and _FUNCTIONAL.match(_name(parent)):
+            return True
+        parent = parent.parent
+    return False
+
+
+def _note_reads(event, name, reads, shared):
+    """Note the tensors an op reads ((start, end, whether the op is a collective)) and the
+    addresses a collective read."""
+    collective = name.startswith(("c10d::", "_c10d_functional", "gloo:"))
+    todo = list(event.extra_fields.inputs)  # tensors, lists of them (scatter: lists of lists), scalars
+    while todo:
+        value = todo.pop()
+        if isinstance(value, list):
+            todo.extend(value)
+            continue
+        ptr = getattr(value, "storage_data_ptr", None)
+        if ptr is not None:
+            reads.setdefault(ptr, []).append((event.start_time_ns, event.end_time_ns, collective))
+            if collective:
+                shared.setdefault(ptr, [])
+
+
+def _last_reads(events, reads, shared):
+    """{(address, alloc time): end of the last op that read it} for the allocations gloo may have
+    let go on its own thread: a functional collective's output (`shared` holds their alloc times),
+    or a tensor whose last read was a collective (a scatter's source chunks). Reads count until the
+    address is allocated again. A tensor still used after its collectives (weights, DDP's buckets)
+    is not one of them."""
+    allocs = {}
+    for t, action, addr, *_ in events:
+        if action == "alloc" and addr in shared:
+            allocs.setdefault(addr, []).append(t)
+    out = {}
+    for addr, times in allocs.items():
+        times.append(float("inf"))
+        for t, t_next in zip(times, times[1:]):
+            last = max((r for r in reads.get(addr, ()) if t < r[0] < t_next), key=lambda r: r[1], default=None)
+            if last is not None and (last[2] or t in shared[addr]):
+                out[(addr, t)] = last[1]
+    return out
+
+
 def _unseen_events(unseen, ranges):
     """Allocations the memory profiler gives no tensor key (no aten op saw the memory: compiled
     code's buffers; every allocation when its data-flow graph fails), paired with their frees by
@@ -149,18 +207,21 @@ def _unseen_events(unseen, ranges):
 
 
 def _free_staged(events, staged):
-    """A collective's staging buffer whose free this thread never saw (gloo let it go on its own
-    thread) is freed when the collective returned. staged: {(address, alloc time): end time}."""
-    live, extra = {}, []
+    """An allocation whose free this thread never saw (gloo let it go on its own thread) is freed
+    at the time `staged` gives: a synchronous collective's staging buffer when the call returned,
+    a functional collective's output after its last read. staged: {(address, alloc time): time}.
+    An allocation is unfreed when it is live at the end or its address is allocated again first."""
+    live, unfreed = {}, []
     for t, action, addr, size, *_ in events:
         if action == "alloc":
+            if addr in live:
+                unfreed.append((addr, *live[addr], t))
             live[addr] = (t, size)
         elif action == "free":
             live.pop(addr, None)
-    for (addr, t_alloc), end in staged.items():
-        if live.get(addr, (None,))[0] == t_alloc:
-            extra.append((end, "free", addr, live[addr][1], [], None, ""))
-    return events + extra
+    unfreed += [(addr, t, size, float("inf")) for addr, (t, size) in live.items()]
+    return events + [(min(staged[(addr, t)], t_next), "free", addr, size, [], None, "")
+                     for addr, t, size, t_next in unfreed if (addr, t) in staged]
 
 
 def name_compiled(events, wrappers):

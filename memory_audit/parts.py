@@ -42,7 +42,8 @@ def shape_facts(cfg, dev):
     autocast = cfg["dtype"] != "float32"
     pol = POLICIES[(dev["type"], autocast)]
     lowp = cfg["dtype"] if autocast else "float32"
-    return {"B": B, "T": T, "d": d, "nh": nh, "L": cfg["n_layer"], "V": cfg["vocab_size"],
+    t = cfg["world_size"] if str(cfg.get("parallel", "none")).startswith("tp") else 1
+    return {"B": B, "T": T, "d": d, "nh": nh, "nh_local": nh // t, "L": cfg["n_layer"], "V": cfg["vocab_size"],
             "Ne": B * T * d, "Na": B * nh * T * T, "Nl": B * T * cfg["vocab_size"],
             "dt": dev["type"], "autocast": autocast, "pol": pol, "lowp": lowp, "a": DTYPE_BYTES[lowp],
             "sm": "float32" if pol["softmax"] == "fp32" else lowp, "bias": cfg["bias"],
@@ -136,11 +137,15 @@ def manual_attention(s, h):
     """q @ k^T, scale, mask, softmax, dropout, @ v: each saves its own copy."""
     B, T, d, nh, Ne, Na, a, lowp, sm = (s[k] for k in ("B", "T", "d", "nh", "Ne", "Na", "a", "lowp", "sm"))
     core = dict(region="core")
-    out = [act(s, f"{h}.attn/bmm.self", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "q, made contiguous", **core),
-           act(s, f"{h}.attn/bmm.mat2", a * Ne, lowp, [B * nh, d // nh, T], f"{a}*B*T*d", "k^T, made contiguous", **core),
-           act(s, f"{h}.attn/masked_fill.mask", T * T, "bool", [1, 1, T, T], "T^2", "bias[:T,:T] == 0", **core),
-           act(s, f"{h}.attn/softmax.result", DTYPE_BYTES[sm] * Na, sm, [B, nh, T, T],
-               f"{DTYPE_BYTES[sm]}*B*n_head*T^2", **core)]
+    if s["nh_local"] == 1:  # one head: q, k^T and v reshape to 3-D without copies; c_attn's output is saved
+        out = [act(s, f"{h}.attn/bmm.mat2", a * 3 * Ne, lowp, [B, T, 3 * d], f"{a}*3*B*T*d",
+                   "q, k^T, v: views of the c_attn output (one head: no copies)", input_alias="core", **core)]
+    else:
+        out = [act(s, f"{h}.attn/bmm.self", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "q, made contiguous", **core),
+               act(s, f"{h}.attn/bmm.mat2", a * Ne, lowp, [B * nh, d // nh, T], f"{a}*B*T*d", "k^T, made contiguous", **core)]
+    out += [act(s, f"{h}.attn/masked_fill.mask", T * T, "bool", [1, 1, T, T], "T^2", "bias[:T,:T] == 0", **core),
+            act(s, f"{h}.attn/softmax.result", DTYPE_BYTES[sm] * Na, sm, [B, nh, T, T],
+                f"{DTYPE_BYTES[sm]}*B*n_head*T^2", **core)]
     out += dropout(s, f"{h}.attn.attn_dropout", Na, sm, [B, nh, T, T], "B*n_head*T^2", **core)
     if sm != lowp:  # CUDA autocast: att @ v casts the fp32 probabilities back down
         out.append(act(s, f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
@@ -148,7 +153,8 @@ def manual_attention(s, h):
     elif s["drop"]:  # att @ v saves the dropout's output, a new tensor
         out.append(act(s, f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
                        "attention dropout output", **core))
-    out.append(act(s, f"{h}.attn/bmm.mat2#2", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "v, made contiguous", **core))
+    if s["nh_local"] > 1:
+        out.append(act(s, f"{h}.attn/bmm.mat2#2", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "v, made contiguous", **core))
     if s["dt"] == "cpu":
         out.append(act(s, f"{h}.attn/mul.other", 8, "float64", [], "8", "the 1/sqrt(hs) scalar, a CPU tensor",
                        region="core", graph=True))

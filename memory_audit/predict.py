@@ -25,6 +25,7 @@ from .levers import checkpointed, forward_flops, recompute_flops
 from .parts import DTYPE_BYTES, POLICIES, block, embedding, head, line, round_block, shape_facts  # noqa: F401
 from .parts import grad_phases, numel as _numel
 from .schema import PHASES, check_model_config
+from . import tensor_parallel as tp
 
 GiB = 2 ** 30
 
@@ -129,6 +130,9 @@ def ddp_bucket_numels(params):
     return sizes + ([cur] if cur else [])
 
 
+PARALLEL = ("none", "ddp", "tp", "tp-sp")
+
+
 def _validate(cfg):
     """The model rules model.py applies, plus the run's own keys."""
     check_model_config(cfg)
@@ -137,6 +141,11 @@ def _validate(cfg):
             raise ValueError(f"{k} must be a positive integer, got {cfg[k]!r}")
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
+    if cfg["parallel"] not in PARALLEL:
+        raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {cfg['parallel']!r}")
+    if not isinstance(cfg["world_size"], int) or isinstance(cfg["world_size"], bool) or cfg["world_size"] < 1:
+        raise ValueError(f"world_size must be a positive integer, got {cfg['world_size']!r}")
+    tp.check(cfg)
 
 
 def steady_lines(s, cfg, dev, params):
@@ -144,6 +153,8 @@ def steady_lines(s, cfg, dev, params):
     dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
     out = [line(s, f"weights/{n}", 4 * _numel(sh), "float32", sh, "4*" + "*".join(map(str, sh)), PHASES)
            for n, sh in params]
+    if tp.tp_size(cfg) > 1:
+        out.append(line(s, "buffers/device_mesh", 8, "int64", [1], "8", PHASES, "the DeviceMesh's tensor (measured)"))
     if cfg["attention"] == "manual":
         out += [line(s, f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
                      "4*T^2 (causal mask)", PHASES) for i in range(L)]
@@ -178,11 +189,11 @@ def activation_lines(s, cfg):
     """
     lines, recomputed = embedding(s), {}
     for i in range(cfg["n_layer"]):
-        kept, redo = checkpointed(s, cfg, i, block(s, i))
+        kept, redo = checkpointed(s, cfg, i, tp.shard_lines(s, block(s, i), cfg))
         lines += kept
         if redo:
             recomputed[i] = redo
-    return lines + head(s, cfg["keep_logits"]), recomputed
+    return lines + tp.shard_lines(s, head(s, cfg["keep_logits"]), cfg), recomputed
 
 
 _LEVER_FIELDS = ("region", "alias", "graph", "input_alias", "feeds")
@@ -209,7 +220,8 @@ def predict(config=None, device=None, gaps_bytes=None):
     _validate(cfg)
     dev = device or device_facts()
     s = shape_facts(cfg, dev)
-    params = param_shapes(cfg)
+    t = tp.tp_size(cfg)
+    params = [(n, tp.local_shape(n, sh, t)) for n, sh in param_shapes(cfg)]  # what this rank holds
     acts, recomputed = activation_lines(s, cfg)
     peak, backward = peak_lines(s, cfg, params, acts, recomputed, start_of_backward(s, cfg))
     ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]

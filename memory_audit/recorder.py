@@ -243,6 +243,7 @@ def saved_tensor_ledger(model, out, device):
             weak.extend(weakref.ref(t) for t in _tensors_in(output))
 
     def record(t, op=None, held=False):
+        t = _local(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr not in first_seen:
@@ -368,6 +369,7 @@ def _graph_savers(roots, skip=()):
         for attr, value in _saved_values(node, in_region):
             for t in value if isinstance(value, (list, tuple)) else [value]:
                 if torch.is_tensor(t):
+                    t = _local(t)
                     st = t.untyped_storage()
                     ptr = st.data_ptr()
                     savers.setdefault(ptr, []).append((node._sequence_nr(), node.name(), attr))

@@ -1,5 +1,6 @@
-"""torchrun on CPU (gloo, 2 ranks, localhost): DDP audited per rank (#12, first slice). Each job
-is bounded twice: the process group's timeout (dist_timeout_s) and the subprocess timeout."""
+"""torchrun on CPU (gloo, 2 ranks, localhost): DDP, tensor and sequence parallelism audited and
+predicted per rank (#12). Each job is bounded twice: the process group's timeout
+(dist_timeout_s) and the subprocess timeout."""
 
 import json
 import math
@@ -13,10 +14,10 @@ from memory_audit.reconcile import mismatched
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def _torchrun(*args, timeout=240):
+def _torchrun(*args, timeout=240, accumulation=2):
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    return subprocess.run(TORCHRUN + ["train.py", "config/audit_cpu_tiny.py", "--gradient_accumulation_steps=2",
-                                      "--dist_timeout_s=60", *args],
+    return subprocess.run(TORCHRUN + ["train.py", "config/audit_cpu_tiny.py",
+                                      f"--gradient_accumulation_steps={accumulation}", "--dist_timeout_s=60", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -44,14 +45,62 @@ def test_ddp_audit_per_rank_is_predicted_and_changes_nothing(tmp_path):
     assert "| 0 |" in side and "| 1 |" in side and "Largest peak: rank" in side
 
 
+def _tp_ranks(tmp_path, name):
+    """Each rank's report.json of a tensor-parallel audit: exact, line by line, 0 unattributed."""
+    out = []
+    for rank in (0, 1):
+        rec = json.load(open(tmp_path / name / f"rank{rank}" / "report.json"))
+        assert rec["config"]["world_size"] == 2 and rec["unattributed_bytes"] == 0
+        assert mismatched(rec["rows"]) == []
+        assert all(rec["totals"][k]["diff"] == 0 for k in ("steady_state", "activations", "peak")), rec["totals"]
+        out.append(rec)
+    assert out[0]["totals"] == out[1]["totals"]  # the ranks are symmetric
+    return out
+
+
+def _line(rec, key, phase="step2_before_backward"):
+    return next(r["actual"] for r in rec["rows"] if r["key"] == key and r["phase"] == phase)
+
+
+def test_tensor_and_sequence_parallel_are_predicted_per_rank_and_change_nothing(tmp_path):
+    """tp and tp-sp on 2 gloo ranks: every line exact on both ranks, the sharded parameters half,
+    the same losses as one process (the model is the same function), bit for bit with and
+    without the audit."""
+    single = run_train("config/audit_cpu_tiny.py", "--device=cpu", "--max_iters=3", f"--losses_out={tmp_path}/one.json")
+    assert single.returncode == 0, single.stderr[-2000:]
+    recs = {}
+    for mode in ("tp", "tp-sp"):
+        audited = _torchrun(f"--parallel={mode}", "--audit", f"--audit_dir={tmp_path}", f"--run_name={mode}",
+                            f"--losses_out={tmp_path}/{mode}.json", accumulation=1)
+        assert audited.returncode == 0, audited.stdout[-3000:] + audited.stderr[-3000:]
+        recs[mode] = _tp_ranks(tmp_path, mode)[0]
+        assert load_json(tmp_path / f"{mode}.json") != []
+        one = [float.fromhex(x) for x in load_json(tmp_path / "one.json")]
+        assert all(math.isclose(float.fromhex(x), y, rel_tol=1e-5) for x, y in zip(load_json(tmp_path / f"{mode}.json"), one))
+    plain = _torchrun("--parallel=tp-sp", "--max_iters=3", f"--losses_out={tmp_path}/plain.json", accumulation=1)
+    assert plain.returncode == 0 and load_json(tmp_path / "plain.json") == load_json(tmp_path / "tp-sp.json")
+    tp, sp = recs["tp"], recs["tp-sp"]
+    w = "weights/transformer.h.0.mlp.c_fc.weight"
+    assert _line(tp, w, "step2_start") == 4 * 64 * 256 // 2  # column-parallel: half the rows
+    assert _line(tp, "weights/transformer.wte.weight", "step2_start") == 4 * 512 * 64  # replicated
+    ln = "activations/h.0.ln_1/native_layer_norm.input"
+    assert _line(tp, ln) == 4 * 2 * 64 * 64 and _line(sp, ln) == 4 * 2 * 64 * 64 // 2  # T/t with SP
+    fc_in = "activations/h.0.mlp.c_fc/mm.self"
+    assert _line(sp, fc_in) == _line(tp, fc_in) == 4 * 2 * 64 * 64  # SP saves the all-gathered input
+    assert sp["totals"]["activations"]["actual"] < tp["totals"]["activations"]["actual"]
+
+
 def test_bad_parallel_input_is_one_line(tmp_path):
-    p = run_train("--device=cpu", "--preset=cpu-tiny", "--parallel=ddp", "--max_iters=1")
-    assert p.returncode == 2 and "torchrun" in p.stderr and "Traceback" not in p.stderr
-    p = run_train("--device=cpu", "--preset=cpu-tiny", "--parallel=fsdp", "--max_iters=1")
-    assert p.returncode == 2 and "parallel must be none or ddp" in p.stderr and "Traceback" not in p.stderr
+    for strategy, says in (("ddp", "torchrun"), ("tp-sp", "torchrun"), ("fsdp", "not offered yet"),
+                           ("pipeline", "parallel must be none, ddp, tp or tp-sp")):
+        p = run_train("--device=cpu", "--preset=cpu-tiny", f"--parallel={strategy}", "--max_iters=1")
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
     odd = _torchrun("--gradient_accumulation_steps=3", "--max_iters=1", timeout=120)
     assert odd.returncode != 0
     assert odd.stderr.count("must be a multiple of the world size 2") == 2  # one line from each rank
+    heads = _torchrun("--parallel=tp", "--n_head=1", "--max_iters=1", timeout=120)
+    assert heads.returncode != 0 and 'train.py", line' not in heads.stderr  # torchrun's own report aside, no traceback
+    assert heads.stderr.count("n_head=1 is not divisible by 2") == 2
 
 
 def test_ddp_buckets_are_predicted_per_bucket_and_count_in_fit():
