@@ -10,6 +10,7 @@ import pickle
 import sys
 from ast import literal_eval
 
+from . import tensor_parallel
 from .loader import SnapshotError, find_snapshots, load_meta, load_snapshot
 from .predict import GPUS, OUTSIDE_PYTORCH_DEFAULT
 from .report import fmt_bytes, table, write_report, totals_table
@@ -167,6 +168,17 @@ def cmd_predict(args, extra):
     print("(layers 1.. repeat layer 0's lines; --json lists every line)")
     print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items() if isinstance(v, int)]))
     print(f"peak at: {pred['backward']['peak_at']}")
+    if tensor_parallel.tp_size(pred["config"]) > 1:
+        print(korthikanti_table(pred))
+
+
+def korthikanti_table(pred):
+    """Markdown: Korthikanti et al.'s per-layer terms beside block 0's predicted bytes on one rank."""
+    layer = {l["key"]: l["bytes"] for l in pred["ledger"]
+             if l["key"].startswith("activations/h.0.") and "step2_before_backward" in l["phases"]}
+    rows = tensor_parallel.korthikanti_rows(pred["config"], layer, layer)
+    return table(("term", "formula", "formula B", "this run, one rank B", "why they differ"),
+                 [(r[0], r[1], f"{r[2]:,}", f"{r[3]:,}", r[5]) for r in rows])
 
 
 def _gpu_config(args, extra):
@@ -209,10 +221,13 @@ def cmd_plan(args, extra):
     print(f"baseline {'fits' if b['fits'] else 'does not fit'}: needs {fmt_bytes(b['need'])} (reserved "
           f"{fmt_bytes(b['reserved_peak'])} + outside PyTorch {fmt_bytes(b['outside_pytorch'])}), "
           f"{'headroom' if b['fits'] else 'over by'} {fmt_bytes(abs(b['headroom_bytes']))}")
-    print(table(("option", "fits", "need", "reserved peak", "headroom", "extra matmul FLOPs", "cost"),
+    print(table(("option", "fits", "need", "reserved peak", "headroom", "extra matmul FLOPs", "cost", "sends/step"),
                 [(o["option"], "yes" if o["fits"] else "no", fmt_bytes(o["need"]), fmt_bytes(o["reserved_peak"]),
-                  fmt_bytes(o["headroom_bytes"]), f"{100 * o['extra_flops_fraction']:.1f}%", f"{o['cost']:.3f}")
+                  fmt_bytes(o["headroom_bytes"]), f"{100 * o['extra_flops_fraction']:.1f}%", f"{o['cost']:.3f}",
+                  fmt_bytes(o["comm_bytes_per_step"]) if o["comm_bytes_per_step"] else "-")
                  for o in r["options"]]))
+    if any(o["comm_bytes_per_step"] for o in r["options"]):
+        print("(parallel options: memory per rank; sends/step: bytes each rank sends per step, ring estimate)")
 
 
 # -- report ----------------------------------------------------------------------------------

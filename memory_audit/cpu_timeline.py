@@ -174,9 +174,10 @@ def _note_reads(event, name, reads, shared):
 def _last_reads(events, reads, shared):
     """{(address, alloc time): end of the last op that read it} for the allocations gloo may have
     let go on its own thread: a functional collective's output (`shared` holds their alloc times),
-    or a tensor whose last read was a collective (a scatter's source chunks). Reads count until the
-    address is allocated again. A tensor still used after its collectives (weights, DDP's buckets)
-    is not one of them."""
+    a tensor whose last read was a collective (a scatter's source chunks), or any tensor a
+    collective touched whose address was allocated again (FSDP2's all-gather buffers): it was
+    freed by then. Reads count until that allocation. A tensor still live at the end and used
+    after its collectives (weights, DDP's buckets) is not one of them."""
     allocs = {}
     for t, action, addr, *_ in events:
         if action == "alloc" and addr in shared:
@@ -186,7 +187,7 @@ def _last_reads(events, reads, shared):
         times.append(float("inf"))
         for t, t_next in zip(times, times[1:]):
             last = max((r for r in reads.get(addr, ()) if t < r[0] < t_next), key=lambda r: r[1], default=None)
-            if last is not None and (last[2] or t in shared[addr]):
+            if last is not None and (last[2] or t in shared[addr] or t_next != float("inf")):
                 out[(addr, t)] = last[1]
     return out
 

@@ -10,9 +10,12 @@ Cost is extra work per optimizer step as a fraction of the step's FLOPs (forward
 batch into micro-batches adds no FLOPs; it is charged MICRO_BATCH_COST per doubling of
 gradient_accumulation_steps for its smaller, less efficient GEMMs: an assumption, not a
 measurement. attention=sdpa and expandable_segments cost nothing here (SDPA is faster).
+Parallel options (with --world_size=N) are judged per rank and carry the bytes each rank sends
+per step (tensor_parallel.comm_bytes) instead of a FLOP cost: they need N GPUs and a fast link.
 """
 
-from .predict import predict_run
+from .predict import DEFAULTS, predict_run
+from .tensor_parallel import comm_bytes
 
 MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulation_steps
 AC_MODES = ("selective", "sac", "full")
@@ -24,7 +27,7 @@ def need(cfg, dev):
     outside = t["outside_pytorch_bytes"]
     return {"allocated": t["peak_allocated_bytes"], "reserved": t["reserved_peak_bytes"], "outside": outside,
             "total": t["reserved_peak_bytes"] + outside, "recompute_flops": t["recompute_flops"],
-            "forward_flops": t["forward_flops"]}
+            "forward_flops": t["forward_flops"], "comm_bytes": comm_bytes(dict(DEFAULTS, **cfg), t["params"])}
 
 
 def budget(dev, headroom):
@@ -73,7 +76,18 @@ def candidates(cfg):
         out += [(f"micro-batch {b // split} x {k * split} + {a}", dict(mb, **ao)) for a, ao in attn]
         split *= 2
     out.append(("expandable_segments:True", {"expandable_segments": True}))
-    return out
+    return out + parallel_candidates(cfg)
+
+
+def parallel_candidates(cfg):
+    """With --world_size=N ranks and parallel=none: tensor parallelism over them (heads split,
+    dropout 0), alone and with sequence parallelism. Each rank's memory is what `need` judges."""
+    t = cfg.get("world_size", 1)
+    if t == 1 or cfg.get("parallel", "none") != "none":
+        return []
+    if cfg.get("n_head", DEFAULTS["n_head"]) % t or cfg.get("dropout", 0.0) > 0:
+        return []
+    return [(f"{p} over {t} ranks", {"parallel": p}) for p in ("tp", "tp-sp")]
 
 
 def _option(name, cfg, overrides, dev, limit, base_flops):
@@ -85,18 +99,20 @@ def _option(name, cfg, overrides, dev, limit, base_flops):
     return {"option": name, "overrides": overrides, "allocated_peak": n["allocated"], "reserved_peak": n["reserved"],
             "outside_pytorch": n["outside"], "need": n["total"], "fits": n["total"] <= limit,
             "headroom_bytes": limit - n["total"], "recompute_flops": n["recompute_flops"],
-            "extra_flops_fraction": round(extra, 4),
+            "extra_flops_fraction": round(extra, 4), "comm_bytes_per_step": n["comm_bytes"],
             "cost": round(extra + MICRO_BATCH_COST * doublings, 4)}
 
 
 def plan(cfg, dev, headroom):
     """{"budget", "baseline": {..., "fits"}, "options": [{..., "fits"}, ...]}: the options that fit
-    first, cheapest first; then the others, smallest need first."""
+    first, cheapest first (one GPU before several); then the others, smallest need first."""
     limit = budget(dev, headroom)
     base = need(cfg, dev)
     baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"])
     options = [_option(name, cfg, o, dev, limit, base["forward_flops"]) for name, o in candidates(cfg)]
-    options.sort(key=lambda o: (not o["fits"], o["cost"] if o["fits"] else o["need"], o["need"]))
+    # more GPUs are a bigger change than any single-GPU lever: parallel options come after those that fit
+    options.sort(key=lambda o: (not o["fits"], "parallel" in o["overrides"] if o["fits"] else False,
+                                o["cost"] if o["fits"] else o["need"], o["need"]))
     return {"gpu": dev["gpu"], "total_memory": dev["total_memory"], "headroom": headroom, "budget": limit,
             "baseline": baseline, "options": options}
 

@@ -312,7 +312,20 @@ def published_formulas(cfg, workspace_bytes=0):
         "korthikanti2022_selective": {"steady_state": steady, "activations": L * 34 * T * B * d,
                                       "peak": steady + L * 34 * T * B * d,
                                       "formula": "act per layer s*b*h*34 (attention core recomputed)"},
+        **_korthikanti_tp(c, L, steady),
         "korthikanti2022_full": {"steady_state": steady, "activations": L * 2 * T * B * d,
                                  "peak": steady + L * 2 * T * B * d,
                                  "formula": "act per layer 2*s*b*h (block inputs only, 16-bit)"},
     }
+
+
+def _korthikanti_tp(c, L, steady):
+    """Tensor-parallel runs: the paper's per-rank formula for this strategy, over the layers."""
+    t = tp.tp_size(c)
+    if t == 1:
+        return {}
+    sp = c["parallel"] == "tp-sp"
+    act = L * sum(tp.paper_bytes(c, t, sp).values())
+    return {f"korthikanti2022_{c['parallel']}": {
+        "steady_state": steady, "activations": act, "peak": steady + act,
+        "formula": "act per layer " + ("sbh/t(34+5as/h)" if sp else "sbh(10+24/t+5as/(ht))") + ", 16-bit"}}

@@ -8,6 +8,7 @@ import os
 
 from .attribute import attribute
 from .loader import find_snapshots, load_meta, load_snapshot, SnapshotError
+from . import tensor_parallel
 from .predict import device_facts, predict_run, published_formulas
 from .schema import CATEGORIES, PHASES, REPORT_SCHEMA_VERSION
 from .timeline import replay
@@ -190,4 +191,14 @@ def reconcile(run_dir):
         "error": meta.get("error"),
         "env": meta.get("env"),
         "compiled": pred.get("compiled"),  # compile=True: inductor's plan the prediction read
+        "korthikanti_per_layer": _korthikanti(meta["config"], rows),
     }
+
+
+def _korthikanti(cfg, rows):
+    """Tensor-parallel runs: Korthikanti et al.'s per-layer terms beside block 0's bytes."""
+    if tensor_parallel.tp_size(cfg) == 1:
+        return None
+    layer = [r for r in rows if r["phase"] == "step2_before_backward" and r["key"].startswith("activations/h.0.")]
+    return tensor_parallel.korthikanti_rows(cfg, {r["key"]: r["predicted"] for r in layer},
+                                            {r["key"]: r["actual"] for r in layer})

@@ -81,12 +81,24 @@ def markdown(rec, top=25):
               table(("formula", "activations", "actual activations", "peak", "actual peak"),
                     [(k, fmt_bytes(v["activations"]), fmt_bytes(v["actual_activations"]), fmt_bytes(v["peak"]),
                       fmt_bytes(v["actual_peak"])) for k, v in rec["other_formulas"].items()]), ""]
+    if rec.get("korthikanti_per_layer"):
+        lines += korthikanti_section(rec)
     pk = rec["peak"]
     if pk.get("lines"):
         lines += ["## Live at the peak", "", f"At trace entry {pk.get('index')} ({pk.get('action')}), "
                   f"{fmt_bytes(pk.get('bytes'))}:", "",
                   table(("allocation", "bytes"), [(k, f"{v:,}") for k, v in list(pk["lines"].items())[:10]]), ""]
     return "\n".join(lines)
+
+
+def korthikanti_section(rec):
+    """Markdown: Korthikanti et al.'s per-layer terms against block 0 on this rank."""
+    c = rec["config"]
+    return [f"## Korthikanti et al. 2022, one layer on this rank ({c['parallel']}, t={c['world_size']})", "",
+            "Their accounting is 16-bit activations with dropout; the terms group this run's saved tensors "
+            "the same way (block 0, step2_before_backward).", "",
+            table(("term", "formula", "formula B", "predicted B", "actual B", "why they differ"),
+                  [(r[0], r[1], f"{r[2]:,}", f"{r[3]:,}", f"{r[4]:,}", r[5]) for r in rec["korthikanti_per_layer"]]), ""]
 
 
 def measured(run_dir):

@@ -70,7 +70,7 @@ def _split_dim(key):
     return -1  # features: a linear's input or weight copy, the MLP's hidden units
 
 
-def _whole(key, s, sp):
+def _whole(key, sp):
     """Whether a block's saved tensor stays whole on a rank."""
     part, attr = key.split("/")[1:3]
     if part.endswith((".ln_1", ".ln_2")) or part == "ln_f":
@@ -88,7 +88,63 @@ def shard_lines(s, lines, cfg):
     t, sp = tp_size(cfg), cfg.get("parallel") == "tp-sp"
     if t == 1:
         return lines
-    return [l if _whole(l["key"], s, sp) else _divided(s, l, t, _split_dim(l["key"])) for l in lines]
+    return [l if _whole(l["key"], sp) else _divided(s, l, t, _split_dim(l["key"])) for l in lines]
+
+
+# -- Korthikanti et al. 2022 as reconciliation columns ------------------------------------------
+
+TERMS = ("whole", "split", "scores", "outside")
+PAPER = {  # bytes per layer on one rank, s = T, b = B, h = d, a = n_head
+    "tp": {"whole": "10sbh", "split": "24sbh/t", "scores": "5as^2b/t"},
+    "tp-sp": {"whole": "10sbh/t", "split": "24sbh/t", "scores": "5as^2b/t"},
+}
+WHY = {
+    "whole": "their 2-byte LayerNorm inputs (ours: the fp32 residual stream, 4 B) and 1-byte dropout masks "
+             "(ours: dropout=0); with SP, PyTorch's column-parallel linears save the all-gathered input "
+             "(Megatron-LM saves the T/t shard and gathers again in backward)",
+    "split": "q, k, v, c_proj's input, GELU's input and output at this run's activation dtype (theirs: "
+             "2 B, as bf16/fp16 autocast; fp32: 4 B)",
+    "scores": "softmax output (ours: fp32 on CUDA autocast) with dropout's mask and output (theirs); "
+              "SDPA keeps no T^2 tensor",
+    "outside": "not in the formula: the causal mask (T^2 bool, every rank), LayerNorm mean/rstd, SDPA's "
+               "logsumexp, CPU scalars",
+}
+
+
+def term(key):
+    """Which of Korthikanti's per-layer terms a block's saved tensor belongs to."""
+    part, attr = key.split("/")[1:3]
+    if attr.startswith(("native_layer_norm.result", "mul.other", "masked_fill", "scaled_dot_product")) \
+            and not attr.endswith((".key", ".output")) or "philox" in attr:
+        return "outside"
+    if part.endswith(".attn") and attr.startswith(("softmax", "safe_softmax", "bmm.self#2", "native_dropout")):
+        return "scores"
+    return "whole" if _whole(key, sp=False) else "split"  # LayerNorm inputs are "whole" in both formulas
+
+
+def paper_bytes(cfg, t, sp):
+    """Korthikanti et al.'s per-layer terms for this shape, in their accounting (16-bit)."""
+    s_, b, h, a = cfg["block_size"], cfg["batch_size"], cfg["n_embd"], cfg["n_head"]
+    return {"whole": 10 * s_ * b * h // (t if sp else 1), "split": 24 * s_ * b * h // t,
+            "scores": 5 * a * s_ * s_ * b // t, "outside": 0}
+
+
+def korthikanti_rows(cfg, predicted, actual):
+    """Rows [term, paper formula, paper bytes, predicted, actual, why they differ] for one layer on
+    one rank; predicted/actual: {activation key of block 0: bytes}."""
+    t, sp = tp_size(cfg), cfg.get("parallel") == "tp-sp"
+    paper = paper_bytes(cfg, t, sp)
+    formulas = PAPER["tp-sp" if sp else "tp"]
+    sums = []
+    for side in (predicted, actual):
+        mine = dict.fromkeys(TERMS, 0)
+        for key, n in side.items():
+            mine[term(key)] += n or 0
+        sums.append(mine)
+    rows = [[k, formulas.get(k, "-"), paper[k], sums[0][k], sums[1][k], WHY[k]] for k in TERMS]
+    rows.append(["per layer", "sbh/t(34+5as/h)" if sp else "sbh(10+24/t+5as/(ht))", sum(paper.values()),
+                 sum(sums[0].values()), sum(sums[1].values()), ""])
+    return rows
 
 
 def korthikanti(cfg, t):
@@ -99,3 +155,18 @@ def korthikanti(cfg, t):
     tp = s_ * b * h * (10 + 24 / t + 5 * a * s_ / (h * t))
     tp_sp = s_ * b * h / t * (34 + 5 * a * s_ / h)
     return {"tp": int(tp), "tp-sp": int(tp_sp)}
+
+
+def comm_bytes(cfg, params):
+    """Bytes one rank sends per optimizer step (ring algorithms; an estimate, not measured):
+    DDP all-reduces the fp32 gradients once, 2(t-1)/t * 4N; tensor parallelism moves each
+    block's activations four times a micro-step (two all-reduces forward, two backward; SP's
+    all-gather/reduce-scatter pairs send the same), 4 * 2(t-1)/t * a*B*T*d per layer."""
+    t = cfg.get("world_size", 1)
+    if t == 1 or cfg.get("parallel", "none") == "none":
+        return 0
+    if cfg["parallel"] == "ddp":
+        return 2 * (t - 1) * 4 * params // t
+    a = 4 if cfg["dtype"] == "float32" else 2
+    per_layer = 4 * 2 * (t - 1) * a * cfg["batch_size"] * cfg["block_size"] * cfg["n_embd"] // t
+    return per_layer * cfg["n_layer"] * cfg["gradient_accumulation_steps"]
