@@ -67,7 +67,7 @@ compile = False
 activation_memory_budget = 1.0  # compile: the partitioner's memory budget (0..1); 1.0 = its default behaviour
 seed = 1337
 # distributed (torchrun --standalone --nproc_per_node=N train.py ...)
-parallel = "auto"  # auto = ddp under torchrun, none otherwise | none | ddp | tp | tp-sp (tensor parallel, + sequence parallel; fsdp: not yet)
+parallel = "auto"  # auto = ddp under torchrun, none otherwise | none | ddp | fsdp (FSDP2, fully_shard) | tp | tp-sp (tensor parallel, + sequence parallel)
 dist_timeout_s = 120  # a rank waiting longer than this on another ends with one line instead of hanging
 log_interval = 1
 losses_out = ""  # write the per-step losses (exact, as float.hex) to this JSON file
@@ -146,15 +146,14 @@ if compile:
 _torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 if parallel == "auto":
     parallel = "ddp" if _torchrun else "none"
-if parallel in ("fsdp", "fsdp+tp"):
-    fail(f"parallel={parallel} is not offered yet: on CPU, gloo frees FSDP2's buffers on a thread the "
-         "profiler does not see (see README); use ddp, tp or tp-sp")
-if parallel not in ("none", "ddp", "tp", "tp-sp"):
-    fail(f"parallel must be none, ddp, tp or tp-sp, got {parallel!r}")
+if parallel == "fsdp+tp":
+    fail("parallel=fsdp+tp (a 2-D mesh) is not built yet; use ddp, fsdp, tp or tp-sp")
+if parallel not in ("none", "ddp", "fsdp", "tp", "tp-sp"):
+    fail(f"parallel must be none, ddp, fsdp, tp or tp-sp, got {parallel!r}")
 if parallel != "none" and not _torchrun:
     fail(f"parallel={parallel} runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
 if parallel == "none" and _torchrun and int(os.environ["WORLD_SIZE"]) > 1:
-    fail("under torchrun with more than one rank, parallel must be ddp, tp or tp-sp")
+    fail("under torchrun with more than one rank, parallel must be ddp, fsdp, tp or tp-sp")
 if parallel.startswith("tp"):
     _t = int(os.environ["WORLD_SIZE"])
     if n_head % _t:
@@ -169,7 +168,7 @@ if parallel != "none":
     import torch.distributed as dist
     from datetime import timedelta
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dp_size = world_size if parallel == "ddp" else 1
+    dp_size = world_size if parallel in ("ddp", "fsdp") else 1
     if gradient_accumulation_steps % dp_size:
         fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the world size {world_size}")
     gradient_accumulation_steps //= dp_size  # each data-parallel rank does its share, as nanoGPT does
@@ -261,6 +260,11 @@ def train():
         from torch.distributed.device_mesh import init_device_mesh
         from parallelize import tensor_parallel
         tensor_parallel(model, init_device_mesh(device_type, (world_size,)), sequence_parallel=parallel == "tp-sp")
+    if parallel == "fsdp":  # FSDP2: each block a unit, then the root (embeddings, ln_f, the tied lm_head)
+        from torch.distributed.fsdp import fully_shard
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer_impl)
     train_model = torch.compile(model) if compile else model
@@ -293,8 +297,10 @@ def train():
         with (audit_obj.step(iter_num, tensors=lambda: {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
               if audit_obj is not None else nullcontext()):
             for micro_step in range(gradient_accumulation_steps):
-                # DDP: average the gradients once, after the last micro-step's backward
+                # DDP, FSDP2: average the gradients once, after the last micro-step's backward
                 last = micro_step == gradient_accumulation_steps - 1
+                if parallel == "fsdp":
+                    model.set_requires_gradient_sync(last)
                 with (train_model.no_sync() if parallel == "ddp" and not last else nullcontext()), ctx:
                     logits, loss = train_model(X, Y)
                     loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation

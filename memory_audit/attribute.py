@@ -79,13 +79,18 @@ _DDP_BUCKETS = ("_ddp_init_helper", "_rebuild_buckets")
 def ddp_name(frames):
     """Names from the stack for what torch.distributed keeps: "grads/ddp_buckets" for DDP's
     gradient buckets (made by its Reducer when DDP is built and when it rebuilds them on the first
-    step), "buffers/device_mesh" for a DeviceMesh's rank tensor (FSDP2); else None."""
+    step), "buffers/device_mesh" for a DeviceMesh's rank tensor, FSDP2's all-gather and
+    reduce-scatter buffers "temporary/fsdp_all_gather" / "temporary/fsdp_reduce_scatter"; else None."""
     for f in frames or ():
         name = f.get("name") or ""
         if any(k in name for k in _DDP_BUCKETS):
             return "grads/ddp_buckets"
         if name == "init_device_mesh":
             return "buffers/device_mesh"
+        if name == "foreach_all_gather":  # FSDP2's flat buffer for a unit's all-gather
+            return "temporary/fsdp_all_gather"
+        if name == "foreach_reduce":  # FSDP2's reduce-scatter input and output
+            return "temporary/fsdp_reduce_scatter"
     return None
 
 

@@ -8,6 +8,7 @@ has no caching allocator: each live allocation becomes its own segment with one 
 
 import re
 
+from .attribute import ddp_name
 from .schema import MARKER_PREFIX, RECOMPUTE_LABEL
 
 RECOMPUTE_RANGE = MARKER_PREFIX + RECOMPUTE_LABEL  # recorder._RecomputeLabel's profiler range
@@ -123,7 +124,7 @@ def _stack(event):
 
 
 # c10d calls that stage tensors in a buffer of their own and wait for the collective to finish
-_COLLECTIVES = re.compile(r"<built-in method (_broadcast_coalesced|_verify_params_across_processes)\b")
+_COLLECTIVES = re.compile(r"<built-in method (_broadcast_coalesced|_verify_params_across_processes|reduce_scatter_single|all_gather_single)\b")
 
 
 def _collective_end(event):
@@ -175,19 +176,22 @@ def _last_reads(events, reads, shared):
     """{(address, alloc time): end of the last op that read it} for the allocations gloo may have
     let go on its own thread: a functional collective's output (`shared` holds their alloc times),
     a tensor whose last read was a collective (a scatter's source chunks), or any tensor a
-    collective touched whose address was allocated again (FSDP2's all-gather buffers): it was
-    freed by then. Reads count until that allocation. A tensor still live at the end and used
+    collective touched whose address was allocated again: it was freed by then; or a buffer the
+    stack names a temporary (FSDP2's all-gather and reduce-scatter buffers, freed after each
+    use). Reads count until the next allocation there. A tensor still live at the end and used
     after its collectives (weights, DDP's buckets) is not one of them."""
-    allocs = {}
-    for t, action, addr, *_ in events:
+    allocs, passing = {}, set()
+    for t, action, addr, _, frames, *_ in events:
         if action == "alloc" and addr in shared:
             allocs.setdefault(addr, []).append(t)
+            if (ddp_name(frames) or "").startswith("temporary/"):  # FSDP2's per-use buffers
+                passing.add((addr, t))
     out = {}
     for addr, times in allocs.items():
         times.append(float("inf"))
         for t, t_next in zip(times, times[1:]):
             last = max((r for r in reads.get(addr, ()) if t < r[0] < t_next), key=lambda r: r[1], default=None)
-            if last is not None and (last[2] or t in shared[addr] or t_next != float("inf")):
+            if last is not None and (last[2] or t in shared[addr] or t_next != float("inf") or (addr, t) in passing):
                 out[(addr, t)] = last[1]
     return out
 

@@ -25,7 +25,7 @@ from .levers import checkpointed, forward_flops, recompute_flops
 from .parts import DTYPE_BYTES, POLICIES, block, embedding, head, line, round_block, shape_facts  # noqa: F401
 from .parts import grad_phases, numel as _numel
 from .schema import PHASES, check_model_config
-from . import tensor_parallel as tp
+from . import fsdp, tensor_parallel as tp
 
 GiB = 2 ** 30
 
@@ -130,7 +130,7 @@ def ddp_bucket_numels(params):
     return sizes + ([cur] if cur else [])
 
 
-PARALLEL = ("none", "ddp", "tp", "tp-sp")
+PARALLEL = ("none", "ddp", "fsdp", "tp", "tp-sp")
 
 
 def _validate(cfg):
@@ -153,8 +153,10 @@ def steady_lines(s, cfg, dev, params):
     dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
     out = [line(s, f"weights/{n}", 4 * _numel(sh), "float32", sh, "4*" + "*".join(map(str, sh)), PHASES)
            for n, sh in params]
-    if tp.tp_size(cfg) > 1:
-        out.append(line(s, "buffers/device_mesh", 8, "int64", [1], "8", PHASES, "the DeviceMesh's tensor (measured)"))
+    if tp.tp_size(cfg) > 1 or fsdp.shards(cfg) > 1:  # measured at world size 2
+        mesh = 8 if tp.tp_size(cfg) > 1 else 24
+        out.append(line(s, "buffers/device_mesh", mesh, "int64", [mesh // 8], str(mesh), PHASES,
+                        "the DeviceMesh's tensors (measured at world size 2)"))
     if cfg["attention"] == "manual":
         out += [line(s, f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
                      "4*T^2 (causal mask)", PHASES) for i in range(L)]
@@ -220,11 +222,12 @@ def predict(config=None, device=None, gaps_bytes=None):
     _validate(cfg)
     dev = device or device_facts()
     s = shape_facts(cfg, dev)
-    t = tp.tp_size(cfg)
-    params = [(n, tp.local_shape(n, sh, t)) for n, sh in param_shapes(cfg)]  # what this rank holds
+    t, shards, whole = tp.tp_size(cfg), fsdp.shards(cfg), param_shapes(cfg)
+    params = [(n, fsdp.local_shape(tp.local_shape(n, sh, t), shards)) for n, sh in whole]  # what this rank holds
     acts, recomputed = activation_lines(s, cfg)
-    peak, backward = peak_lines(s, cfg, params, acts, recomputed, start_of_backward(s, cfg))
-    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
+    start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, whole)
+    peak, backward = peak_lines(s, cfg, params, acts, recomputed, start)
+    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + fsdp.unsharded_root(s, cfg, whole) + acts + peak]
     totals = _totals(ledger, params, dev, gaps_bytes, cfg)
     totals["recompute_flops"] = recompute_flops(s, cfg)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]

@@ -133,7 +133,10 @@ def _short_module(path, prefix="", root="model"):
 def module_namer(model):
     """_short_module for this model: its `audit_prefix` (model.py's GPT: 'transformer.') and its
     class name for the model itself."""
-    prefix, root = getattr(model, "audit_prefix", ""), type(model).__name__.lower()
+    cls = type(model)
+    if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 2:  # fully_shard swaps in FSDP<Class>
+        cls = cls.__mro__[2]
+    prefix, root = getattr(model, "audit_prefix", ""), cls.__name__.lower()
     return lambda path: _short_module(path, prefix, root)
 
 
@@ -222,6 +225,7 @@ def saved_tensor_ledger(model, out, device):
     """
     stack = []
     first_seen = {}  # storage data_ptr -> record, in forward order
+    impls = {}  # storage data_ptr -> the storage (its C++ address) first seen there
     windows = []  # [start, end) autograd sequence numbers of checkpointed regions
     seq_log = []  # (next autograd sequence number, module running from then on)
     weak = []  # weak references to what was saved: their grad_fns find the graph without a loss
@@ -246,6 +250,9 @@ def saved_tensor_ledger(model, out, device):
         t = _local(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
         st = t.untyped_storage()
         ptr = st.data_ptr()
+        if impls.get(ptr, st._cdata) != st._cdata:  # the first storage here was resized away (FSDP2
+            del first_seen[ptr]                      # frees an unsharded weight a matmul saved)
+        impls[ptr] = st._cdata
         if ptr not in first_seen:
             first_seen[ptr] = {"module": stack[-1] if stack else None, "data_ptr": ptr, "device": str(t.device),
                                "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
