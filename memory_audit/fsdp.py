@@ -23,6 +23,12 @@ def shards(cfg):
     return cfg.get("world_size", 1) if cfg.get("parallel") == "fsdp" else 1
 
 
+def check(cfg):
+    """One-line ValueError for an FSDP2 config the predictor does not model."""
+    if shards(cfg) > 1 and cfg.get("activation_checkpointing", "none") != "none":
+        raise ValueError("parallel=fsdp with activation checkpointing is not modelled yet")
+
+
 def local_shape(shape, t):
     """The padded shard of a parameter one rank holds: ceil(dim0 / t) rows."""
     return shape if t == 1 else [-(-shape[0] // t)] + list(shape[1:])

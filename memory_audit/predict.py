@@ -146,6 +146,7 @@ def _validate(cfg):
     if not isinstance(cfg["world_size"], int) or isinstance(cfg["world_size"], bool) or cfg["world_size"] < 1:
         raise ValueError(f"world_size must be a positive integer, got {cfg['world_size']!r}")
     tp.check(cfg)
+    fsdp.check(cfg)
 
 
 def steady_lines(s, cfg, dev, params):
@@ -191,10 +192,10 @@ def activation_lines(s, cfg):
     """
     lines, recomputed = embedding(s), {}
     for i in range(cfg["n_layer"]):
-        kept, redo = checkpointed(s, cfg, i, tp.shard_lines(s, block(s, i), cfg))
-        lines += kept
+        kept, redo = checkpointed(s, cfg, i, block(s, i))
+        lines += tp.shard_lines(s, kept, cfg)  # one rank's share: a rule over what the lever kept
         if redo:
-            recomputed[i] = redo
+            recomputed[i] = {k: tp.shard_lines(s, v, cfg) for k, v in redo.items()}
     return lines + tp.shard_lines(s, head(s, cfg["keep_logits"]), cfg), recomputed
 
 

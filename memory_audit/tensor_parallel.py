@@ -63,7 +63,7 @@ def _divided(s, l, t, dim):
 def _split_dim(key):
     """Which dimension of a saved tensor's shape tensor parallelism splits."""
     part, attr = key.split("/")[1:3]
-    if part.endswith((".ln_1", ".ln_2")) or part == "ln_f":
+    if part.endswith((".ln_1", ".ln_2")) or part == "ln_f" or attr == "checkpoint.input" and "." not in part[2:]:
         return 1  # sequence parallelism: [B, T, ...]
     if part.endswith(".attn"):
         return 1 if attr.startswith(("softmax", "scaled_dot")) else 0  # [B, nh, ...] or [B*nh, ...]
@@ -73,9 +73,11 @@ def _split_dim(key):
 def _whole(key, sp):
     """Whether a block's saved tensor stays whole on a rank."""
     part, attr = key.split("/")[1:3]
-    if part.endswith((".ln_1", ".ln_2")) or part == "ln_f":
-        return not sp
+    if part.endswith((".ln_1", ".ln_2")) or part == "ln_f" or "." not in part[2:] and attr == "checkpoint.input":
+        return not sp  # the LayerNorms and the residual stream (a checkpointed block's input)
     if not part.startswith("h."):  # embeddings, lm_head, the loss: replicated
+        return True
+    if part.endswith(ROWWISE) and ".sac_output" in attr:  # a row-parallel matmul's partial sum: whole
         return True
     if part.endswith(COLWISE):
         return attr in ("mm.self", "addmm.mat1")  # the (gathered) input; the weight copy is split

@@ -91,6 +91,17 @@ def test_tensor_and_sequence_parallel_are_predicted_per_rank_and_change_nothing(
     assert sp["totals"]["activations"]["actual"] < tp["totals"]["activations"]["actual"]
 
 
+def test_tensor_parallel_composes_with_activation_checkpointing(tmp_path):
+    """The TP rule applies to what a checkpointing lever kept: tp-sp with SAC and with selective
+    recomputation, two heads per rank, every line exact on both ranks."""
+    for ac in ("sac", "selective"):
+        p = _torchrun("--parallel=tp-sp", "--n_head=4", f"--activation_checkpointing={ac}", "--audit",
+                      f"--audit_dir={tmp_path}", f"--run_name={ac}", accumulation=1)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        rec = _tp_ranks(tmp_path, ac)[0]
+        assert rec["config"]["activation_checkpointing"] == ac
+
+
 def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
     """parallel=fsdp on 2 gloo ranks: padded shards, the root unsharded before backward and the last
     block's all-gather buffer at the peak, every line exact on both ranks; the audit changes no
@@ -189,3 +200,29 @@ def test_fsdp2_shards_are_named_by_parameter(tmp_path):
     assert not any(k.endswith("/unsharded") for k in start)
     assert before["weights/transformer.wte.weight/unsharded"] == 512 * 64 * 4  # the root, unsharded
     assert not any(k.startswith("weights/transformer.h.") and k.endswith("/unsharded") for k in before)
+
+
+def test_parallel_prediction_per_rank_and_plan_options():
+    """predict/fit/plan per rank without a run: the TP and FSDP2 rules on GPT-2 medium, bad configs
+    in one line, plan's tensor-parallel options with the bytes each rank sends."""
+    import pytest
+    from memory_audit import tensor_parallel
+    from memory_audit.plan import plan
+    h100 = device_facts()
+    base = dict(n_layer=24, n_head=16, n_embd=1024, batch_size=8)
+    totals = {p: predict(dict(base, parallel=p, world_size=4 if p != "none" else 1), h100)["totals"]
+              for p in ("none", "fsdp", "tp", "tp-sp")}
+    assert totals["fsdp"]["steady_state_bytes"] < totals["none"]["steady_state_bytes"] / 3
+    assert totals["tp-sp"]["activations_bytes"] < totals["tp"]["activations_bytes"] < totals["none"]["activations_bytes"]
+    for bad, says in ((dict(base, parallel="tp", world_size=3), "n_head divisible by 3"),
+                      (dict(base, parallel="tp", world_size=2, dropout=0.1), "dropout=0"),
+                      (dict(base, parallel="fsdp", world_size=2, activation_checkpointing="full"), "not modelled"),
+                      (dict(base, parallel="pp", world_size=2), "parallel must be one of")):
+        with pytest.raises(ValueError, match=says):
+            predict(bad, h100)
+    r = plan(dict(base, attention="manual", batch_size=12, world_size=4), device_facts(gpu="A100-40GB"), 0.02)
+    tp = [o for o in r["options"] if o["overrides"].get("parallel")]
+    assert {o["option"] for o in tp} == {"tp over 4 ranks", "tp-sp over 4 ranks"} and all(o["comm_bytes_per_step"] > 0 for o in tp)
+    assert all(o["comm_bytes_per_step"] == 0 for o in r["options"] if not o["overrides"].get("parallel"))
+    rows = tensor_parallel.korthikanti_rows(dict(base, block_size=1024, parallel="tp", world_size=4), {}, {})
+    assert rows[-1][2] == 1024 * 8 * 1024 * (10 + 24 // 4) + 5 * 16 * 1024 * 1024 * 8 // 4  # sbh(10+24/t)+5as^2b/t

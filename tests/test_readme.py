@@ -37,6 +37,15 @@ def test_compile_table_is_the_command_output():
     assert table.strip() == p.stdout.strip()
 
 
+def test_korthikanti_table_is_the_command_output():
+    readme = _readme()
+    table = re.search(r"<!-- korthikanti:start -->\n(.*?)<!-- korthikanti:end -->", readme, re.S)[1]
+    cmd = re.search(r"`python -m memory_audit (predict --gpu=cpu [^`]*)`", readme)[1].split()
+    p = run_cli(*cmd)
+    assert p.returncode == 0, p.stderr
+    assert table.strip() == p.stdout[p.stdout.index("| term |"):].strip()
+
+
 def test_every_results_file_names_its_command():
     """snapshots/results/README.md names the command and configs behind each results file, and
     every script and config file it names exists."""
