@@ -19,24 +19,25 @@ PEAK = ("peak",)
 
 
 def shards(cfg):
-    """Ranks a fully_shard run splits each parameter over (1 for anything else)."""
-    return cfg.get("world_size", 1) if cfg.get("parallel") == "fsdp" else 1
+    """Ranks a fully_shard run splits each parameter over (0 for anything else: FSDP2 on one rank
+    still unshards into buffers of its own)."""
+    return cfg.get("world_size", 1) if cfg.get("parallel") == "fsdp" else 0
 
 
 def check(cfg):
     """One-line ValueError for an FSDP2 config the predictor does not model."""
-    if shards(cfg) > 1 and cfg.get("activation_checkpointing", "none") != "none":
+    if shards(cfg) and cfg.get("activation_checkpointing", "none") != "none":
         raise ValueError("parallel=fsdp with activation checkpointing is not modelled yet")
 
 
 def local_shape(shape, t):
     """The padded shard of a parameter one rank holds: ceil(dim0 / t) rows."""
-    return shape if t == 1 else [-(-shape[0] // t)] + list(shape[1:])
+    return shape if t <= 1 else [-(-shape[0] // t)] + list(shape[1:])
 
 
 def unsharded_root(s, cfg, params):
     """The root unit's parameters, unsharded from its forward to the end of backward."""
-    if shards(cfg) == 1:
+    if not shards(cfg):
         return []
     return [line(s, f"weights/{n}/unsharded", 4 * numel(sh), "float32", sh, "4*numel (unsharded)",
                  ("step2_before_backward",), "the root keeps its parameters unsharded after the forward")
@@ -46,7 +47,7 @@ def unsharded_root(s, cfg, params):
 def backward_all_gather(s, cfg, params):
     """The all-gather buffer of the last block, made at the start of backward."""
     t = shards(cfg)
-    if t == 1:
+    if t <= 1:  # one rank: no all-gather buffer at the peak (measured on CPU)
         return []
     last = f"transformer.h.{cfg['n_layer'] - 1}."
     n = t * sum(numel(local_shape(sh, t)) for name, sh in params if name.startswith(last))

@@ -154,10 +154,11 @@ def steady_lines(s, cfg, dev, params):
     dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
     out = [line(s, f"weights/{n}", 4 * _numel(sh), "float32", sh, "4*" + "*".join(map(str, sh)), PHASES)
            for n, sh in params]
-    if tp.tp_size(cfg) > 1 or fsdp.shards(cfg) > 1:  # measured at world size 2
-        mesh = 8 if tp.tp_size(cfg) > 1 else 24
-        out.append(line(s, "buffers/device_mesh", mesh, "int64", [mesh // 8], str(mesh), PHASES,
-                        "the DeviceMesh's tensors (measured at world size 2)"))
+    per_rank = {"tp": 4, "tp-sp": 4, "fsdp": 12}.get(cfg["parallel"])  # measured on CPU at 1 and 2 ranks
+    if per_rank:
+        mesh = per_rank * cfg["world_size"]
+        out.append(line(s, "buffers/device_mesh", mesh, "uint8", [mesh], f"{per_rank}*world_size", PHASES,
+                        "the DeviceMesh's tensors (measured on CPU)"))
     if cfg["attention"] == "manual":
         out += [line(s, f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
                      "4*T^2 (causal mask)", PHASES) for i in range(L)]
