@@ -253,6 +253,22 @@ if audit:
     print(f"audit: recording allocator history into {run_dir}")
 
 
+if parallel != "none":  # torchrun ends the other ranks with SIGTERM when one fails: say so in one line
+    import signal
+
+    class RankTerminated(RuntimeError):
+        pass
+
+    def _terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the crash snapshot is written undisturbed
+        if sys.exc_info()[0] is None:  # else this rank is already reporting its own error
+            raise RankTerminated("torchrun stopped this rank (SIGTERM): another rank failed; see its error")
+    signal.signal(signal.SIGTERM, _terminated)
+
+_crash = tuple(int(v) - (i == 1) for i, v in enumerate(os.environ["MEMORY_AUDIT_CRASH"].split(":"))) \
+    if os.environ.get("MEMORY_AUDIT_CRASH") else None  # (rank, 0-based step)
+
+
 def train():
     # model and optimizer ----------------------------------------------------------
     model = GPT(GPTConfig(**model_args))
@@ -305,6 +321,8 @@ def train():
                     model.set_requires_gradient_sync(last)
                 with (train_model.no_sync() if parallel == "ddp" and not last else nullcontext()), ctx:
                     logits, loss = train_model(X, Y)
+                    if _crash == (rank, iter_num):  # MEMORY_AUDIT_CRASH=rank:step rehearses a failing rank
+                        raise RuntimeError(f"MEMORY_AUDIT_CRASH: rank {rank} fails at step {iter_num + 1}")
                     loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation
                 if not keep_logits:
                     logits = None  # nothing else refers to them: their memory is free before backward

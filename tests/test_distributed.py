@@ -15,8 +15,8 @@ from memory_audit.reconcile import mismatched
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def _torchrun(*args, timeout=240, accumulation=2):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+def _torchrun(*args, timeout=240, accumulation=2, **env_extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", **env_extra)
     return subprocess.run(TORCHRUN + ["train.py", "config/audit_cpu_tiny.py",
                                       f"--gradient_accumulation_steps={accumulation}", "--dist_timeout_s=60", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -121,6 +121,19 @@ def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
     assert steady < 3 * params // 2 + 40_000  # weights + 2 Adam moments, halved (+ masks, batch)
     ddp = predict(dict(rec["config"], parallel="ddp"), device_facts("cpu"))["totals"]["steady_state_bytes"]
     assert steady < ddp / 2
+
+
+def test_a_failing_rank_leaves_snapshots_and_every_rank_one_line(tmp_path):
+    """Rank 1 raises in step 2's forward (MEMORY_AUDIT_CRASH=1:2): it writes its crash snapshot and
+    one line; rank 0, whose collective loses its peer, does the same instead of hanging."""
+    p = _torchrun("--parallel=tp", "--dist_timeout_s=20", "--audit", f"--audit_dir={tmp_path}", "--run_name=crash",
+                  accumulation=1, timeout=180, MEMORY_AUDIT_CRASH="1:2")
+    assert p.returncode != 0 and 'train.py", line' not in p.stderr
+    errors = [l for l in p.stderr.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 2 and any("MEMORY_AUDIT_CRASH: rank 1 fails at step 2" in l for l in errors), errors
+    for rank in (0, 1):
+        assert os.path.isfile(tmp_path / "crash" / f"rank{rank}" / "crash.pickle")
+        assert load_json(tmp_path / "crash" / f"rank{rank}" / "meta.json")["error"]
 
 
 def test_bad_parallel_input_is_one_line(tmp_path):
