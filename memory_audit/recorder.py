@@ -250,10 +250,10 @@ def saved_tensor_ledger(model, out, device):
         t = _local(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if impls.get(ptr, st._cdata) != st._cdata:  # the first storage here was resized away (FSDP2
-            del first_seen[ptr]                      # frees an unsharded weight a matmul saved)
-        impls[ptr] = st._cdata
+        if impls.setdefault(ptr, st._cdata) != st._cdata:  # the first storage here was resized away
+            del first_seen[ptr], impls[ptr]  # (FSDP2 frees an unsharded weight a matmul saved)
         if ptr not in first_seen:
+            impls[ptr] = st._cdata
             first_seen[ptr] = {"module": stack[-1] if stack else None, "data_ptr": ptr, "device": str(t.device),
                                "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
                                "shape": list(t.shape)}
@@ -274,10 +274,7 @@ def saved_tensor_ledger(model, out, device):
             record(t, f"{op.overloadpacket.__name__}.sac_output{i if len(tensors) > 1 else ''}")
 
     names = {m: n for n, m in model.named_modules()}
-    handles = []
-    for m in names:
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
+    handles = [h for m in names for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
 
     def label(loss=None, held=None):
         """Name each saved storage; `held` maps a module path to an output the caller keeps."""
