@@ -68,6 +68,7 @@ activation_memory_budget = 1.0  # compile: the partitioner's memory budget (0..1
 seed = 1337
 # distributed (torchrun --standalone --nproc_per_node=N train.py ...)
 parallel = "auto"  # auto = ddp under torchrun, none otherwise | none | ddp | fsdp (FSDP2, fully_shard) | tp | tp-sp (tensor parallel, + sequence parallel)
+ddp_bucket_view = False  # ddp: gradient_as_bucket_view (the gradients are views into DDP's buckets)
 dist_timeout_s = 120  # a rank waiting longer than this on another ends with one line instead of hanging
 log_interval = 1
 losses_out = ""  # write the per-step losses (exact, as float.hex) to this JSON file
@@ -288,7 +289,8 @@ def train():
     train_model = torch.compile(model) if compile else model
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
-        train_model = DistributedDataParallel(train_model, device_ids=[torch.device(device).index] if device_type == "cuda" else None)
+        train_model = DistributedDataParallel(train_model, device_ids=[torch.device(device).index] if device_type == "cuda" else None,
+                                              gradient_as_bucket_view=ddp_bucket_view)
     if audit_obj is not None:
         audit_obj.watch(model, optimizer, scaler, compiled=compile)
 

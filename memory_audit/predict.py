@@ -45,7 +45,7 @@ DEFAULTS = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=5
                 dropout=0.0, batch_size=12, gradient_accumulation_steps=1, dtype="float16",
                 attention="manual", activation="gelu", optimizer_impl="fused", set_to_none=True,
                 keep_logits=True, grad_clip=1.0, activation_checkpointing="none", ac_every=1,
-                sac_save_ops="", parallel="none", world_size=1)
+                sac_save_ops="", parallel="none", world_size=1, ddp_bucket_view=False)
 
 
 def gpu_name(name):
@@ -163,7 +163,7 @@ def steady_lines(s, cfg, dev, params):
         out += [line(s, f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
                      "4*T^2 (causal mask)", PHASES) for i in range(L)]
     grads_at = grad_phases(cfg)
-    if grads_at:
+    if grads_at and not (cfg["parallel"] == "ddp" and cfg["ddp_bucket_view"]):  # else views into the buckets
         out += [line(s, f"grads/{n}", 4 * _numel(sh), "float32", sh, "4*numel", grads_at) for n, sh in params]
     if cfg["parallel"] == "ddp":  # the Reducer's flat fp32 buckets: a copy of every gradient
         out += [line(s, "grads/ddp_buckets", 4 * n, "float32", [n], f"4*{n} (DDP gradient bucket {i})", PHASES,

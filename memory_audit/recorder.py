@@ -90,8 +90,11 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
     for name, b in model.named_buffers():
         yield f"buffers/{name}", b
     for p, name in names.items():
-        if p.grad is not None:
-            yield f"grads/{name}", p.grad
+        g = p.grad
+        # a gradient that is a view into a larger buffer (DDP's gradient_as_bucket_view) is not an
+        # allocation of its own: the buffer is named by its maker (grads/ddp_buckets)
+        if g is not None and _local(g).untyped_storage().nbytes() <= _local(g).numel() * g.element_size():
+            yield f"grads/{name}", g
     if optimizer is not None:
         for p, state in optimizer.state.items():
             for key, value in state.items():

@@ -46,6 +46,21 @@ def test_ddp_audit_per_rank_is_predicted_and_changes_nothing(tmp_path):
     assert "| 0 |" in side and "| 1 |" in side and "Largest peak: rank" in side
 
 
+def test_ddp_gradient_as_bucket_view_keeps_no_gradients_of_its_own(tmp_path):
+    """ddp_bucket_view=True with gradients kept all step: the gradients are views into the buckets,
+    so the steady state is the buckets alone, one grad's worth (4N) under the copy's."""
+    p = _torchrun("--ddp_bucket_view=True", "--set_to_none=False", "--audit", f"--audit_dir={tmp_path}",
+                  "--run_name=view")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for rank in (0, 1):
+        rec = json.load(open(tmp_path / "view" / f"rank{rank}" / "report.json"))
+        assert rec["unattributed_bytes"] == 0 and rec["totals"]["activations"]["diff"] == 0
+        assert not any(r["key"].startswith("grads/transformer.") for r in rec["rows"] if r["actual"])
+        assert 0 <= rec["totals"]["steady_state"]["diff"] <= 68  # the gloo artifact, as above
+        off = mismatched(rec["rows"])
+        assert all(r["key"] == "grads/ddp_buckets" and 0 < r["diff"] <= 68 for r in off), off
+
+
 def _tp_ranks(tmp_path, name):
     """Each rank's report.json of a tensor-parallel audit: exact, line by line, 0 unattributed."""
     out = []
