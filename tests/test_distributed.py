@@ -5,6 +5,7 @@ predicted per rank (#12). Each job is bounded twice: the process group's timeout
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -16,10 +17,19 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def _torchrun(*args, timeout=240, accumulation=2, **env_extra):
+    """One torchrun job. A rank that dies by SIGSEGV/SIGABRT inside torch (seen twice in about 60
+    two-rank CPU runs: once as the Kineto profiler started under gloo, once at gloo's teardown
+    after training had finished; neither reproduced in 30 reruns) is rerun once, and says so;
+    every assertion is made on the run that completed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", **env_extra)
-    return subprocess.run(TORCHRUN + ["train.py", "config/audit_cpu_tiny.py",
-                                      f"--gradient_accumulation_steps={accumulation}", "--dist_timeout_s=60", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    cmd = TORCHRUN + ["train.py", "config/audit_cpu_tiny.py", f"--gradient_accumulation_steps={accumulation}",
+                      "--dist_timeout_s=60", *args]
+    for attempt in (1, 2):
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+        if not re.search(r"Signal (6|11) \(SIG(ABRT|SEGV)\)", p.stderr):
+            return p
+        print(f"torchrun attempt {attempt}: a rank died by a signal inside torch; {'rerunning' if attempt == 1 else 'giving up'}")
+    return p
 
 
 def test_ddp_audit_per_rank_is_predicted_and_changes_nothing(tmp_path):
