@@ -76,7 +76,7 @@ def name_from_frames(frames):
 _DDP_BUCKETS = ("_ddp_init_helper", "_rebuild_buckets")
 
 
-def ddp_name(frames):
+def distributed_name(frames):
     """Names from the stack for what torch.distributed keeps: "grads/ddp_buckets" for DDP's
     gradient buckets (made by its Reducer when DDP is built and when it rebuilds them on the first
     step), "buffers/device_mesh" for a DeviceMesh's rank tensor, FSDP2's all-gather and
@@ -186,7 +186,7 @@ def block_namer(snap, meta=None, phase=None):
             return hit
         if block.get("address") in workspaces:
             return "workspace/cublas", "workspace"
-        kept = ddp_name(block.get("frames"))
+        kept = distributed_name(block.get("frames"))
         if kept:
             return kept, "frames:distributed"
         if meta is None:  # a snapshot from elsewhere: fall back to its stacks

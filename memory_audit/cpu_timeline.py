@@ -8,7 +8,7 @@ has no caching allocator: each live allocation becomes its own segment with one 
 
 import re
 
-from .attribute import ddp_name
+from .attribute import distributed_name
 from .schema import MARKER_PREFIX, RECOMPUTE_LABEL
 
 RECOMPUTE_RANGE = MARKER_PREFIX + RECOMPUTE_LABEL  # recorder._RecomputeLabel's profiler range
@@ -54,11 +54,11 @@ def timeline_events(prof, markers, keep=(), info=None):
     if info is not None:
         info["source"] = "memory_profile" if mp is not None else "raw allocations"
     stacks, marker_times, ranges, unseen, staged = {}, {}, [], [], {}
-    reads, shared = {}, {}  # address -> [(start, end, collective) of ops reading it]; collectives' addresses
+    reads, outputs = {}, set()  # address -> [(start, end, collective) of ops reading it]; functional outputs
     for event in tree.sorted_nodes:
         if event.tag == _EventType.TorchOp:
             name = _name(event)
-            _note_reads(event, name, reads, shared)
+            _note_reads(event, name, reads)
             if name in markers and name not in marker_times:
                 marker_times[name] = event.start_time_ns
             if name.startswith(RECOMPUTE_RANGE):  # a range across Python frames: nothing nests in it
@@ -71,11 +71,11 @@ def timeline_events(prof, markers, keep=(), info=None):
                 unseen.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size, frames))
             elif grow:
                 stacks[key] = frames
-            end = _collective_end(event) if grow else None
-            if end is not None:
+            kind, end = _collective(event) if grow else (None, None)
+            if kind == "staging":
                 staged[(event.extra_fields.ptr, event.start_time_ns)] = end
-            elif grow and _functional_collective(event):
-                shared.setdefault(event.extra_fields.ptr, []).append(event.start_time_ns)
+            elif kind == "functional":
+                outputs.add((event.extra_fields.ptr, event.start_time_ns))
 
     events, live = [], {}
     t_first = None
@@ -104,7 +104,7 @@ def timeline_events(prof, markers, keep=(), info=None):
         # INCREMENT_VERSION: an in-place write, the same bytes stay allocated
     order = lambda e: (e[0], 0 if e[1] == "free" else 1)  # noqa: E731
     events = sorted(events + _unseen_events(unseen, ranges), key=order)
-    staged.update(_last_reads(events, reads, shared))
+    staged.update(_last_reads(events, reads, outputs))
     events = sorted(_free_staged(events, staged), key=order) if staged else events
     return events, marker_times
 
@@ -127,37 +127,27 @@ def _stack(event):
 _COLLECTIVES = re.compile(r"<built-in method (_broadcast_coalesced|_verify_params_across_processes|reduce_scatter_single|all_gather_single)\b")
 
 
-def _collective_end(event):
-    """The end time of the synchronous collective an allocation was made in, else None. Its
-    staging buffer may be let go on gloo's thread, whose frees the profiler does not record."""
+_FUNCTIONAL = re.compile(r"^_c10d_functional\w*::(?!wait_tensor|_wrap)")
+
+
+def _collective(event):
+    """What collective an allocation was made in, from its parents: ("staging", the call's end
+    time) inside a synchronous c10d call (its staging buffer may be let go on gloo's thread,
+    whose frees the profiler does not record); ("functional", None) for a functional
+    collective's output (tensor parallelism: gloo's work holds it too); else (None, None)."""
     from torch._C._profiler import _EventType
     parent = event.parent
     while parent:
         if parent.tag == _EventType.PyCCall and _COLLECTIVES.match(_name(parent)):
-            return parent.end_time_ns
-        parent = parent.parent
-    return None
-
-
-_FUNCTIONAL = re.compile(r"^_c10d_functional\w*::(?!wait_tensor|_wrap)")
-
-
-def _functional_collective(event):
-    """Whether an allocation is the output of a functional collective (tensor parallelism's
-    all-reduce, all-gather, reduce-scatter): gloo's work holds it too and may let it go on its own
-    thread after the main thread has, a free the profiler does not record."""
-    from torch._C._profiler import _EventType
-    parent = event.parent
-    while parent:
+            return "staging", parent.end_time_ns
         if parent.tag == _EventType.TorchOp and _FUNCTIONAL.match(_name(parent)):
-            return True
+            return "functional", None
         parent = parent.parent
-    return False
+    return None, None
 
 
-def _note_reads(event, name, reads, shared):
-    """Note the tensors an op reads ((start, end, whether the op is a collective)) and the
-    addresses a collective read."""
+def _note_reads(event, name, reads):
+    """Note the tensors an op reads: (start, end, whether the op is a collective) per address."""
     collective = name.startswith(("c10d::", "_c10d_functional", "gloo:"))
     todo = list(event.extra_fields.inputs)  # tensors, lists of them (scatter: lists of lists), scalars
     while todo:
@@ -168,30 +158,29 @@ def _note_reads(event, name, reads, shared):
         ptr = getattr(value, "storage_data_ptr", None)
         if ptr is not None:
             reads.setdefault(ptr, []).append((event.start_time_ns, event.end_time_ns, collective))
-            if collective:
-                shared.setdefault(ptr, [])
 
 
-def _last_reads(events, reads, shared):
+def _last_reads(events, reads, outputs):
     """{(address, alloc time): end of the last op that read it} for the allocations gloo may have
-    let go on its own thread: a functional collective's output (`shared` holds their alloc times),
-    a tensor whose last read was a collective (a scatter's source chunks), or any tensor a
-    collective touched whose address was allocated again: it was freed by then; or a buffer the
-    stack names a temporary (FSDP2's all-gather and reduce-scatter buffers, freed after each
-    use). Reads count until the next allocation there. A tensor still live at the end and used
-    after its collectives (weights, DDP's buckets) is not one of them."""
+    let go on its own thread, among those a collective made or read: a functional collective's
+    output (`outputs`), a tensor whose last read was a collective (a scatter's source chunks),
+    one whose address was allocated again (it was freed by then), or a buffer its stack names a
+    temporary (FSDP2's all-gather and reduce-scatter buffers, freed after each use). Reads count
+    until the next allocation there. A tensor still live at the end and used after its
+    collectives (weights, DDP's buckets) is not one of them."""
+    touched = {addr for addr, rs in reads.items() if any(r[2] for r in rs)} | {addr for addr, _ in outputs}
     allocs, passing = {}, set()
     for t, action, addr, _, frames, *_ in events:
-        if action == "alloc" and addr in shared:
+        if action == "alloc" and addr in touched:
             allocs.setdefault(addr, []).append(t)
-            if (ddp_name(frames) or "").startswith("temporary/"):  # FSDP2's per-use buffers
+            if (distributed_name(frames) or "").startswith("temporary/"):  # FSDP2's per-use buffers
                 passing.add((addr, t))
     out = {}
     for addr, times in allocs.items():
         times.append(float("inf"))
         for t, t_next in zip(times, times[1:]):
             last = max((r for r in reads.get(addr, ()) if t < r[0] < t_next), key=lambda r: r[1], default=None)
-            if last is not None and (last[2] or t in shared[addr] or t_next != float("inf") or (addr, t) in passing):
+            if last is not None and (last[2] or (addr, t) in outputs or t_next != float("inf") or (addr, t) in passing):
                 out[(addr, t)] = last[1]
     return out
 

@@ -12,7 +12,7 @@ allocation live at that moment, never to the address.
 
 import numpy as np
 
-from .attribute import BASELINE, baseline_name, ddp_name, name_from_frames, phase_names, trace_workspaces
+from .attribute import BASELINE, baseline_name, distributed_name, name_from_frames, phase_names, trace_workspaces
 from .schema import CATEGORIES, RECOMPUTE_LABEL
 from .trace import A, FREES, Trace, as_trace
 
@@ -40,8 +40,8 @@ def temporary_name(frames):
     """'temporary/<what made it>[/<op>]' for a short-lived allocation: the innermost frame that
     says (the backward, the optimizer, clip_grad_norm, the GradScaler, the loss, the model's
     forward, the loop); <op> is the aten op or autograd node where the stack has one (CPU)."""
-    kept = ddp_name(frames)
-    if kept:  # not a temporary: DDP's buckets live as long as the DDP module
+    kept = distributed_name(frames)
+    if kept:  # torch.distributed's own: DDP's buckets, the DeviceMesh, FSDP2's per-use buffers
         return kept
     if frames and frames[0].get("filename") == "<inductor>":  # a compiled graph's buffer, by its wrapper name
         return f"temporary/compiled_{frames[0].get('name')}"
@@ -115,7 +115,7 @@ def name_events(trace, cuts, wrappers=None):
         named |= hit
     first_cut = min((cut for cut, names, _ in cuts if names), default=0)
     for j in np.flatnonzero(~named & (ends > n) & (allocs < first_cut)).tolist():  # made before the step, live at its end
-        frames_name = ddp_name(t.frames(int(allocs[j])))  # DDP's buckets, by their stack
+        frames_name = distributed_name(t.frames(int(allocs[j])))  # DDP's buckets, the mesh: by their stack
         if frames_name:
             event_name[int(allocs[j])] = frames_name
     for i, name in compiled_names(t, wrappers).items():  # inductor's buffers, by wrapper name
