@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from memory_audit.tensor_parallel import check  # the rule train.py and the predictor use
+
 
 def _as_replicated(module, inputs, mesh):
     """Forward pre-hook: plain tensors enter as replicated DTensors, sharded ones are gathered."""
@@ -57,11 +59,8 @@ def tensor_parallel(model, mesh, sequence_parallel=False):
     """Shard model's blocks over the 1-D mesh in place; returns the model."""
     t = mesh.size()
     cfg = model.config
-    if cfg.n_head % t:
-        raise ValueError(f"tensor parallelism over {t} ranks needs n_head divisible by {t}, got n_head={cfg.n_head}")
-    if cfg.dropout > 0:
-        raise ValueError("tensor parallelism is built for dropout=0 only (each rank would need its own "
-                         "attention-dropout RNG stream)")
+    check({"parallel": "tp-sp" if sequence_parallel else "tp", "world_size": t, "n_head": cfg.n_head,
+           "dropout": cfg.dropout})
     order = qkv_order(cfg.n_embd, t)
     for block in model.transformer.h:
         with torch.no_grad():

@@ -156,11 +156,11 @@ if parallel != "none" and not _torchrun:
 if parallel == "none" and _torchrun and int(os.environ["WORLD_SIZE"]) > 1:
     fail("under torchrun with more than one rank, parallel must be ddp, fsdp, tp or tp-sp")
 if parallel.startswith("tp"):
-    _t = int(os.environ["WORLD_SIZE"])
-    if n_head % _t:
-        fail(f"parallel={parallel} splits the heads over {_t} ranks: n_head={n_head} is not divisible by {_t}")
-    if dropout > 0:
-        fail(f"parallel={parallel} is built for dropout=0 only")
+    from memory_audit.tensor_parallel import check as _tp_check
+    try:
+        _tp_check({"parallel": parallel, "world_size": int(os.environ["WORLD_SIZE"]), "n_head": n_head, "dropout": dropout})
+    except ValueError as e:
+        fail(str(e))
     if compile:
         fail(f"parallel={parallel} with compile=True is not built yet")
 if parallel == "fsdp" and (compile or activation_checkpointing != "none"):

@@ -15,7 +15,7 @@ per step (tensor_parallel.comm_bytes) instead of a FLOP cost: they need N GPUs a
 """
 
 from .predict import DEFAULTS, predict_run
-from .tensor_parallel import comm_bytes
+from .tensor_parallel import check, comm_bytes
 
 MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulation_steps
 AC_MODES = ("selective", "sac", "full")
@@ -85,7 +85,9 @@ def parallel_candidates(cfg):
     t = cfg.get("world_size", 1)
     if t == 1 or cfg.get("parallel", "none") != "none":
         return []
-    if cfg.get("n_head", DEFAULTS["n_head"]) % t or cfg.get("dropout", 0.0) > 0:
+    try:
+        check({**DEFAULTS, **cfg, "parallel": "tp"})
+    except ValueError:  # heads not divisible, dropout
         return []
     return [(f"{p} over {t} ranks", {"parallel": p}) for p in ("tp", "tp-sp")]
 

@@ -30,13 +30,15 @@ def tp_size(cfg):
 
 
 def check(cfg):
-    """One-line ValueError for a tensor-parallel config that cannot run."""
+    """One-line ValueError for a tensor-parallel config that cannot run (train.py, parallelize.py
+    and the predictor ask the same rule)."""
     t = tp_size(cfg)
     if t > 1 and cfg["n_head"] % t:
-        raise ValueError(f"parallel={cfg['parallel']} over {t} ranks needs n_head divisible by {t}, "
-                         f"got n_head={cfg['n_head']}")
-    if t > 1 and cfg["dropout"] > 0:
-        raise ValueError(f"parallel={cfg['parallel']} is built for dropout=0 only")
+        raise ValueError(f"parallel={cfg['parallel']} over {t} ranks needs n_head divisible by {t}: "
+                         f"n_head={cfg['n_head']} is not divisible by {t}")
+    if t > 1 and cfg.get("dropout", 0.0) > 0:
+        raise ValueError(f"parallel={cfg['parallel']} is built for dropout=0 only (each rank would need "
+                         "its own attention-dropout RNG stream)")
 
 
 def local_shape(name, shape, t):
