@@ -13,7 +13,7 @@ from ast import literal_eval
 from . import tensor_parallel
 from .loader import SnapshotError, find_snapshots, load_meta, load_snapshot
 from .predict import GPUS, OUTSIDE_PYTORCH_DEFAULT
-from .report import fmt_bytes, table, write_report, totals_table
+from .report import fmt_bytes, korthikanti_table, table, write_report, totals_table
 from .sweep import GRIDS
 
 GiB = 2 ** 30
@@ -169,16 +169,14 @@ def cmd_predict(args, extra):
     print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items() if isinstance(v, int)]))
     print(f"peak at: {pred['backward']['peak_at']}")
     if tensor_parallel.tp_size(pred["config"]) > 1:
-        print(korthikanti_table(pred))
+        print(_korthikanti_predicted(pred))
 
 
-def korthikanti_table(pred):
+def _korthikanti_predicted(pred):
     """Markdown: Korthikanti et al.'s per-layer terms beside block 0's predicted bytes on one rank."""
     layer = {l["key"]: l["bytes"] for l in pred["ledger"]
              if l["key"].startswith("activations/h.0.") and "step2_before_backward" in l["phases"]}
-    rows = tensor_parallel.korthikanti_rows(pred["config"], layer, layer)
-    return table(("term", "formula", "formula B", "this run, one rank B", "why they differ"),
-                 [(r[0], r[1], f"{r[2]:,}", f"{r[3]:,}", r[5]) for r in rows])
+    return korthikanti_table(tensor_parallel.korthikanti_rows(pred["config"], layer, layer), measured=False)
 
 
 def _gpu_config(args, extra):

@@ -333,4 +333,4 @@ def _korthikanti_tp(c, L, steady):
     act = L * sum(tp.paper_bytes(c, t, sp).values())
     return {f"korthikanti2022_{c['parallel']}": {
         "steady_state": steady, "activations": act, "peak": steady + act,
-        "formula": "act per layer " + ("sbh/t(34+5as/h)" if sp else "sbh(10+24/t+5as/(ht))") + ", 16-bit"}}
+        "formula": f"act per layer {tp.PER_LAYER[c['parallel']]}, 16-bit"}}

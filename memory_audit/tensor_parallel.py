@@ -102,6 +102,7 @@ PAPER = {  # bytes per layer on one rank, s = T, b = B, h = d, a = n_head
     "tp": {"whole": "10sbh", "split": "24sbh/t", "scores": "5as^2b/t"},
     "tp-sp": {"whole": "10sbh/t", "split": "24sbh/t", "scores": "5as^2b/t"},
 }
+PER_LAYER = {"tp": "sbh(10+24/t+5as/(ht))", "tp-sp": "sbh/t(34+5as/h)"}
 WHY = {
     "whole": "their 2-byte LayerNorm inputs (ours: the fp32 residual stream, 4 B) and 1-byte dropout masks "
              "(ours: dropout=0); with SP, PyTorch's column-parallel linears save the all-gathered input "
@@ -146,19 +147,9 @@ def korthikanti_rows(cfg, predicted, actual):
             mine[term(key)] += n or 0
         sums.append(mine)
     rows = [[k, formulas.get(k, "-"), paper[k], sums[0][k], sums[1][k], WHY[k]] for k in TERMS]
-    rows.append(["per layer", "sbh/t(34+5as/h)" if sp else "sbh(10+24/t+5as/(ht))", sum(paper.values()),
+    rows.append(["per layer", PER_LAYER["tp-sp" if sp else "tp"], sum(paper.values()),
                  sum(sums[0].values()), sum(sums[1].values()), ""])
     return rows
-
-
-def korthikanti(cfg, t):
-    """Korthikanti et al. 2022, activation bytes per transformer layer on one rank: tensor
-    parallelism sbh(10 + 24/t + 5as/(ht)), with sequence parallelism sbh/t (34 + 5as/h). Their
-    accounting: 16-bit activations, 1-byte dropout masks, fp32 nothing."""
-    s_, b, h, a = cfg["block_size"], cfg["batch_size"], cfg["n_embd"], cfg["n_head"]
-    tp = s_ * b * h * (10 + 24 / t + 5 * a * s_ / (h * t))
-    tp_sp = s_ * b * h / t * (34 + 5 * a * s_ / h)
-    return {"tp": int(tp), "tp-sp": int(tp_sp)}
 
 
 def comm_bytes(cfg, params):
