@@ -60,13 +60,14 @@ def tiny_gpt(seed=0):
     return GPT(cfg), cfg
 
 
-def gpt_steps(forward, opt, batches, audit=None):
-    """The loop the Audit API tests share: for each (x, y), forward(x, y) -> (logits, loss),
-    before_backward when audited, backward, optimizer step. Returns the losses."""
+def gpt_steps(forward, opt, batches, audit=None, inputs=("inputs/x",)):
+    """The loop the Audit API tests share: for each (x, y), forward(x, y) -> (output, loss),
+    before_backward when audited, backward, optimizer step. Returns the losses. `inputs`: the
+    names the audited step gives x (and y)."""
     from contextlib import nullcontext
     losses = []
     for step, (x, y) in enumerate(batches):
-        with audit.step(step, tensors={"inputs/x": x}) if audit else nullcontext():
+        with audit.step(step, tensors=dict(zip(inputs, (x, y)))) if audit else nullcontext():
             _, loss = forward(x, y)
             if audit:
                 audit.before_backward(loss)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import gpt_steps
 from memory_audit import Audit, AuditError
 from memory_audit.reconcile import measure
 
@@ -51,26 +52,11 @@ def lstm_loop():
 def train(make, audit_dir=None, steps=3):
     model, opt, x, y = make()
     audit = Audit(model, opt, out_dir=str(audit_dir)) if audit_dir else None
-    losses = []
-    for step in range(steps):
-        with audit.step(step, tensors={"inputs/x": x, "inputs/y": y}) if audit else _nothing():
-            out = model(x)
-            loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-            if audit:
-                audit.before_backward(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model
 
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    def forward(x, y):
+        out = model(x)
+        return out, nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return gpt_steps(forward, opt, [(x, y)] * steps, audit, inputs=("inputs/x", "inputs/y")), model
 
 
 @pytest.mark.parametrize("make", [conv_loop, lstm_loop], ids=["conv-bn-adam", "lstm-sgd-momentum"])
