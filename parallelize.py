@@ -1,7 +1,13 @@
 """
-Megatron-style tensor parallelism for model.GPT with torch.distributed.tensor (issue #12).
+Parallel strategies for model.GPT with torch.distributed (issue #12), in place, before the
+optimizer is made:
 
-    tensor_parallel(model, mesh, sequence_parallel=False)
+    parallelize(model, strategy, device_type, world_size, tp_size)
+
+ddp wraps the model later (train.py); fsdp shards each block, then the root, with FSDP2's
+fully_shard; tp and tp-sp are Megatron-style tensor parallelism (below); fsdp+tp and fsdp+tp-sp
+lay the ranks out as a 2-D mesh (dp, tp): tensor parallelism within each group of tp_size
+consecutive ranks, FSDP2 across the groups.
 
 In each block, c_attn and c_fc are column-parallel (each rank computes n_head/t heads and 4C/t
 hidden units), attn.c_proj and mlp.c_proj row-parallel (their outputs are summed over the ranks).
@@ -55,12 +61,27 @@ def block_plan(sequence_parallel):
             "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))}
 
 
+def parallelize(model, strategy, device_type, world_size, tp_size):
+    """Shard model in place for `strategy` over world_size ranks; returns the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    if "tp" in strategy:
+        mesh = init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh["tp"], sequence_parallel=strategy.endswith("-sp"))
+    if strategy.startswith("fsdp"):  # each block a unit, then the root (embeddings, ln_f, the tied lm_head)
+        dp = mesh["dp"] if "tp" in strategy else None
+        for block in model.transformer.h:
+            fully_shard(block, mesh=dp)
+        fully_shard(model, mesh=dp)
+    return model
+
+
 def tensor_parallel(model, mesh, sequence_parallel=False):
     """Shard model's blocks over the 1-D mesh in place; returns the model."""
     t = mesh.size()
     cfg = model.config
-    check({"parallel": "tp-sp" if sequence_parallel else "tp", "world_size": t, "n_head": cfg.n_head,
-           "dropout": cfg.dropout})
+    check({"parallel": "tp-sp" if sequence_parallel else "tp", "world_size": t, "tp_size": t,
+           "n_head": cfg.n_head, "dropout": cfg.dropout})
     order = qkv_order(cfg.n_embd, t)
     for block in model.transformer.h:
         with torch.no_grad():

@@ -67,7 +67,8 @@ compile = False
 activation_memory_budget = 1.0  # compile: the partitioner's memory budget (0..1); 1.0 = its default behaviour
 seed = 1337
 # distributed (torchrun --standalone --nproc_per_node=N train.py ...)
-parallel = "auto"  # auto = ddp under torchrun, none otherwise | none | ddp | fsdp (FSDP2, fully_shard) | tp | tp-sp (tensor parallel, + sequence parallel)
+parallel = "auto"  # auto = ddp under torchrun, none otherwise | none | ddp | fsdp (FSDP2, fully_shard) | tp | tp-sp (tensor parallel, + sequence parallel) | fsdp+tp | fsdp+tp-sp (2-D mesh)
+tp_size = 0  # fsdp+tp, fsdp+tp-sp: ranks per tensor-parallel group (divides the world size; FSDP2 shards over the rest); tp, tp-sp: 0 or the world size
 ddp_bucket_view = False  # ddp: gradient_as_bucket_view (the gradients are views into DDP's buckets)
 dist_timeout_s = 120  # a rank waiting longer than this on another ends with one line instead of hanging
 log_interval = 1
@@ -147,31 +148,35 @@ if compile:
 _torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 if parallel == "auto":
     parallel = "ddp" if _torchrun else "none"
-if parallel == "fsdp+tp":
-    fail("parallel=fsdp+tp (a 2-D mesh) is not built yet; use ddp, fsdp, tp or tp-sp")
-if parallel not in ("none", "ddp", "fsdp", "tp", "tp-sp"):
-    fail(f"parallel must be none, ddp, fsdp, tp or tp-sp, got {parallel!r}")
+_STRATEGIES = ("none", "ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")
+if parallel not in _STRATEGIES:
+    fail(f"parallel must be one of {', '.join(_STRATEGIES)}, got {parallel!r}")
 if parallel != "none" and not _torchrun:
     fail(f"parallel={parallel} runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
 if parallel == "none" and _torchrun and int(os.environ["WORLD_SIZE"]) > 1:
     fail("under torchrun with more than one rank, parallel must be ddp, fsdp, tp or tp-sp")
-if parallel.startswith("tp"):
+if "tp" in parallel:
     from memory_audit.tensor_parallel import check as _tp_check
     try:
-        _tp_check({"parallel": parallel, "world_size": int(os.environ["WORLD_SIZE"]), "n_head": n_head, "dropout": dropout})
+        _tp_check({"parallel": parallel, "world_size": int(os.environ["WORLD_SIZE"]), "tp_size": tp_size,
+                   "n_head": n_head, "dropout": dropout})
     except ValueError as e:
         fail(str(e))
     if compile:
         fail(f"parallel={parallel} with compile=True is not built yet")
-if parallel == "fsdp" and (compile or activation_checkpointing != "none"):
-    fail("parallel=fsdp with compile or activation checkpointing is not built yet")
+elif tp_size not in (0, 1):
+    fail(f"tp_size={tp_size} is for parallel=tp, tp-sp, fsdp+tp or fsdp+tp-sp (got parallel={parallel})")
+if parallel.startswith("fsdp") and (compile or activation_checkpointing != "none"):
+    fail(f"parallel={parallel} with compile or activation checkpointing is not built yet")
 rank, world_size = 0, 1
 dp_size = 1  # ranks that see different data: all of them with ddp, one replica with tensor parallelism
 if parallel != "none":
     import torch.distributed as dist
     from datetime import timedelta
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dp_size = world_size if parallel in ("ddp", "fsdp") else 1
+    if "tp" in parallel and not tp_size:
+        tp_size = world_size
+    dp_size = world_size // max(tp_size, 1)  # tp, tp-sp: 1; ddp, fsdp: every rank
     if gradient_accumulation_steps % dp_size:
         fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the world size {world_size}")
     gradient_accumulation_steps //= dp_size  # each data-parallel rank does its share, as nanoGPT does
@@ -211,7 +216,7 @@ if dataset != "synthetic":
     print(f"data: {data_dir}/train.bin (GPT-2 tokens)")
 else:
     print("data: synthetic random tokens (memory does not depend on token values)")
-_data_gen = torch.Generator().manual_seed(seed + (rank if dp_size > 1 else 0))  # its own stream per data-parallel rank
+_data_gen = torch.Generator().manual_seed(seed + rank // max(tp_size, 1) * (dp_size > 1))  # a stream per data-parallel rank
 
 
 def get_batch(split):
@@ -275,15 +280,9 @@ def train():
     model = GPT(GPTConfig(**model_args))
     model.to(device)
     print(f"number of parameters: {model.get_num_params():,}")
-    if parallel.startswith("tp"):  # before the optimizer: Adam's state is made from the sharded parameters
-        from torch.distributed.device_mesh import init_device_mesh
-        from parallelize import tensor_parallel
-        tensor_parallel(model, init_device_mesh(device_type, (world_size,)), sequence_parallel=parallel == "tp-sp")
-    if parallel == "fsdp":  # FSDP2: each block a unit, then the root (embeddings, ln_f, the tied lm_head)
-        from torch.distributed.fsdp import fully_shard
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+    if parallel != "none":  # before the optimizer: Adam's state is made from the sharded parameters
+        from parallelize import parallelize
+        parallelize(model, parallel, device_type, world_size, tp_size)
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer_impl)
     train_model = torch.compile(model) if compile else model
@@ -319,7 +318,7 @@ def train():
             for micro_step in range(gradient_accumulation_steps):
                 # DDP, FSDP2: average the gradients once, after the last micro-step's backward
                 last = micro_step == gradient_accumulation_steps - 1
-                if parallel == "fsdp":
+                if parallel.startswith("fsdp"):
                     model.set_requires_gradient_sync(last)
                 with (train_model.no_sync() if parallel == "ddp" and not last else nullcontext()), ctx:
                     logits, loss = train_model(X, Y)

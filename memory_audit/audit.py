@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .recorder import AuditError, AuditRecording, _tensors_in, named_tensors, saved_tensor_ledger
+from .recorder import AuditError, AuditRecording, _tensors_in, named_tensors, saved_tensor_ledger, distributed_info
 
 
 class Audit:
@@ -92,6 +92,7 @@ class Audit:
                                                     wrappers=self.recording.compiled_wrappers))
         else:
             self._output_hook = model.register_forward_hook(self._note_output)
+        self.recording.distributed = distributed_info(model)
         config = self.recording.config
         config.setdefault("model_class", type(model).__name__)
         config.setdefault("optimizer_class", type(optimizer).__name__)

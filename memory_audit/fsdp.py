@@ -5,7 +5,9 @@ rank holds ceil(dim0 / t) rows: weights, gradients and Adam state are those padd
 else one rank holds (measured on CPU, gloo, 2 ranks, cpu-tiny):
 
   before backward   the root's parameters (wte = lm_head, wpe, ln_f) stay unsharded after the
-                    forward: weights/<name>/unsharded, whole
+                    forward: weights/<name>/unsharded, whole; with more than one micro-step per
+                    rank the gradients accumulate whole (set_requires_gradient_sync(False)):
+                    grads/<name>/unsharded, and no shards until the last backward
   start of backward the last block's all-gather buffer (every parameter of the unit, whole):
                     temporary/fsdp_all_gather, on top of cross-entropy's gradients
 
@@ -14,14 +16,18 @@ the logits' gradients are gone: on cpu-tiny they do not reach the peak (not mode
 """
 
 from .parts import line, numel
+from .tensor_parallel import tp_size
 
 PEAK = ("peak",)
 
 
 def shards(cfg):
-    """Ranks a fully_shard run splits each parameter over (0 for anything else: FSDP2 on one rank
-    still unshards into buffers of its own)."""
-    return cfg.get("world_size", 1) if cfg.get("parallel") == "fsdp" else 0
+    """Ranks a fully_shard run splits each parameter over: the world, or with fsdp+tp the
+    tensor-parallel groups (0 for anything else: FSDP2 on one rank still unshards into buffers
+    of its own)."""
+    if not str(cfg.get("parallel", "none")).startswith("fsdp"):
+        return 0
+    return cfg.get("world_size", 1) // tp_size(cfg)
 
 
 def check(cfg):
@@ -35,13 +41,28 @@ def local_shape(shape, t):
     return shape if t <= 1 else [-(-shape[0] // t)] + list(shape[1:])
 
 
-def unsharded_root(s, cfg, params):
-    """The root unit's parameters, unsharded from its forward to the end of backward."""
+def sharded_grad_phases(cfg, phases):
+    """The phases a rank's gradient shards (p.grad) are allocated in: before the last micro-step's
+    backward, FSDP2 has reduce-scattered nothing yet, so with set_to_none they do not exist."""
+    if not shards(cfg) or cfg.get("set_to_none", True) is False:
+        return phases
+    return [p for p in phases if p != "step2_before_backward"]
+
+
+def unsharded(s, cfg, params):
+    """Before backward: the root unit's parameters, unsharded from its forward to the end of
+    backward, and the whole gradients of the earlier micro-steps (no reduce-scatter until the
+    last one's backward). params: (name, shape) as FSDP2 shards them (tensor-parallel local)."""
     if not shards(cfg):
         return []
-    return [line(s, f"weights/{n}/unsharded", 4 * numel(sh), "float32", sh, "4*numel (unsharded)",
-                 ("step2_before_backward",), "the root keeps its parameters unsharded after the forward")
-            for n, sh in params if not n.startswith("transformer.h.")]
+    bb = ("step2_before_backward",)
+    out = [line(s, f"weights/{n}/unsharded", 4 * numel(sh), "float32", sh, "4*numel (unsharded)",
+                bb, "the root keeps its parameters unsharded after the forward")
+           for n, sh in params if not n.startswith("transformer.h.")]
+    if cfg["gradient_accumulation_steps"] > 1:
+        out += [line(s, f"grads/{n}/unsharded", 4 * numel(sh), "float32", sh, "4*numel (unsharded)", bb,
+                     "accumulated whole until the last micro-step's reduce-scatter") for n, sh in params]
+    return out
 
 
 def backward_all_gather(s, cfg, params):

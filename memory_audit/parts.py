@@ -42,7 +42,8 @@ def shape_facts(cfg, dev):
     autocast = cfg["dtype"] != "float32"
     pol = POLICIES[(dev["type"], autocast)]
     lowp = cfg["dtype"] if autocast else "float32"
-    t = cfg["world_size"] if str(cfg.get("parallel", "none")).startswith("tp") else 1
+    from .tensor_parallel import tp_size
+    t = tp_size(cfg)
     return {"B": B, "T": T, "d": d, "nh": nh, "nh_local": nh // t, "L": cfg["n_layer"], "V": cfg["vocab_size"],
             "Ne": B * T * d, "Na": B * nh * T * T, "Nl": B * T * cfg["vocab_size"],
             "dt": dev["type"], "autocast": autocast, "pol": pol, "lowp": lowp, "a": DTYPE_BYTES[lowp],

@@ -10,8 +10,9 @@ Cost is extra work per optimizer step as a fraction of the step's FLOPs (forward
 batch into micro-batches adds no FLOPs; it is charged MICRO_BATCH_COST per doubling of
 gradient_accumulation_steps for its smaller, less efficient GEMMs: an assumption, not a
 measurement. attention=sdpa and expandable_segments cost nothing here (SDPA is faster).
-Parallel options (with --world_size=N) are judged per rank and carry the bytes each rank sends
-per step (tensor_parallel.comm_bytes) instead of a FLOP cost: they need N GPUs and a fast link.
+Parallel options (with --world_size=N: tp, tp-sp, fsdp, fsdp+tp-sp) are judged per rank and carry
+the bytes each rank sends per step (tensor_parallel.comm_bytes) instead of a FLOP cost: they need
+N GPUs and a fast link.
 """
 
 from .predict import DEFAULTS, predict_run
@@ -81,15 +82,25 @@ def candidates(cfg):
 
 def parallel_candidates(cfg):
     """With --world_size=N ranks and parallel=none: tensor parallelism over them (heads split,
-    dropout 0), alone and with sequence parallelism. Each rank's memory is what `need` judges."""
-    t = cfg.get("world_size", 1)
-    if t == 1 or cfg.get("parallel", "none") != "none":
+    dropout 0), alone and with sequence parallelism; FSDP2 over them (no checkpointing); and
+    FSDP2 across tensor-parallel groups of each size k that divides N. Each rank keeps the
+    config's micro-batch and micro-steps, so data-parallel options take N/k times the tokens per
+    step. Each rank's memory is what `need` judges."""
+    n = cfg.get("world_size", 1)
+    if n == 1 or cfg.get("parallel", "none") != "none":
         return []
-    try:
-        check({**DEFAULTS, **cfg, "parallel": "tp"})
-    except ValueError:  # heads not divisible, dropout
-        return []
-    return [(f"{p} over {t} ranks", {"parallel": p}) for p in ("tp", "tp-sp")]
+    out = []
+    if cfg.get("activation_checkpointing", "none") == "none":
+        out.append((f"fsdp over {n} ranks", {"parallel": "fsdp"}))
+    for p, k in [("tp", n), ("tp-sp", n)] + [("fsdp+tp-sp", k) for k in range(2, n) if n % k == 0]:
+        if p.startswith("fsdp") and cfg.get("activation_checkpointing", "none") != "none":
+            continue
+        try:
+            check({**DEFAULTS, **cfg, "parallel": p, "tp_size": k})
+        except ValueError:  # heads not divisible, dropout
+            continue
+        out.append((f"{p} over {n} ranks" + (f" (tp_size={k})" if k < n else ""), {"parallel": p, "tp_size": k}))
+    return out
 
 
 def _option(name, cfg, overrides, dev, limit, base_flops):

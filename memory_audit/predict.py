@@ -45,7 +45,7 @@ DEFAULTS = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=5
                 dropout=0.0, batch_size=12, gradient_accumulation_steps=1, dtype="float16",
                 attention="manual", activation="gelu", optimizer_impl="fused", set_to_none=True,
                 keep_logits=True, grad_clip=1.0, activation_checkpointing="none", ac_every=1,
-                sac_save_ops="", parallel="none", world_size=1, ddp_bucket_view=False)
+                sac_save_ops="", parallel="none", world_size=1, tp_size=0, ddp_bucket_view=False)
 
 
 def gpu_name(name):
@@ -130,7 +130,7 @@ def ddp_bucket_numels(params):
     return sizes + ([cur] if cur else [])
 
 
-PARALLEL = ("none", "ddp", "fsdp", "tp", "tp-sp")
+PARALLEL = ("none", "ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")
 
 
 def _validate(cfg):
@@ -154,7 +154,7 @@ def steady_lines(s, cfg, dev, params):
     dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
     out = [line(s, f"weights/{n}", 4 * _numel(sh), "float32", sh, "4*" + "*".join(map(str, sh)), PHASES)
            for n, sh in params]
-    per_rank = {"tp": 4, "tp-sp": 4, "fsdp": 12}.get(cfg["parallel"])  # measured on CPU at 1 and 2 ranks
+    per_rank = {"tp": 4, "tp-sp": 4, "fsdp": 12, "fsdp+tp": 4, "fsdp+tp-sp": 4}.get(cfg["parallel"])  # measured on CPU, 1, 2 and 4 ranks
     if per_rank:
         mesh = per_rank * cfg["world_size"]
         out.append(line(s, "buffers/device_mesh", mesh, "uint8", [mesh], f"{per_rank}*world_size", PHASES,
@@ -162,7 +162,7 @@ def steady_lines(s, cfg, dev, params):
     if cfg["attention"] == "manual":
         out += [line(s, f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
                      "4*T^2 (causal mask)", PHASES) for i in range(L)]
-    grads_at = grad_phases(cfg)
+    grads_at = fsdp.sharded_grad_phases(cfg, grad_phases(cfg))
     if grads_at and not (cfg["parallel"] == "ddp" and cfg["ddp_bucket_view"]):  # else views into the buckets
         out += [line(s, f"grads/{n}", 4 * _numel(sh), "float32", sh, "4*numel", grads_at) for n, sh in params]
     if cfg["parallel"] == "ddp":  # the Reducer's flat fp32 buckets: a copy of every gradient
@@ -225,11 +225,12 @@ def predict(config=None, device=None, gaps_bytes=None):
     dev = device or device_facts()
     s = shape_facts(cfg, dev)
     t, shards, whole = tp.tp_size(cfg), fsdp.shards(cfg), param_shapes(cfg)
-    params = [(n, fsdp.local_shape(tp.local_shape(n, sh, t), shards)) for n, sh in whole]  # what this rank holds
+    tp_local = [(n, tp.local_shape(n, sh, t)) for n, sh in whole]  # what FSDP2 shards
+    params = [(n, fsdp.local_shape(sh, shards)) for n, sh in tp_local]  # what this rank holds
     acts, recomputed = activation_lines(s, cfg)
-    start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, whole)
+    start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, tp_local)
     peak, backward = peak_lines(s, cfg, params, acts, recomputed, start)
-    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + fsdp.unsharded_root(s, cfg, whole) + acts + peak]
+    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
     totals = _totals(ledger, params, dev, gaps_bytes, cfg)
     totals["recompute_flops"] = recompute_flops(s, cfg)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
@@ -329,8 +330,8 @@ def _korthikanti_tp(c, L, steady):
     t = tp.tp_size(c)
     if t == 1:
         return {}
-    sp = c["parallel"] == "tp-sp"
+    sp = c["parallel"].endswith("tp-sp")
     act = L * sum(tp.paper_bytes(c, t, sp).values())
     return {f"korthikanti2022_{c['parallel']}": {
         "steady_state": steady, "activations": act, "peak": steady + act,
-        "formula": f"act per layer {tp.PER_LAYER[c['parallel']]}, 16-bit"}}
+        "formula": f"act per layer {tp.PER_LAYER['tp-sp' if sp else 'tp']}, 16-bit"}}

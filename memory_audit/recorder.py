@@ -72,7 +72,8 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
     (exp_avg, exp_avg_sq, step), the GradScaler's state, plus `tensors` (name -> tensor).
     FSDP2: a parameter's padded local shard is weights/<name>; while the parameter is
     unsharded (the root after forward, a block inside its forward or backward) the module holds
-    the all-gathered copy, weights/<name>/unsharded."""
+    the all-gathered copy, weights/<name>/unsharded; gradients accumulated between micro-steps
+    without a reduce-scatter are whole too, grads/<name>/unsharded."""
     names, unsharded = {}, {}
     params = dict(model.named_parameters())
     for fp in _fsdp_params(model):
@@ -89,6 +90,11 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
         yield f"weights/{name}", p
     for name, b in model.named_buffers():
         yield f"buffers/{name}", b
+    for fp in _fsdp_params(model):  # accumulating without reduce-scatter: whole gradients
+        g = getattr(getattr(fp, "_unsharded_param", None), "grad", None)
+        for held in (g, getattr(fp, "unsharded_accumulated_grad", None)):
+            if held is not None and fp.sharded_param in names:
+                yield f"grads/{names[fp.sharded_param]}/unsharded", held
     for p, name in names.items():
         g = p.grad
         # a gradient that is a view into a larger buffer (DDP's gradient_as_bucket_view) is not an
@@ -106,6 +112,21 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
     for name, t in (tensors or {}).items():
         if torch.is_tensor(t):
             yield name, t
+
+
+def distributed_info(model):
+    """{backend, world_size, rank, mesh} of this process's torch.distributed run (None without
+    one). mesh: the DeviceMesh the model's DTensor parameters live on (FSDP2, tensor
+    parallelism; the one with most dimensions), None for DDP or plain parameters."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    meshes = [p.device_mesh for p in model.parameters() if getattr(p, "device_mesh", None) is not None]
+    mesh = max(meshes, key=lambda m: m.ndim, default=None)
+    return {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "rank": dist.get_rank(),
+            "mesh": None if mesh is None else {
+                "shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or ()),
+                "coordinate": mesh.get_coordinate(), "ranks": mesh.mesh.tolist()}}
 
 
 def build_registry(model, optimizer=None, scaler=None, tensors=None):
@@ -407,6 +428,7 @@ class AuditRecording:
         self.saved_tensors = []
         self.compiled_wrappers = None  # compiled runs: the wrappers inductor loaded (compiled.capture)
         self.cpu_timeline = None
+        self.distributed = None  # torch.distributed runs: distributed_info()
         self.markers = {}  # CPU: phase -> marker name in the profile
         self.markers_seen = []
         self.error = None
@@ -591,6 +613,7 @@ class AuditRecording:
             "phases": self.phases,
             "saved_tensors": self.saved_tensors,
             "compiled_wrappers": self.compiled_wrappers,
+            "distributed": self.distributed,
             "cpu_timeline": self.cpu_timeline,  # CPU: how the profile became a trace
             "error": self.error,
             "files": self.files,

@@ -178,10 +178,19 @@ def summarize_run(run_dir):
             + f"\nunattributed: {rec['unattributed_bytes']:,} B")
 
 
+def _mesh_of(run_dir, d):
+    """meta.json's torch.distributed record of one rank ({} for runs made before it existed)."""
+    try:
+        with open(os.path.join(run_dir, d, "meta.json")) as f:
+            return json.load(f).get("distributed") or {}
+    except (OSError, ValueError):
+        return {}
+
+
 def ranks_report(run_dir):
     """A torchrun audit (run_dir/rank0, rank1, ...): each rank's totals, predicted beside
-    measured, side by side, with the largest rank and the sum; written to run_dir/report.md and
-    returned. Reads each rank's report.json (written by that rank)."""
+    measured, side by side, with its place on the DeviceMesh, the largest rank and the sum;
+    written to run_dir/report.md and returned. Reads each rank's report.json and meta.json."""
     ranks = sorted((d for d in os.listdir(run_dir) if d.startswith("rank") and d[4:].isdigit()), key=lambda d: int(d[4:]))
     recs = {}
     for d in ranks:
@@ -190,12 +199,21 @@ def ranks_report(run_dir):
     if not recs:
         raise FileNotFoundError(f"{run_dir}: no rank<N>/report.json")
     keys = ("steady_state", "activations", "peak")
+    dist = {d: _mesh_of(run_dir, d) for d in recs}
+    first = next(iter(recs.values()))["config"]
+    mesh = next((m["mesh"] for m in dist.values() if m.get("mesh")), None)
+    shape = " x ".join(f"{n} {s}" for n, s in zip(mesh["dim_names"] or [f"dim{i}" for i in range(len(mesh["shape"]))],
+                                                 mesh["shape"])) if mesh else "none (DDP or one process)"
     out = [f"# Memory report per rank: {os.path.basename(os.path.normpath(run_dir))}", "",
-           "| rank | " + " | ".join(f"{k} predicted / actual" for k in keys) + " | peak diff B | unattributed |",
-           "| --- |" + " --- |" * (len(keys) + 2)]
+           f"parallel={first.get('parallel', '?')}, world size {first.get('world_size', len(recs))}, "
+           f"backend {next((m['backend'] for m in dist.values() if m), '?')}, DeviceMesh: {shape}.", "",
+           "| rank | mesh coordinate | " + " | ".join(f"{k} predicted / actual" for k in keys)
+           + " | peak diff B | unattributed |",
+           "| --- | --- |" + " --- |" * (len(keys) + 2)]
     for d, rec in recs.items():
-        t = rec["totals"]
-        out.append(f"| {d[4:]} | " + " | ".join(f"{t[k]['predicted']:,} / {t[k]['actual']:,}" for k in keys)
+        t, m = rec["totals"], dist[d].get("mesh") or {}
+        where = ", ".join(f"{n} {c}" for n, c in zip(m.get("dim_names") or (), m.get("coordinate") or ())) or "-"
+        out.append(f"| {d[4:]} | {where} | " + " | ".join(f"{t[k]['predicted']:,} / {t[k]['actual']:,}" for k in keys)
                    + f" | {t['peak']['diff']:+,} | {rec['unattributed_bytes']:,} B |")
     peaks = {d: rec["totals"]["peak"]["actual"] for d, rec in recs.items()}
     top = max(peaks, key=peaks.get)

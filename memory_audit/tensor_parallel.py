@@ -25,13 +25,24 @@ ROWWISE = ("attn.c_proj", "mlp.c_proj")  # weight columns split; the bias stays 
 
 
 def tp_size(cfg):
-    """Ranks a tensor-parallel run splits each block over (1 for anything else)."""
-    return cfg.get("world_size", 1) if str(cfg.get("parallel", "none")).startswith("tp") else 1
+    """Ranks a tensor-parallel run splits each block over (1 for anything else): every rank with
+    tp and tp-sp, tp_size of them with fsdp+tp and fsdp+tp-sp."""
+    if "tp" not in str(cfg.get("parallel", "none")):
+        return 1
+    return cfg.get("tp_size") or cfg.get("world_size", 1)
 
 
 def check(cfg):
     """One-line ValueError for a tensor-parallel config that cannot run (train.py, parallelize.py
     and the predictor ask the same rule)."""
+    p, world, given = cfg.get("parallel", "none"), cfg.get("world_size", 1), cfg.get("tp_size", 0)
+    if "tp" in p and p.startswith("fsdp") and not given:
+        raise ValueError(f"parallel={p} needs tp_size, the ranks of one tensor-parallel group (e.g. --tp_size=2)")
+    if "tp" in p and p.startswith("tp") and given not in (0, world):
+        raise ValueError(f"parallel={p} runs over every rank (tp_size={given} but the world size is {world}); "
+                         f"parallel=fsdp+{p} combines a tensor-parallel group with FSDP2 across groups")
+    if given < 0 or given and world % given:
+        raise ValueError(f"tp_size={given} does not divide the world size {world}")
     t = tp_size(cfg)
     if t > 1 and cfg["n_head"] % t:
         raise ValueError(f"parallel={cfg['parallel']} over {t} ranks needs n_head divisible by {t}: "
@@ -89,7 +100,7 @@ def _whole(key, sp):
 def shard_lines(s, lines, cfg):
     """Activation lines as one rank of a tensor-parallel run holds them (a block's, or the head's:
     only ln_f's change, with sequence parallelism)."""
-    t, sp = tp_size(cfg), cfg.get("parallel") == "tp-sp"
+    t, sp = tp_size(cfg), str(cfg.get("parallel")).endswith("tp-sp")
     if t == 1:
         return lines
     return [l if _whole(l["key"], sp) else _divided(s, l, t, _split_dim(l["key"])) for l in lines]
@@ -137,7 +148,7 @@ def paper_bytes(cfg, t, sp):
 def korthikanti_rows(cfg, predicted, actual):
     """Rows [term, paper formula, paper bytes, predicted, actual, why they differ] for one layer on
     one rank; predicted/actual: {activation key of block 0: bytes}."""
-    t, sp = tp_size(cfg), cfg.get("parallel") == "tp-sp"
+    t, sp = tp_size(cfg), str(cfg.get("parallel")).endswith("tp-sp")
     paper = paper_bytes(cfg, t, sp)
     formulas = PAPER["tp-sp" if sp else "tp"]
     sums = []
@@ -153,15 +164,23 @@ def korthikanti_rows(cfg, predicted, actual):
 
 
 def comm_bytes(cfg, params):
-    """Bytes one rank sends per optimizer step (ring algorithms; an estimate, not measured):
-    DDP all-reduces the fp32 gradients once, 2(t-1)/t * 4N; tensor parallelism moves each
-    block's activations four times a micro-step (two all-reduces forward, two backward; SP's
-    all-gather/reduce-scatter pairs send the same), 4 * 2(t-1)/t * a*B*T*d per layer."""
-    t = cfg.get("world_size", 1)
-    if t == 1 or cfg.get("parallel", "none") == "none":
+    """Bytes one rank sends per optimizer step (ring algorithms; an estimate, not measured), with
+    `params` the parameters this rank holds and m its micro-steps:
+      ddp     all-reduces the fp32 gradients once: 2(w-1)/w * 4N;
+      fsdp    all-gathers its shard in each micro-step's forward and backward and
+              reduce-scatters the gradients once, over d = w/t ranks: (2m+1)(d-1) * 4*params;
+      tp      moves each block's activations four times a micro-step (two all-reduces forward,
+              two backward; SP's all-gather/reduce-scatter pairs send the same):
+              4 * 2(t-1)/t * a*B*T*d per layer and micro-step."""
+    w, p = cfg.get("world_size", 1), cfg.get("parallel", "none")
+    if w == 1 or p == "none":
         return 0
-    if cfg["parallel"] == "ddp":
-        return 2 * (t - 1) * 4 * params // t
-    a = 4 if cfg["dtype"] == "float32" else 2
-    per_layer = 4 * 2 * (t - 1) * a * cfg["batch_size"] * cfg["block_size"] * cfg["n_embd"] // t
-    return per_layer * cfg["n_layer"] * cfg["gradient_accumulation_steps"]
+    if p == "ddp":
+        return 2 * (w - 1) * 4 * params // w
+    t, m = tp_size(cfg), cfg["gradient_accumulation_steps"]
+    out = (2 * m + 1) * (w // t - 1) * 4 * params if p.startswith("fsdp") else 0
+    if t > 1:
+        a = 4 if cfg["dtype"] == "float32" else 2
+        per_layer = 4 * 2 * (t - 1) * a * cfg["batch_size"] * cfg["block_size"] * cfg["n_embd"] // t
+        out += per_layer * cfg["n_layer"] * m
+    return out

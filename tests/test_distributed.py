@@ -13,16 +13,16 @@ from conftest import ROOT, load_json, run_train
 from memory_audit.predict import device_facts, predict
 from memory_audit.reconcile import mismatched
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def _torchrun(*args, timeout=240, accumulation=2, **env_extra):
+def _torchrun(*args, timeout=240, accumulation=2, ranks=2, **env_extra):
     """One torchrun job. A rank that dies by SIGSEGV/SIGABRT inside torch (seen twice in about 60
     two-rank CPU runs: once as the Kineto profiler started under gloo, once at gloo's teardown
     after training had finished; neither reproduced in 30 reruns) is rerun once, and says so;
     every assertion is made on the run that completed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", **env_extra)
-    cmd = TORCHRUN + ["train.py", "config/audit_cpu_tiny.py", f"--gradient_accumulation_steps={accumulation}",
+    cmd = TORCHRUN + [f"--nproc_per_node={ranks}", "train.py", "config/audit_cpu_tiny.py", f"--gradient_accumulation_steps={accumulation}",
                       "--dist_timeout_s=60", *args]
     for attempt in (1, 2):
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -71,16 +71,16 @@ def test_ddp_gradient_as_bucket_view_keeps_no_gradients_of_its_own(tmp_path):
         assert all(r["key"] == "grads/ddp_buckets" and 0 < r["diff"] <= 68 for r in off), off
 
 
-def _tp_ranks(tmp_path, name):
-    """Each rank's report.json of a tensor-parallel audit: exact, line by line, 0 unattributed."""
+def _tp_ranks(tmp_path, name, ranks=2):
+    """Each rank's report.json of a sharded audit: exact, line by line, 0 unattributed."""
     out = []
-    for rank in (0, 1):
+    for rank in range(ranks):
         rec = json.load(open(tmp_path / name / f"rank{rank}" / "report.json"))
-        assert rec["config"]["world_size"] == 2 and rec["unattributed_bytes"] == 0
+        assert rec["config"]["world_size"] == ranks and rec["unattributed_bytes"] == 0
         assert mismatched(rec["rows"]) == []
         assert all(rec["totals"][k]["diff"] == 0 for k in ("steady_state", "activations", "peak")), rec["totals"]
         out.append(rec)
-    assert out[0]["totals"] == out[1]["totals"]  # the ranks are symmetric
+    assert all(r["totals"] == out[0]["totals"] for r in out)  # the ranks are symmetric
     return out
 
 
@@ -126,24 +126,53 @@ def test_tensor_parallel_composes_with_activation_checkpointing(tmp_path):
 
 
 def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
-    """parallel=fsdp on 2 gloo ranks: padded shards, the root unsharded before backward and the last
-    block's all-gather buffer at the peak, every line exact on both ranks; the audit changes no
-    loss; each rank's steady state is well under DDP's (half the weights and Adam state, no
-    buckets)."""
+    """parallel=fsdp on 2 gloo ranks, two micro-steps each: padded shards, the root unsharded
+    before backward, the first micro-step's gradients accumulated whole (no reduce-scatter until
+    the last), the last block's all-gather buffer at the peak, every line exact on both ranks;
+    the audit changes no loss; each rank's steady state is well under DDP's (half the weights and
+    Adam state, no buckets)."""
     audited = _torchrun("--parallel=fsdp", "--audit", f"--audit_dir={tmp_path}", "--run_name=fsdp",
-                        f"--losses_out={tmp_path}/audited.json")
+                        f"--losses_out={tmp_path}/audited.json", accumulation=4)
     assert audited.returncode == 0, audited.stdout[-3000:] + audited.stderr[-3000:]
-    plain = _torchrun("--parallel=fsdp", "--max_iters=3", f"--losses_out={tmp_path}/plain.json")
+    plain = _torchrun("--parallel=fsdp", "--max_iters=3", f"--losses_out={tmp_path}/plain.json", accumulation=4)
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-6000:]
     assert load_json(tmp_path / "plain.json") == load_json(tmp_path / "audited.json")
     rec = _tp_ranks(tmp_path, "fsdp")[0]
     params = 4 * 135_488  # cpu-tiny's fp32 weights, whole
     assert _line(rec, "weights/transformer.wte.weight", "step2_start") == 4 * 512 * 64 // 2
     assert _line(rec, "weights/transformer.wte.weight/unsharded") == 4 * 512 * 64
+    before = {r["key"] for r in rec["rows"] if r["phase"] == "step2_before_backward" and r["actual"]}
+    assert "grads/transformer.h.0.mlp.c_fc.weight/unsharded" in before and "grads/transformer.wte.weight" not in before
+    assert _line(rec, "grads/transformer.wte.weight/unsharded") == 4 * 512 * 64
     steady = rec["totals"]["steady_state"]["actual"]
     assert steady < 3 * params // 2 + 40_000  # weights + 2 Adam moments, halved (+ masks, batch)
     ddp = predict(dict(rec["config"], parallel="ddp"), device_facts("cpu"))["totals"]["steady_state_bytes"]
     assert steady < ddp / 2
+
+
+def test_fsdp_across_tensor_parallel_groups_on_a_2d_mesh(tmp_path):
+    """parallel=fsdp+tp-sp on 4 gloo ranks, a (dp 2, tp 2) DeviceMesh: tensor and sequence
+    parallelism within each pair of ranks, FSDP2 across the pairs. Every line exact on every
+    rank, each rank's place on the mesh in meta.json and the run's report; the same losses as
+    FSDP2 over 2 ranks with the same data to 1e-5 (the model is the same function)."""
+    four = _torchrun("--parallel=fsdp+tp-sp", "--tp_size=2", "--audit", f"--audit_dir={tmp_path}", "--run_name=2d",
+                     f"--losses_out={tmp_path}/2d.json", ranks=4, timeout=400)
+    assert four.returncode == 0, four.stdout[-3000:] + four.stderr[-3000:]
+    two = _torchrun("--parallel=fsdp", "--max_iters=3", f"--losses_out={tmp_path}/fsdp.json")
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    fsdp = [float.fromhex(x) for x in load_json(tmp_path / "fsdp.json")]
+    assert all(math.isclose(float.fromhex(x), y, rel_tol=1e-5) for x, y in zip(load_json(tmp_path / "2d.json"), fsdp))
+    recs = _tp_ranks(tmp_path, "2d", ranks=4)
+    rec = recs[0]
+    assert rec["config"]["tp_size"] == 2 and rec["config"]["world_size"] == 4
+    assert _line(rec, "weights/transformer.h.0.mlp.c_fc.weight", "step2_start") == 4 * 256 * 64 // 4  # tp rows, then dp
+    assert _line(rec, "weights/transformer.wte.weight", "step2_start") == 4 * 512 * 64 // 2  # replicated over tp
+    assert _line(rec, "activations/h.0.ln_1/native_layer_norm.input") == 4 * 2 * 64 * 64 // 2  # T/2 with SP
+    coords = [load_json(tmp_path / "2d" / f"rank{r}" / "meta.json")["distributed"]["mesh"] for r in range(4)]
+    assert [c["coordinate"] for c in coords] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert coords[0]["dim_names"] == ["dp", "tp"] and coords[0]["shape"] == [2, 2]
+    side = open(tmp_path / "2d" / "report.md").read()
+    assert "DeviceMesh: dp 2 x tp 2" in side and "| 3 | dp 1, tp 1 |" in side
 
 
 def test_a_failing_rank_leaves_snapshots_and_every_rank_one_line(tmp_path):
@@ -161,8 +190,9 @@ def test_a_failing_rank_leaves_snapshots_and_every_rank_one_line(tmp_path):
 
 def test_bad_parallel_input_is_one_line(tmp_path):
     for strategy, says in (("ddp", "torchrun"), ("tp-sp", "torchrun"), ("fsdp", "torchrun"),
-                           ("fsdp+tp", "not built yet"), ("pipeline", "parallel must be none, ddp, fsdp, tp or tp-sp")):
-        p = run_train("--device=cpu", "--preset=cpu-tiny", f"--parallel={strategy}", "--max_iters=1")
+                           ("fsdp+tp --tp_size=1", "torchrun"), ("none --tp_size=2", "tp_size=2 is for parallel=tp"),
+                           ("pipeline", "parallel must be one of none, ddp, fsdp, tp, tp-sp, fsdp+tp, fsdp+tp-sp")):
+        p = run_train("--device=cpu", "--preset=cpu-tiny", *f"--parallel={strategy}".split(), "--max_iters=1")
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
     odd = _torchrun("--gradient_accumulation_steps=3", "--max_iters=1", timeout=120)
     assert odd.returncode != 0
@@ -170,6 +200,10 @@ def test_bad_parallel_input_is_one_line(tmp_path):
     heads = _torchrun("--parallel=tp", "--n_head=1", "--max_iters=1", timeout=120)
     assert heads.returncode != 0 and 'train.py", line' not in heads.stderr  # torchrun's own report aside, no traceback
     assert heads.stderr.count("n_head=1 is not divisible by 2") == 2
+    for tp, says in (("--tp_size=3", "tp_size=3 does not divide the world size 2"),
+                     ("--tp_size=0", "parallel=fsdp+tp needs tp_size")):
+        p = _torchrun("--parallel=fsdp+tp", tp, "--max_iters=1", timeout=120)
+        assert p.returncode != 0 and 'train.py", line' not in p.stderr and p.stderr.count(says) == 2, p.stderr[-2000:]
 
 
 def test_ddp_buckets_are_predicted_per_bucket_and_count_in_fit():
@@ -250,15 +284,25 @@ def test_parallel_prediction_per_rank_and_plan_options():
               for p in ("none", "fsdp", "tp", "tp-sp")}
     assert totals["fsdp"]["steady_state_bytes"] < totals["none"]["steady_state_bytes"] / 3
     assert totals["tp-sp"]["activations_bytes"] < totals["tp"]["activations_bytes"] < totals["none"]["activations_bytes"]
+    # the 2-D mesh: activations as tp-sp over its tensor-parallel group, parameters sharded over both
+    two_d = predict(dict(base, parallel="fsdp+tp-sp", world_size=8, tp_size=4), h100)
+    assert two_d["totals"]["activations_bytes"] == totals["tp-sp"]["activations_bytes"]
+    fc = next(l for l in two_d["ledger"] if l["key"] == "weights/transformer.h.0.mlp.c_fc.weight")
+    assert fc["shape"] == [4 * 1024 // 4 // 2, 1024]
     for bad, says in ((dict(base, parallel="tp", world_size=3), "n_head divisible by 3"),
                       (dict(base, parallel="tp", world_size=2, dropout=0.1), "dropout=0"),
                       (dict(base, parallel="fsdp", world_size=2, activation_checkpointing="full"), "not modelled"),
-                      (dict(base, parallel="pp", world_size=2), "parallel must be one of")):
+                      (dict(base, parallel="pp", world_size=2), "parallel must be one of"),
+                      (dict(base, parallel="fsdp+tp", world_size=4, tp_size=3), "does not divide the world size 4"),
+                      (dict(base, parallel="fsdp+tp-sp", world_size=4), "needs tp_size"),
+                      (dict(base, parallel="tp", world_size=4, tp_size=2), "runs over every rank")):
         with pytest.raises(ValueError, match=says):
             predict(bad, h100)
     r = plan(dict(base, attention="manual", batch_size=12, world_size=4), device_facts(gpu="A100-40GB"), 0.02)
     tp = [o for o in r["options"] if o["overrides"].get("parallel")]
-    assert {o["option"] for o in tp} == {"tp over 4 ranks", "tp-sp over 4 ranks"} and all(o["comm_bytes_per_step"] > 0 for o in tp)
+    assert {o["option"] for o in tp} == {"tp over 4 ranks", "tp-sp over 4 ranks", "fsdp over 4 ranks",
+                                         "fsdp+tp-sp over 4 ranks (tp_size=2)"}
+    assert all(o["comm_bytes_per_step"] > 0 for o in tp)
     assert all(o["comm_bytes_per_step"] == 0 for o in r["options"] if not o["overrides"].get("parallel"))
     rows = tensor_parallel.korthikanti_rows(dict(base, block_size=1024, parallel="tp", world_size=4), {}, {})
     assert rows[-1][2] == 1024 * 8 * 1024 * (10 + 24 // 4) + 5 * 16 * 1024 * 1024 * 8 // 4  # sbh(10+24/t)+5as^2b/t
