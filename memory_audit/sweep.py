@@ -52,6 +52,14 @@ def grid(name):
     if name == "gpu-compile-budget":  # for a lent GPU: GPT-2 small fp16 compiled (manual attention)
         return [dict(preset="gpt2", batch_size=12, dtype="float16", attention="manual", compile=True,
                      activation_memory_budget=b) for b in (1.0, 0.5, 0.1)]
+    if name == "cpu-parallel":  # every torchrun strategy on cpu-tiny, gloo; one row per rank
+        base = dict(preset="cpu-tiny", batch_size=2, device="cpu", dtype="float32")
+        return [base, dict(base, nproc=2, parallel="ddp", gradient_accumulation_steps=2),
+                dict(base, nproc=2, parallel="fsdp", gradient_accumulation_steps=2),
+                dict(base, nproc=2, parallel="fsdp", gradient_accumulation_steps=4),
+                dict(base, nproc=2, parallel="tp"), dict(base, nproc=2, parallel="tp-sp"),
+                dict(base, nproc=4, parallel="fsdp+tp", tp_size=2, gradient_accumulation_steps=2),
+                dict(base, nproc=4, parallel="fsdp+tp-sp", tp_size=2, gradient_accumulation_steps=2)]
     if name == "smoke":  # one tiny CPU run, for tests
         return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
     if name == "gpu-ac":  # for a lent GPU: GPT-2 small and medium, fp16, full and selective
@@ -60,12 +68,20 @@ def grid(name):
     raise ValueError(f"unknown grid {name!r}; one of {', '.join(GRIDS)}")
 
 
-GRIDS = ("cpu-small", "cpu-ac", "cpu-compile-budget", "gpt2-sizes", "variants", "gpu-ac", "gpu-compile-budget", "smoke")
+GRIDS = ("cpu-small", "cpu-ac", "cpu-compile-budget", "cpu-parallel", "gpt2-sizes", "variants", "gpu-ac", "gpu-compile-budget", "smoke")
 COMPILE_BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
 def _args(cfg):
-    return [f"--{k}={v}" for k, v in cfg.items()]
+    return [f"--{k}={v}" for k, v in cfg.items() if k != "nproc"]
+
+
+def _launch(cfg):
+    """train.py, or under torchrun with nproc ranks on this host (a sweep config's `nproc`)."""
+    train = os.path.join(ROOT, "train.py")
+    if "nproc" not in cfg:
+        return [sys.executable, train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg['nproc']}", train]
 
 
 _STEP = re.compile(r"^iter (\d+) \(step (\d+)\): loss ([0-9.naninf-]+), time ([0-9.]+)ms")
@@ -75,30 +91,51 @@ def _step_ms(log):
     return {int(m[2]): float(m[4]) for m in map(_STEP.match, log.splitlines()) if m}
 
 
+_SIGNALLED = re.compile(r"Signal (6|11) \(SIG(ABRT|SEGV)\)")
+
+
+def _child(cmd, timeout, env):
+    """(stdout + stderr, exit status; -1 on timeout) of one child process."""
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+        return p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        return (e.stdout or "") if isinstance(e.stdout, str) else "", -1
+
+
 def run_one(cfg, audit_dir, timeout, overhead):
     """Audit one config in a child process; returns (status, run_dir, log, plain step times)."""
     name = "sweep-" + "-".join(f"{k}{v}" for k, v in cfg.items() if k != "device").replace(".", "p")
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--audit_dir={audit_dir}",
-           f"--run_name={name}"] + _args(cfg)
+    cmd = _launch(cfg) + ["--audit", f"--audit_dir={audit_dir}", f"--run_name={name}"] + _args(cfg)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE") if "nproc" in cfg else None
     t0 = time.time()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        log, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = (e.stdout or "") if isinstance(e.stdout, str) else "", -1
+    log, rc = _child(cmd, timeout, env)
+    if "nproc" in cfg and _SIGNALLED.search(log):  # README: gloo's rare crash inside torch; once more
+        log, rc = _child(cmd, timeout, env)
+        log = "sweep: a rank died by a signal inside torch; this is the rerun\n" + log
     wall = time.time() - t0
-    m = re.search(r"audit: recording allocator history into (\S+)", log)
-    run_dir = m[1] if m else None
+    m = list(re.finditer(r"audit: recording allocator history into (\S+)", log))
+    run_dir = m[-1][1] if m else None
+    if run_dir and "nproc" in cfg:  # each rank records into run/rank<r>/
+        run_dir = os.path.dirname(run_dir)
     if rc != 0:
         status = "oom" if ("OutOfMemory" in log or "out of memory" in log) else ("timeout" if rc == -1 else "error")
     else:
         status = "ok"
     plain = {}
-    if overhead and status == "ok":
+    if overhead and status == "ok" and "nproc" not in cfg:
         p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--max_iters=4"] + _args(cfg),
                            cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         plain = _step_ms(p.stdout)
     return status, run_dir, log, wall, plain
+
+
+def rows_for(cfg, status, run_dir, log, wall, plain):
+    """row_for, once per rank for a torchrun config (config["rank"] says which)."""
+    if "nproc" not in cfg or status != "ok":
+        return [row_for(cfg, status, run_dir, log, wall, plain)]
+    return [row_for(dict(cfg, rank=r), status, os.path.join(run_dir, f"rank{r}"), log, wall, plain)
+            for r in range(cfg["nproc"])]
 
 
 def row_for(cfg, status, run_dir, log, wall, plain):
@@ -170,27 +207,32 @@ def run_sweep(args):
     rows = []
     for i, (cfg, run) in enumerate(zip(configs, _runs(configs, audit_dir, args.timeout, args.jobs))):
         status, run_dir, log, wall, plain = run
-        row = row_for(cfg, status, run_dir, log, wall, plain)
-        row["produced_by"] = "python -m memory_audit sweep " + (f"--grid={args.grid}" if args.grid else f"--configs={args.configs}")
-        if out is None:
-            dev = (row.get("device") or "cpu").lower()
-            tag = "h100" if "h100" in dev else "h200" if "h200" in dev else "a100" if "a100" in dev else re.sub(r"\W+", "-", dev)
-            out = os.path.join(ROOT, "snapshots", "results", f"{tag}.jsonl")
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        rows.append(row)
-        t = row.get("totals", {})
-        print(f"[{i + 1}/{len(configs)}] {status} {json.dumps(cfg)}"
-              + (f" peak pred {t['peak']['predicted']:,} actual {t['peak']['actual']:,} ({t['peak']['diff_pct']:+.3f}%)"
-                 f" act mismatches {len(row['activation_lines_mismatched'])} unattributed {row['unattributed_bytes']}"
-                 if t else f" {row.get('error', '')}"), flush=True)
-        if run_dir and not args.keep and os.path.isdir(run_dir):  # keep meta.json and the reports
-            for f in os.listdir(run_dir):
-                if f.endswith(".pickle"):
-                    os.remove(os.path.join(run_dir, f))
+        for row in rows_for(cfg, status, run_dir, log, wall, plain):
+            row["produced_by"] = "python -m memory_audit sweep " + (f"--grid={args.grid}" if args.grid else f"--configs={args.configs}")
+            out = out or _results_file(row)
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            rows.append(row)
+            t = row.get("totals", {})
+            print(f"[{i + 1}/{len(configs)}] {status} {json.dumps(row['config'])}"
+                  + (f" peak pred {t['peak']['predicted']:,} actual {t['peak']['actual']:,} ({t['peak']['diff_pct']:+.3f}%)"
+                     f" act mismatches {len(row['activation_lines_mismatched'])} unattributed {row['unattributed_bytes']}"
+                     if t else f" {row.get('error', '')}"), flush=True)
+        if run_dir and not args.keep:  # keep meta.json and the reports (each rank's, for torchrun)
+            for d, _, files in os.walk(run_dir):
+                for f in files:
+                    if f.endswith(".pickle"):
+                        os.remove(os.path.join(d, f))
     print(f"wrote {len(rows)} rows to {out}")
     return rows
+
+
+def _results_file(row):
+    """snapshots/results/<device tag>.jsonl for a row."""
+    dev = (row.get("device") or "cpu").lower()
+    tag = "h100" if "h100" in dev else "h200" if "h200" in dev else "a100" if "a100" in dev else re.sub(r"\W+", "-", dev)
+    return os.path.join(ROOT, "snapshots", "results", f"{tag}.jsonl")
 
 
 def repredict(row):

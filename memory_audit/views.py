@@ -384,6 +384,65 @@ def fig_compile_budget(rows):
     return fig
 
 
+def _parallel_rows(rows):
+    """torchrun rows (one per rank) and the one-process row of the same setup, predictions
+    recomputed, in grid order."""
+    from .sweep import repredict
+    ok = [r for r in rows if r.get("status") == "ok" and r["file"] == "cpu-parallel.jsonl"]
+    return [dict(r, totals=repredict(r)) for r in ok]
+
+
+def _strategy(r):
+    c = r.get("resolved_config") or r["config"]
+    p = c.get("parallel", "none")
+    mesh = f" (tp_size {c['tp_size']})" if p.startswith("fsdp+") else ""
+    m = c.get("gradient_accumulation_steps", 1)
+    return f"{p}{mesh} x{c.get('world_size', 1)}, {m} micro-step{'s' if m > 1 else ''}"
+
+
+def parallel_table(rows):
+    """Memory per rank of each torchrun strategy (CPU, gloo): predicted beside measured for each
+    rank, the lines that differ and what is unattributed."""
+    out = []
+    for r in _parallel_rows(rows):
+        t = r["totals"]
+        out.append((_strategy(r), r["config"].get("rank", 0), t["steady_state"]["predicted"], t["steady_state"]["actual"],
+                    t["activations"]["predicted"], t["activations"]["actual"], t["peak"]["predicted"], t["peak"]["actual"],
+                    t["peak"]["diff"], len(r["activation_lines_mismatched"]) + len(r["steady_lines_mismatched"]),
+                    r["unattributed_bytes"]))
+    return formatted(_frame(out, ["strategy", "rank", "steady predicted B", "steady measured B", "activations predicted B",
+                                  "activations measured B", "peak predicted B", "peak measured B", "peak diff B",
+                                  "lines off", "unattributed B"]))
+
+
+def fig_parallel(rows):
+    """Each strategy's largest rank: steady state, activations and peak, measured (bars) and
+    predicted (ticks)."""
+    import matplotlib.pyplot as plt
+    largest = {}
+    for r in _parallel_rows(rows):
+        k = _strategy(r)
+        if k not in largest or r["totals"]["peak"]["actual"] > largest[k]["totals"]["peak"]["actual"]:
+            largest[k] = r
+    fig, ax = plt.subplots(figsize=(8, 4))
+    if not largest:
+        ax.text(0.5, 0.5, "no torchrun results", ha="center")
+        return fig
+    what, width = ("steady_state", "activations", "peak"), 0.27
+    for j, w in enumerate(what):
+        xs = [i + (j - 1) * width for i in range(len(largest))]
+        ax.bar(xs, [r["totals"][w]["actual"] / 2 ** 20 for r in largest.values()], width, label=f"{w} (measured)")
+        ax.scatter(xs, [r["totals"][w]["predicted"] / 2 ** 20 for r in largest.values()], marker="_", s=200,
+                   color="black", label="predicted" if j == 0 else None)
+    ax.set_xticks(range(len(largest)))
+    ax.set_xticklabels(list(largest), rotation=25, ha="right", fontsize=7)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("cpu-tiny, fp32, batch 2: the largest rank of each strategy (gloo)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def save(fig, run_dir, name):
     """Save a figure as PNG beside the run (skipped where the run directory is read-only)."""
     path = os.path.join(run_dir, name)

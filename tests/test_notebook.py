@@ -37,7 +37,7 @@ def test_notebook_executes_without_errors(executed, cpu_run):
                      for o in c.get("outputs", []))
     assert "NaN" not in tables and "None" not in tables  # a missing side reads "-"
     assert re.search(r"\d{1,3},\d{3},\d{3}", tables)  # bytes with thousands separators
-    for png in ("categories.png", "timeline.png", "sweep.png", "levers.png", "compile_budget.png"):
+    for png in ("categories.png", "timeline.png", "sweep.png", "levers.png", "compile_budget.png", "parallel.png"):
         assert os.path.getsize(os.path.join(cpu_run, png)) > 5000
 
 
