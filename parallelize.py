@@ -65,14 +65,16 @@ def parallelize(model, strategy, device_type, world_size, tp_size):
     """Shard model in place for `strategy` over world_size ranks; returns the model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    if strategy == "ddp":  # train.py wraps the model in DistributedDataParallel instead
+        return model
+    t = tp_size if "tp" in strategy else 1
+    mesh = init_device_mesh(device_type, (world_size // t, t), mesh_dim_names=("dp", "tp"))
     if "tp" in strategy:
-        mesh = init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
         tensor_parallel(model, mesh["tp"], sequence_parallel=strategy.endswith("-sp"))
     if strategy.startswith("fsdp"):  # each block a unit, then the root (embeddings, ln_f, the tied lm_head)
-        dp = mesh["dp"] if "tp" in strategy else None
-        for block in model.transformer.h:
-            fully_shard(block, mesh=dp)
-        fully_shard(model, mesh=dp)
+        for block in model.transformer.h:  # one mesh for every unit (fully_shard alone makes one per call)
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     return model
 
 

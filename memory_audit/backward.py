@@ -84,8 +84,9 @@ def _released_after(acts, b):
                     and l["key"].startswith(head) and l["key"] != "activations/lm_head/output"]
 
 
-def block_moment(s, cfg, params, acts, b, redo):
-    """Changes from the before-backward ledger at block b's first backward matmul."""
+def block_entry(s, cfg, params, acts, b):
+    """Changes from the before-backward ledger when block b's backward begins: the later blocks
+    are done, and the gradient into block b has arrived."""
     B, T, d, L = s["B"], s["T"], s["d"], s["L"]
     out = [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"]) for l in _released_after(acts, b)]
     out.append(_delta(s, "released/inputs.y", -8 * B * T, "-8*B*T", "old targets, freed with nll_loss"))
@@ -97,7 +98,13 @@ def block_moment(s, cfg, params, acts, b, redo):
     # the tied weight's gradient waits in the engine's input buffer for the embedding's
     out.append(_delta(s, "temporary/lm_head_grad", 4 * s["V"] * d, "4*V*d",
                       "tied wte/lm_head gradient, until the embedding's is added"))
-    out += _first_matmul(s, cfg, b)
+    rows = s["Ne"] // (s["tp"] if s["sp"] else 1)  # sequence parallelism: the residual stream is /t
+    return out + [_delta(s, f"temporary/h.{b}/grad_output", 4 * rows, "4*B*T*d", "gradient into the block (fp32)")]
+
+
+def block_moment(s, cfg, params, acts, b, redo):
+    """Changes from the before-backward ledger at block b's first backward matmul."""
+    out = block_entry(s, cfg, params, acts, b) + _first_matmul(s, cfg, b)
     for l in redo["freed"]:
         out.append(_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "consumed by the recomputation"))
     for l in redo["new"]:
@@ -118,8 +125,8 @@ def forward_end(s, cfg, acts):
             if block_mode(cfg, i) in ("full", "sac"):
                 for mod, n_in, n_out in (("attn.c_attn", d, 3 * d), ("attn.c_proj", d, d),
                                          ("mlp.c_fc", d, 4 * d), ("mlp.c_proj", 4 * d, d)):
-                    out.append(_delta(s, f"temporary/autocast_cache/h.{i}.{mod}", s["a"] * n_in * n_out,
-                                      f"{s['a']}*{n_in}*{n_out}", "weight copy, cached until autocast exits"))
+                    out.append(_delta(s, f"temporary/autocast_cache/h.{i}.{mod}", s["a"] * n_in * n_out // s["tp"],
+                                      f"{s['a']}*{n_in}*{n_out}/t", "weight copy, cached until autocast exits"))
     out.append(_delta(s, "temporary/tok_emb", 4 * Ne, "4*B*T*d", "held by GPT.forward"))
     out.append(_delta(s, "temporary/pos_emb", 4 * T * d, "4*T*d", "held by GPT.forward"))
     if s["autocast"]:  # ln_f's fp32 output; lm_head saved its low-precision cast
@@ -139,39 +146,49 @@ def _first_matmul(s, cfg, b):
     gradients already exist (accumulation, set_to_none=False) the new one is a temporary until
     it is added in place."""
     d, Ne, a, fresh = s["d"], s["Ne"], s["a"], "step2_before_backward" not in grad_phases(cfg)
-    out = [_delta(s, f"temporary/h.{b}/grad_output", 4 * Ne, "4*B*T*d", "gradient into the block (fp32)")]
-    w = f"h.{b}.mlp.c_proj"
+    t, rows = s["tp"], s["Ne"] // (s["tp"] if s["sp"] else 1)  # tensor parallelism: c_proj's input is /t;
+    out, w = [], f"h.{b}.mlp.c_proj"  # sequence parallelism: the gradient into the block is /t too
     if s["autocast"]:
-        out.append(_delta(s, f"temporary/h.{b}.mlp/grad_output_cast", a * Ne, f"{a}*B*T*d",
+        out.append(_delta(s, f"temporary/h.{b}.mlp/grad_output_cast", a * rows, f"{a}*B*T*d",
                           "its cast for the low-precision MLP output"))
-        out.append(_delta(s, f"temporary/{w}/grad_weight", a * 4 * d * d, f"{a}*4d*d", "low-precision weight gradient"))
+    if s["sp"]:  # the row-parallel c_proj's reduce-scatter: its backward all-gathers the gradient
+        g = a if s["autocast"] else 4
+        out.append(_delta(s, f"temporary/{w}/grad_output_gathered", g * Ne, f"{g}*B*T*d", "all-gathered over the ranks"))
+    if s["autocast"]:
+        out.append(_delta(s, f"temporary/{w}/grad_weight", a * 4 * d * d // t, f"{a}*4d*d/t", "low-precision weight gradient"))
     else:
         key = f"grads/transformer.{w}.weight" if fresh else f"temporary/{w}/grad_weight"
-        out.append(_delta(s, key, 4 * 4 * d * d, "4*4d*d"))
+        out.append(_delta(s, key, 4 * 4 * d * d // t, "4*4d*d/t"))
     if s["bias"]:  # addmm's bias gradient, a sum over the rows (measured for fp32 only)
         key = f"grads/transformer.{w}.bias" if fresh and not s["autocast"] else f"temporary/{w}/grad_bias"
         out.append(_delta(s, key, (a if s["autocast"] else 4) * d, "4*d"))
-    out.append(_delta(s, f"temporary/{w}/grad_input", a * 4 * Ne, f"{a}*4*B*T*d", "c_proj's input gradient"))
+    out.append(_delta(s, f"temporary/{w}/grad_input", a * 4 * Ne // t, f"{a}*4*B*T*d/t", "c_proj's input gradient"))
     return out
 
 
 def _activation_backward(s, b):
     """One node later: the MLP activation's input gradient. GELU's output, saved by c_proj
     alone, is gone by then; ReLU's output is also ReLU's own saved tensor and stays."""
-    a, Ne = s["a"], s["Ne"]
-    out = [_delta(s, f"temporary/h.{b}.mlp.act/grad_input", a * 4 * Ne, f"{a}*4*B*T*d", "activation's input gradient")]
+    a, Ne = s["a"], s["Ne"] // s["tp"]  # the MLP's hidden units are /t with tensor parallelism
+    out = [_delta(s, f"temporary/h.{b}.mlp.act/grad_input", a * 4 * Ne, f"{a}*4*B*T*d/t", "activation's input gradient")]
     if s["activation"] == "gelu":
-        out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d", "GELU output"))
+        out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d/t", "GELU output"))
     return out
 
 
-def peak_lines(s, cfg, params, acts, recomputed, start):
-    """(lines of the peak moment, as changes from the before-backward ledger; a summary)."""
+def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []):
+    """(lines of the peak moment, as changes from the before-backward ledger; a summary).
+    during(moment): what a parallel strategy adds at the end of the forward ("forward end"), as
+    block b's backward begins (("entry", b)) or inside it (b), e.g. fsdp.during."""
     candidates = [("start of backward", start)]
     if recomputed:  # only a lever that shrinks what is saved lets the forward's end compete
-        candidates.append(("end of forward", forward_end(s, cfg, acts)))
+        candidates.append(("end of forward", forward_end(s, cfg, acts) + during("forward end")))
+    for b in range(s["L"] - 1, 0, -1):  # a strategy's own moments: FSDP2's prefetch as block b's backward begins
+        extra = during(("entry", b))
+        if extra:
+            candidates.append((f"backward of h.{b} begins", block_entry(s, cfg, params, acts, b) + extra))
     for b in sorted(recomputed, reverse=True):
-        moment = block_moment(s, cfg, params, acts, b, recomputed[b])
+        moment = block_moment(s, cfg, params, acts, b, recomputed[b]) + during(b)
         candidates.append((f"backward of h.{b}", moment))
         if block_mode(cfg, b) != "selective":  # the MLP was recomputed too
             candidates.append((f"backward of h.{b}.mlp.act", moment + _activation_backward(s, b)))

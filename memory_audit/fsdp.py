@@ -30,12 +30,6 @@ def shards(cfg):
     return cfg.get("world_size", 1) // tp_size(cfg)
 
 
-def check(cfg):
-    """One-line ValueError for an FSDP2 config the predictor does not model."""
-    if shards(cfg) and cfg.get("activation_checkpointing", "none") != "none":
-        raise ValueError("parallel=fsdp with activation checkpointing is not modelled yet")
-
-
 def local_shape(shape, t):
     """The padded shard of a parameter one rank holds: ceil(dim0 / t) rows."""
     return shape if t <= 1 else [-(-shape[0] // t)] + list(shape[1:])
@@ -63,6 +57,71 @@ def unsharded(s, cfg, params):
         out += [line(s, f"grads/{n}/unsharded", 4 * numel(sh), "float32", sh, "4*numel (unsharded)", bb,
                      "accumulated whole until the last micro-step's reduce-scatter") for n, sh in params]
     return out
+
+
+def _block_numel(params, b, t):
+    """Elements of block b's parameters as FSDP2 lays them out: t padded shards."""
+    return t * sum(numel(local_shape(sh, t)) for name, sh in params if name.startswith(f"transformer.h.{b}."))
+
+
+def _gathered(s, params, j, t, why):
+    return line(s, f"temporary/fsdp_all_gather/h.{j}", 4 * _block_numel(params, j, t), "float32", [],
+                "4*t*(padded shards of the block)", PEAK, why)
+
+
+def _root_grads(s, cfg, params, t):
+    """ln_f's gradient inside the blocks' backward: whole, as the root reduce-scatters only
+    after the embeddings. With set_to_none its shard is already counted with the later blocks'
+    gradients; with accumulation it is whole already (grads/<name>/unsharded)."""
+    if cfg["gradient_accumulation_steps"] > 1:
+        return []
+    fresh = cfg.get("set_to_none", True)
+    return [line(s, "grads/transformer.ln_f/whole", 4 * (numel(sh) - fresh * numel(local_shape(sh, t))),
+                 "float32", [], "4*(numel - shard)" if fresh else "4*numel", PEAK,
+                 "the root's gradients stay whole until its reduce-scatter")
+            for name, sh in params if name.startswith("transformer.ln_f.")]
+
+
+def _reduced(s, cfg, params, b, t):
+    """After the later blocks' reduce-scatters: block b+1's input buffer (its whole gradients),
+    kept until the next reduce-scatter (reduce_scatter_max_input_buffers = 1); with
+    accumulation the whole gradients of every later block are gone, their shards made."""
+    L, out = cfg["n_layer"], []
+    if b + 1 < L:
+        n = _block_numel(params, b + 1, t)
+        out.append(line(s, f"temporary/fsdp_reduce_scatter/h.{b + 1}", 4 * n, "float32", [n],
+                        "4*t*(padded shards of the block)", PEAK, "the previous block's whole gradients"))
+    if cfg["gradient_accumulation_steps"] > 1:  # with set_to_none the shards are new
+        for j in range(b + 1, L):
+            mine = [(numel(sh), numel(local_shape(sh, t))) for n, sh in params if n.startswith(f"transformer.h.{j}.")]
+            whole, shard = sum(w for w, _ in mine), sum(p for _, p in mine) * cfg.get("set_to_none", True)
+            out.append(line(s, f"released/grads/h.{j}/unsharded", 4 * (shard - whole), "float32", [],
+                            "4*(shard - numel)", PEAK, "reduce-scattered: whole gradients freed, shards made"))
+    return out
+
+
+def during(s, cfg, params, moment):
+    """What FSDP2 adds at a peak candidate a lever makes, as changes from the before-backward
+    ledger. moment "forward end" (cross-entropy, inside the root's forward): the last block's
+    all-gathered parameters, which FSDP2's all-gather state keeps until the root's forward
+    ends. moment b (inside checkpointed block b's backward): block b's all-gathered parameters
+    and block b-1's, prefetched when b's backward began (moment ("entry", b): while that
+    prefetch runs, with gloo's staging copy on CPU), what the later blocks' reduce-scatters
+    left (_reduced) and the root's gradients (_root_grads). params: (name, shape) as FSDP2
+    shards them."""
+    t = shards(cfg)
+    if not t:
+        return []
+    if moment == "forward end":
+        return [_gathered(s, params, cfg["n_layer"] - 1, t, "kept by FSDP2's all-gather state")]
+    b = moment[1] if isinstance(moment, tuple) else moment
+    out = [_gathered(s, params, b, t, "this block's parameters, unsharded")]
+    if b > 0:
+        out.append(_gathered(s, params, b - 1, t, "prefetched for the next backward"))
+    if isinstance(moment, tuple) and s["dt"] == "cpu" and b > 0:  # gloo all-gathers into a buffer of its own
+        out.append(line(s, f"temporary/gloo_all_gather/h.{b - 1}", 4 * _block_numel(params, b - 1, t), "float32", [],
+                        "4*t*(padded shards of the block)", PEAK, "gloo's staging copy, while the prefetch runs"))
+    return out + _reduced(s, cfg, params, b, t) + _root_grads(s, cfg, params, t)
 
 
 def backward_all_gather(s, cfg, params):

@@ -45,6 +45,7 @@ def shape_facts(cfg, dev):
     from .tensor_parallel import tp_size
     t = tp_size(cfg)
     return {"B": B, "T": T, "d": d, "nh": nh, "nh_local": nh // t, "L": cfg["n_layer"], "V": cfg["vocab_size"],
+            "tp": t, "sp": t > 1 and str(cfg.get("parallel")).endswith("tp-sp"),  # tensor (and sequence) parallelism
             "Ne": B * T * d, "Na": B * nh * T * T, "Nl": B * T * cfg["vocab_size"],
             "dt": dev["type"], "autocast": autocast, "pol": pol, "lowp": lowp, "a": DTYPE_BYTES[lowp],
             "sm": "float32" if pol["softmax"] == "fp32" else lowp, "bias": cfg["bias"],

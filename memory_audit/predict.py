@@ -146,7 +146,6 @@ def _validate(cfg):
     if not isinstance(cfg["world_size"], int) or isinstance(cfg["world_size"], bool) or cfg["world_size"] < 1:
         raise ValueError(f"world_size must be a positive integer, got {cfg['world_size']!r}")
     tp.check(cfg)
-    fsdp.check(cfg)
 
 
 def steady_lines(s, cfg, dev, params):
@@ -154,11 +153,10 @@ def steady_lines(s, cfg, dev, params):
     dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
     out = [line(s, f"weights/{n}", 4 * _numel(sh), "float32", sh, "4*" + "*".join(map(str, sh)), PHASES)
            for n, sh in params]
-    per_rank = {"tp": 4, "tp-sp": 4, "fsdp": 12, "fsdp+tp": 4, "fsdp+tp-sp": 4}.get(cfg["parallel"])  # measured on CPU, 1, 2 and 4 ranks
-    if per_rank:
-        mesh = per_rank * cfg["world_size"]
-        out.append(line(s, "buffers/device_mesh", mesh, "uint8", [mesh], f"{per_rank}*world_size", PHASES,
-                        "the DeviceMesh's tensors (measured on CPU)"))
+    if cfg["parallel"] not in ("none", "ddp"):  # parallelize.py's one DeviceMesh: an int32 rank per rank
+        mesh = 4 * cfg["world_size"]
+        out.append(line(s, "buffers/device_mesh", mesh, "int32", [cfg["world_size"]], "4*world_size", PHASES,
+                        "the DeviceMesh's tensor of ranks"))
     if cfg["attention"] == "manual":
         out += [line(s, f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
                      "4*T^2 (causal mask)", PHASES) for i in range(L)]
@@ -229,7 +227,7 @@ def predict(config=None, device=None, gaps_bytes=None):
     params = [(n, fsdp.local_shape(sh, shards)) for n, sh in tp_local]  # what this rank holds
     acts, recomputed = activation_lines(s, cfg)
     start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, tp_local)
-    peak, backward = peak_lines(s, cfg, params, acts, recomputed, start)
+    peak, backward = peak_lines(s, cfg, params, acts, recomputed, start, lambda m: fsdp.during(s, cfg, tp_local, m))
     ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
     totals = _totals(ledger, params, dev, gaps_bytes, cfg)
     totals["recompute_flops"] = recompute_flops(s, cfg)

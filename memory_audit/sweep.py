@@ -52,14 +52,19 @@ def grid(name):
     if name == "gpu-compile-budget":  # for a lent GPU: GPT-2 small fp16 compiled (manual attention)
         return [dict(preset="gpt2", batch_size=12, dtype="float16", attention="manual", compile=True,
                      activation_memory_budget=b) for b in (1.0, 0.5, 0.1)]
-    if name == "cpu-parallel":  # every torchrun strategy on cpu-tiny, gloo; one row per rank
+    if name == "cpu-parallel":  # every torchrun strategy on cpu-tiny (and FSDP2 with checkpointing), gloo; a row per rank
         base = dict(preset="cpu-tiny", batch_size=2, device="cpu", dtype="float32")
         return [base, dict(base, nproc=2, parallel="ddp", gradient_accumulation_steps=2),
                 dict(base, nproc=2, parallel="fsdp", gradient_accumulation_steps=2),
                 dict(base, nproc=2, parallel="fsdp", gradient_accumulation_steps=4),
                 dict(base, nproc=2, parallel="tp"), dict(base, nproc=2, parallel="tp-sp"),
                 dict(base, nproc=4, parallel="fsdp+tp", tp_size=2, gradient_accumulation_steps=2),
-                dict(base, nproc=4, parallel="fsdp+tp-sp", tp_size=2, gradient_accumulation_steps=2)]
+                dict(base, nproc=4, parallel="fsdp+tp-sp", tp_size=2, gradient_accumulation_steps=2),
+                dict(base, nproc=2, parallel="fsdp", activation_checkpointing="full", gradient_accumulation_steps=2),
+                dict(base, nproc=2, parallel="fsdp", activation_checkpointing="selective", gradient_accumulation_steps=4,
+                     n_embd=128, n_head=4, n_layer=3, dtype="bfloat16"),
+                dict(base, nproc=4, parallel="fsdp+tp-sp", tp_size=2, activation_checkpointing="full",
+                     gradient_accumulation_steps=2, n_head=4)]
     if name == "smoke":  # one tiny CPU run, for tests
         return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
     if name == "gpu-ac":  # for a lent GPU: GPT-2 small and medium, fp16, full and selective

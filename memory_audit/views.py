@@ -256,9 +256,10 @@ LEVER_KEYS = ("preset", "batch_size", "dtype", "attention", "n_layer", "device")
 
 
 def _lever_rows(rows):
-    """(mode, its row, the `none` row of the same setup) for every measured lever row."""
+    """(mode, its row, the `none` row of the same setup) for every measured lever row on one
+    process (torchrun rows, which have `nproc`, are section 9's)."""
     from .sweep import repredict
-    ok = [dict(r, totals=repredict(r)) for r in rows if r.get("status") == "ok"]
+    ok = [dict(r, totals=repredict(r)) for r in rows if r.get("status") == "ok" and "nproc" not in r["config"]]
     base = {}
     for r in ok:
         c = r["config"]

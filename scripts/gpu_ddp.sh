@@ -18,3 +18,9 @@ for parallel in ddp fsdp tp fsdp+tp; do
         cp /tmp/ddp-runs/$parallel-$1/rank0/report.md "$OUT/$parallel-$1-report.md" 2>/dev/null
     done
 done
+# FSDP2 with full checkpointing (the peak moves into a block's backward, where FSDP2 holds the
+# block's all-gathered parameters and the previous reduce-scatter's input; exact on CPU)
+torchrun --standalone --nproc_per_node=1 train.py --audit --device=cuda --preset=gpt2 --batch_size=12 \
+    --parallel=fsdp --activation_checkpointing=full --dtype=float16 --attention=manual --audit_dir=/tmp/ddp-runs \
+    --run_name=fsdp-ac-gpt2 2>&1 | tail -8
+cp /tmp/ddp-runs/fsdp-ac-gpt2/rank0/report.md "$OUT/fsdp-ac-gpt2-report.md" 2>/dev/null
