@@ -13,6 +13,14 @@ seed gives the same losses with and without it.
 
 import os
 import sys
+if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun stops the other ranks when one fails:
+    import signal                                         # one that is still starting says so in one line
+
+    def _stopped_early(signum, frame):
+        print("error: torchrun stopped this rank (SIGTERM) while it started: another rank failed; see its error",
+              file=sys.stderr, flush=True)
+        os._exit(2)
+    signal.signal(signal.SIGTERM, _stopped_early)
 import json
 import math
 import time

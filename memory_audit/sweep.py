@@ -111,6 +111,7 @@ def _child(cmd, timeout, env):
 def run_one(cfg, audit_dir, timeout, overhead):
     """Audit one config in a child process; returns (status, run_dir, log, plain step times)."""
     name = "sweep-" + "-".join(f"{k}{v}" for k, v in cfg.items() if k != "device").replace(".", "p")
+    name = re.sub(r"[^\w+-]", "_", name)[:120]  # one directory, whatever the values (paths, too)
     cmd = _launch(cfg) + ["--audit", f"--audit_dir={audit_dir}", f"--run_name={name}"] + _args(cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE") if "nproc" in cfg else None
     t0 = time.time()

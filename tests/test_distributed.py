@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT, load_json, run_train
+from conftest import ROOT, load_json, run_cli, run_train
 from memory_audit.predict import device_facts, predict
 from memory_audit.reconcile import mismatched
 
@@ -90,16 +90,25 @@ def _line(rec, key, phase="step2_before_backward"):
 
 def test_tensor_and_sequence_parallel_are_predicted_per_rank_and_change_nothing(tmp_path):
     """tp and tp-sp on 2 gloo ranks: every line exact on both ranks, the sharded parameters half,
-    the same losses as one process to 1e-5 (the model is the same function). (That the audit
+    the same losses as one process to 1e-5 (the model is the same function). tp-sp runs through
+    `sweep --configs` (a config with `nproc`), which writes one row per rank. (That the audit
     changes no loss bit is checked under torchrun by the DDP and FSDP2 tests.)"""
     single = run_train("config/audit_cpu_tiny.py", "--device=cpu", "--max_iters=3", f"--losses_out={tmp_path}/one.json")
     assert single.returncode == 0, single.stderr[-2000:]
-    recs = {}
+    audited = _torchrun("--parallel=tp", "--audit", f"--audit_dir={tmp_path}", "--run_name=tp",
+                        f"--losses_out={tmp_path}/tp.json", accumulation=1)
+    assert audited.returncode == 0, audited.stdout[-3000:] + audited.stderr[-3000:]
+    recs = {"tp": _tp_ranks(tmp_path, "tp")[0]}
+    (tmp_path / "sp.json").write_text(json.dumps([dict(preset="cpu-tiny", batch_size=2, device="cpu", nproc=2,
+                                                       parallel="tp-sp", losses_out=str(tmp_path / "tp-sp.json"))]))
+    p = run_cli("sweep", f"--configs={tmp_path}/sp.json", f"--out={tmp_path}/sp.jsonl", f"--audit-dir={tmp_path}/runs",
+                timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "sp.jsonl")]
+    assert [r["config"]["rank"] for r in rows] == [0, 1] and all(r["totals"]["peak"]["diff"] == 0 for r in rows)
+    assert not list((tmp_path / "runs").rglob("*.pickle"))  # each rank's snapshots removed, reports kept
+    recs["tp-sp"] = _tp_ranks(tmp_path / "runs", next((tmp_path / "runs").iterdir()).name)[0]
     for mode in ("tp", "tp-sp"):
-        audited = _torchrun(f"--parallel={mode}", "--audit", f"--audit_dir={tmp_path}", f"--run_name={mode}",
-                            f"--losses_out={tmp_path}/{mode}.json", accumulation=1)
-        assert audited.returncode == 0, audited.stdout[-3000:] + audited.stderr[-3000:]
-        recs[mode] = _tp_ranks(tmp_path, mode)[0]
         assert load_json(tmp_path / f"{mode}.json") != []
         one = [float.fromhex(x) for x in load_json(tmp_path / "one.json")]
         assert all(math.isclose(float.fromhex(x), y, rel_tol=1e-5) for x, y in zip(load_json(tmp_path / f"{mode}.json"), one))
@@ -126,26 +135,34 @@ def test_tensor_parallel_composes_with_activation_checkpointing(tmp_path):
 
 
 def test_fsdp2_composes_with_activation_checkpointing(tmp_path):
-    """FSDP2 with checkpointing moves the peak into a block's backward, where FSDP2 holds the
-    block's all-gathered parameters, the next one's prefetch and the previous reduce-scatter's
-    input: full checkpointing (one micro-step per rank) and selective (bf16, two micro-steps
-    per rank, so the gradients are whole until the last), every line and the peak exact on
-    both ranks."""
-    runs = {"full": ("--activation_checkpointing=full",),
-            "selective": ("--activation_checkpointing=selective", "--dtype=bfloat16", "--n_embd=128", "--n_head=4",
-                          "--n_layer=3")}
-    for name, args in runs.items():
-        p = _torchrun("--parallel=fsdp", *args, "--audit", f"--audit_dir={tmp_path}", f"--run_name={name}",
-                      accumulation=2 if name == "full" else 4)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        rec = _tp_ranks(tmp_path, name)[0]
-        at, held = {"full": ("backward of h.0", {"temporary/fsdp_all_gather/h.0", "temporary/fsdp_reduce_scatter/h.1"}),
-                    "selective": ("backward of h.2 begins", {"temporary/fsdp_all_gather/h.2",
-                                                             "temporary/fsdp_all_gather/h.1",
-                                                             "temporary/gloo_all_gather/h.1"})}[name]
-        assert rec["cost"]["peak_at"] == at  # the predicted moment, whose bytes equal the measured peak
-        peak = {l["key"] for l in predict(rec["config"], device_facts("cpu"))["ledger"] if "peak" in l["phases"]}
-        assert held <= peak, peak
+    """FSDP2 with checkpointing moves the peak into the blocks' backward, where FSDP2 holds the
+    block's all-gathered parameters, the next one's prefetch (on CPU with gloo's staging copy)
+    and the previous reduce-scatter's input: selective checkpointing, bf16, two micro-steps per
+    rank (the gradients whole until the last), every line and the peak exact on both ranks.
+    (Full checkpointing and fsdp+tp-sp with it are committed rows of the cpu-parallel grid,
+    re-predicted by test_committed_torchrun_rows_are_predicted_to_the_byte.)"""
+    p = _torchrun("--parallel=fsdp", "--activation_checkpointing=selective", "--dtype=bfloat16", "--n_embd=128",
+                  "--n_head=4", "--n_layer=3", "--audit", f"--audit_dir={tmp_path}", "--run_name=sel", accumulation=4)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rec = _tp_ranks(tmp_path, "sel")[0]
+    assert rec["cost"]["peak_at"] == "backward of h.2 begins"  # predicted; its bytes equal the measured peak
+    peak = {l["key"] for l in predict(rec["config"], device_facts("cpu"))["ledger"] if "peak" in l["phases"]}
+    assert {"temporary/fsdp_all_gather/h.2", "temporary/fsdp_all_gather/h.1", "temporary/gloo_all_gather/h.1"} <= peak
+
+
+def test_committed_torchrun_rows_are_predicted_to_the_byte():
+    """Every rank of every run in snapshots/results/cpu-parallel.jsonl (ddp, fsdp, tp, tp-sp,
+    fsdp+tp, fsdp+tp-sp, FSDP2 with full and selective checkpointing; measured on CPU with gloo)
+    re-predicted by the current predictor: steady state, activations and peak to the byte."""
+    from memory_audit.sweep import repredict
+    rows = [json.loads(l) for l in open(os.path.join(ROOT, "snapshots", "results", "cpu-parallel.jsonl"))]
+    strategies = {r["config"].get("parallel", "none") for r in rows}
+    assert strategies == {"none", "ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp"} and len(rows) == 27
+    assert any(r["config"].get("activation_checkpointing") == "full" and r["config"].get("parallel") == "fsdp" for r in rows)
+    for r in rows:
+        assert r["status"] == "ok" and r["unattributed_bytes"] == 0, r["config"]
+        t = repredict(r)
+        assert [t[k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0], (r["config"], t)
 
 
 def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
@@ -217,16 +234,21 @@ def test_bad_parallel_input_is_one_line(tmp_path):
                            ("pipeline", "parallel must be one of none, ddp, fsdp, tp, tp-sp, fsdp+tp, fsdp+tp-sp")):
         p = run_train("--device=cpu", "--preset=cpu-tiny", *f"--parallel={strategy}".split(), "--max_iters=1")
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
-    odd = _torchrun("--gradient_accumulation_steps=3", "--max_iters=1", timeout=120)
-    assert odd.returncode != 0
-    assert odd.stderr.count("must be a multiple of the world size 2") == 2  # one line from each rank
-    heads = _torchrun("--parallel=tp", "--n_head=1", "--max_iters=1", timeout=120)
-    assert heads.returncode != 0 and 'train.py", line' not in heads.stderr  # torchrun's own report aside, no traceback
-    assert heads.stderr.count("n_head=1 is not divisible by 2") == 2
-    for tp, says in (("--tp_size=3", "tp_size=3 does not divide the world size 2"),
-                     ("--tp_size=0", "parallel=fsdp+tp needs tp_size")):
-        p = _torchrun("--parallel=fsdp+tp", tp, "--max_iters=1", timeout=120)
-        assert p.returncode != 0 and 'train.py", line' not in p.stderr and p.stderr.count(says) == 2, p.stderr[-2000:]
+    for args, says in ((("--gradient_accumulation_steps=3",), "must be a multiple of the world size 2"),
+                       (("--parallel=tp", "--n_head=1"), "n_head=1 is not divisible by 2"),
+                       (("--parallel=fsdp+tp", "--tp_size=3"), "tp_size=3 does not divide the world size 2")):
+        p = _torchrun(*args, "--max_iters=1", timeout=120)
+        _one_line_per_rank(p, says)
+
+
+def _one_line_per_rank(p, says):
+    """Each of the 2 ranks ends with exactly one `error:` line and no traceback (torchrun's own
+    report aside): the config's error, or, for a rank torchrun stopped while it was still
+    importing torch, that it was stopped."""
+    errors = [l for l in p.stderr.splitlines() if l.startswith("error: ")]
+    assert p.returncode != 0 and 'train.py", line' not in p.stderr, p.stderr[-2000:]
+    assert len(errors) == 2 and says in errors[0] + errors[1], errors
+    assert all(says in l or "torchrun stopped this rank" in l for l in errors), errors
 
 
 def test_ddp_buckets_are_predicted_per_bucket_and_count_in_fit():

@@ -46,19 +46,3 @@ def test_unknown_grid_is_one_line():
     p = run_cli("sweep", "--grid=nope")
     assert p.returncode == 2 and "unknown grid" in p.stderr
 
-
-def test_a_torchrun_config_gives_one_row_per_rank(tmp_path):
-    """A sweep config with `nproc` runs under torchrun (gloo); each rank's books are a row, exact."""
-    cfg = tmp_path / "tp.json"
-    cfg.write_text(json.dumps([dict(preset="cpu-tiny", batch_size=2, device="cpu", nproc=2, parallel="tp-sp")]))
-    out = tmp_path / "tp.jsonl"
-    p = run_cli("sweep", f"--configs={cfg}", f"--out={out}", f"--audit-dir={tmp_path}/runs", timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rows = [json.loads(line) for line in open(out)]
-    assert [r["config"]["rank"] for r in rows] == [0, 1] and all(r["status"] == "ok" for r in rows)
-    for r in rows:
-        assert r["resolved_config"]["world_size"] == 2 and r["unattributed_bytes"] == 0
-        assert r["activation_lines_mismatched"] == [] and r["steady_lines_mismatched"] == []
-        assert r["totals"]["peak"]["diff"] == 0
-    assert not list((tmp_path / "runs").rglob("*.pickle"))  # each rank's snapshots removed, reports kept
-    assert len(list((tmp_path / "runs").rglob("report.json"))) == 2
