@@ -156,9 +156,9 @@ if compile:
 _torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 if parallel == "auto":
     parallel = "ddp" if _torchrun else "none"
-_STRATEGIES = ("none", "ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")
-if parallel not in _STRATEGIES:
-    fail(f"parallel must be one of {', '.join(_STRATEGIES)}, got {parallel!r}")
+from memory_audit.predict import PARALLEL  # the strategies the predictor knows are the ones train.py runs
+if parallel not in PARALLEL:
+    fail(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
 if parallel != "none" and not _torchrun:
     fail(f"parallel={parallel} runs under torchrun: torchrun --standalone --nproc_per_node=N train.py ...")
 if parallel == "none" and _torchrun and int(os.environ["WORLD_SIZE"]) > 1:

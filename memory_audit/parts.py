@@ -42,10 +42,10 @@ def shape_facts(cfg, dev):
     autocast = cfg["dtype"] != "float32"
     pol = POLICIES[(dev["type"], autocast)]
     lowp = cfg["dtype"] if autocast else "float32"
-    from .tensor_parallel import tp_size
+    from .tensor_parallel import sequence_parallel, tp_size  # (tensor_parallel imports parts)
     t = tp_size(cfg)
     return {"B": B, "T": T, "d": d, "nh": nh, "nh_local": nh // t, "L": cfg["n_layer"], "V": cfg["vocab_size"],
-            "tp": t, "sp": t > 1 and str(cfg.get("parallel")).endswith("tp-sp"),  # tensor (and sequence) parallelism
+            "tp": t, "sp": sequence_parallel(cfg),  # tensor (and sequence) parallelism
             "Ne": B * T * d, "Na": B * nh * T * T, "Nl": B * T * cfg["vocab_size"],
             "dt": dev["type"], "autocast": autocast, "pol": pol, "lowp": lowp, "a": DTYPE_BYTES[lowp],
             "sm": "float32" if pol["softmax"] == "fp32" else lowp, "bias": cfg["bias"],

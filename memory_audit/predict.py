@@ -328,7 +328,7 @@ def _korthikanti_tp(c, L, steady):
     t = tp.tp_size(c)
     if t == 1:
         return {}
-    sp = c["parallel"].endswith("tp-sp")
+    sp = tp.sequence_parallel(c)
     act = L * sum(tp.paper_bytes(c, t, sp).values())
     return {f"korthikanti2022_{c['parallel']}": {
         "steady_state": steady, "activations": act, "peak": steady + act,

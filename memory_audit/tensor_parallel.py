@@ -32,6 +32,11 @@ def tp_size(cfg):
     return cfg.get("tp_size") or cfg.get("world_size", 1)
 
 
+def sequence_parallel(cfg):
+    """Whether a tensor-parallel run also splits the LayerNorms and residual stream (tp-sp, fsdp+tp-sp)."""
+    return tp_size(cfg) > 1 and str(cfg.get("parallel")).endswith("tp-sp")
+
+
 def check(cfg):
     """One-line ValueError for a tensor-parallel config that cannot run (train.py, parallelize.py
     and the predictor ask the same rule)."""
@@ -100,7 +105,7 @@ def _whole(key, sp):
 def shard_lines(s, lines, cfg):
     """Activation lines as one rank of a tensor-parallel run holds them (a block's, or the head's:
     only ln_f's change, with sequence parallelism)."""
-    t, sp = tp_size(cfg), str(cfg.get("parallel")).endswith("tp-sp")
+    t, sp = tp_size(cfg), sequence_parallel(cfg)
     if t == 1:
         return lines
     return [l if _whole(l["key"], sp) else _divided(s, l, t, _split_dim(l["key"])) for l in lines]
@@ -148,7 +153,7 @@ def paper_bytes(cfg, t, sp):
 def korthikanti_rows(cfg, predicted, actual):
     """Rows [term, paper formula, paper bytes, predicted, actual, why they differ] for one layer on
     one rank; predicted/actual: {activation key of block 0: bytes}."""
-    t, sp = tp_size(cfg), str(cfg.get("parallel")).endswith("tp-sp")
+    t, sp = tp_size(cfg), sequence_parallel(cfg)
     paper = paper_bytes(cfg, t, sp)
     formulas = PAPER["tp-sp" if sp else "tp"]
     sums = []
