@@ -230,7 +230,9 @@ _data_gen = torch.Generator().manual_seed(seed + rank // max(tp_size, 1) * (dp_s
 def get_batch(split):
     if dataset == "synthetic":
         buf = torch.randint(vocab_size, (batch_size, block_size + 1), generator=_data_gen)
-        x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+        # clone, not contiguous(): at batch 1 the slices already count as contiguous and would
+        # stay views of one (B, T+1) buffer, where nanoGPT's batch is two tensors of B*T
+        x, y = buf[:, :-1].clone(memory_format=torch.contiguous_format), buf[:, 1:].clone(memory_format=torch.contiguous_format)
     else:
         data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
         if len(data) <= block_size:

@@ -19,7 +19,9 @@ changes from the before-backward ledger, and the peak is the largest candidate:
 
 One node later (the MLP activation's backward) is a second candidate; and because a lever
 shrinks what is saved, the end of the forward (cross-entropy's fp32 temporaries, autocast's
-cached weight copies of checkpointed blocks) is a third.
+cached weight copies of checkpointed blocks) is a third. The end of backward (the token
+embedding's node: every gradient made, the tied weight's two halves not yet added) is a fourth;
+at micro-batch 1 it can be the peak (GPT-2 small with full checkpointing).
 
 Measured on CPU (torch 2.13) to the byte for every mode, fp32 and bf16, manual and SDPA, GELU
 and ReLU, bias, dropout, accumulation. Moments deeper in a block's backward (attention's T^2
@@ -139,6 +141,36 @@ def forward_end(s, cfg, acts):
     return out
 
 
+def backward_end(s, cfg, params, acts):
+    """Changes from the before-backward ledger at the last node of backward, the token
+    embedding's: its weight gradient (4*V*d) has just been made while the tied lm_head's, which
+    arrived first, waits in the engine's input buffer; every other gradient exists, and every
+    saved tensor is gone but the logits the loop holds. With checkpointing at small batches
+    this beats the start of backward (the gradients outweigh what is saved)."""
+    fresh = "step2_before_backward" not in grad_phases(cfg)
+    tied = sum(4 * _numel(sh) for n, sh in params if n == "transformer.wte.weight")
+    out = [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"])
+           for l in acts if l["key"] != "activations/lm_head/output"]
+    out.append(_delta(s, "released/inputs.y", -8 * s["B"] * s["T"], "-8*B*T", "old targets, freed with nll_loss"))
+    out += _backward_begun(s, cfg)
+    if fresh:
+        out.append(_delta(s, "grads/all_but_wte", sum(4 * _numel(sh) for n, sh in params) - tied, "4*numel",
+                          "every gradient but the tied weight's"))
+    out.append(_delta(s, "temporary/lm_head_grad", tied, "4*V*d", "tied wte/lm_head gradient, waiting for wte's"))
+    out.append(_delta(s, "temporary/wte/grad_weight", tied, "4*V*d", "embedding backward's weight gradient"))
+    return out + [_delta(s, "temporary/wte/grad_output", 4 * s["Ne"], "4*B*T*d", "gradient into the embedding (fp32)")]
+
+
+def tied_sum(s, params):
+    """One step later, measured on CPU without autocast: the engine adds the two tied gradients
+    out of place (under autocast it adds in place, and this moment does not exist). The old
+    tokens, saved by the embedding, and the gradient into it are gone."""
+    tied = sum(4 * _numel(sh) for n, sh in params if n == "transformer.wte.weight")
+    return [_delta(s, "released/inputs.x", -8 * s["B"] * s["T"], "-8*B*T", "old tokens, freed with the embedding's node"),
+            _delta(s, "released/wte/grad_output", -4 * s["Ne"], "-4*B*T*d"),
+            _delta(s, "temporary/tied_grad_sum", tied, "4*V*d", "lm_head's + wte's gradient, out of place")]
+
+
 def _first_matmul(s, cfg, b):
     """What mlp.c_proj's backward has made when its input gradient appears. Under autocast
     the matmul runs in low precision: the gradient coming in is cast down first, and the weight
@@ -187,6 +219,11 @@ def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []
         extra = during(("entry", b))
         if extra:
             candidates.append((f"backward of h.{b} begins", block_entry(s, cfg, params, acts, b) + extra))
+    if cfg["parallel"] in ("none", "ddp", "tp", "tp-sp"):  # FSDP2 reduce-scatters as it goes
+        end = backward_end(s, cfg, params, acts)
+        candidates.append(("backward of wte", end))
+        if not s["autocast"] or s["tp"] > 1:
+            candidates.append(("tied gradients summed", end + tied_sum(s, params)))
     for b in sorted(recomputed, reverse=True):
         moment = block_moment(s, cfg, params, acts, b, recomputed[b]) + during(b)
         candidates.append((f"backward of h.{b}", moment))

@@ -35,6 +35,19 @@ def checkpoint_input(s, i):
                "block input (fp32 residual stream), kept by torch.utils.checkpoint")
 
 
+# torch.get_rng_state(): the CPU generator's (mt19937) state, a uint8 tensor of this size
+CPU_RNG_STATE_BYTES = 5056
+
+
+def rng_state(s, region):
+    """What a checkpointed region keeps to replay its dropout masks: the CPU generator's state
+    (on CUDA runs that is host memory, and the device's own state is a host tensor too)."""
+    if not (s["drop"] and s["dt"] == "cpu"):
+        return []
+    return [act(s, f"{region}/checkpoint.rng_state", CPU_RNG_STATE_BYTES, "uint8", [CPU_RNG_STATE_BYTES],
+                str(CPU_RNG_STATE_BYTES), "torch.get_rng_state(), kept by torch.utils.checkpoint for dropout")]
+
+
 def _core_input(s, i):
     B, T, d, nh, a = s["B"], s["T"], s["d"], s["nh"], s["a"]
     return act(s, f"h.{i}.attn/checkpoint.input", a * 3 * s["Ne"], s["lowp"], [B, nh, T, d // nh],
@@ -49,7 +62,7 @@ def selective(s, i, lines):
             kept.append(l)
             continue
         if not seen_core:
-            kept.append(_core_input(s, i))
+            kept += rng_state(s, f"h.{i}.attn") + [_core_input(s, i)]
             seen_core = True
         if l.get("alias"):  # the same storage, now first saved by the op outside the core
             kept.append(dict(l, key=l["alias"], region="", alias="",
@@ -112,7 +125,7 @@ def sac(s, i, lines, ops):
     # from SAC's cache once the recomputation has consumed it
     redo = {"new": [l for l in lines if not l.get("graph") and l.get("input_alias") != "block" and l["key"] not in fed],
             "freed": [l for l in keep if not l["feeds"]]}
-    return [checkpoint_input(s, i)] + keep + [l for l in lines if l.get("graph")], redo
+    return [checkpoint_input(s, i)] + rng_state(s, f"h.{i}") + keep + [l for l in lines if l.get("graph")], redo
 
 
 def checkpointed(s, cfg, i, lines):
@@ -122,7 +135,7 @@ def checkpointed(s, cfg, i, lines):
     if mode == "none":
         return lines, None
     if mode == "full":
-        return [checkpoint_input(s, i)] + [l for l in lines if l.get("graph")], \
+        return [checkpoint_input(s, i)] + rng_state(s, f"h.{i}") + [l for l in lines if l.get("graph")], \
             {"new": [l for l in lines if not l.get("graph") and l.get("input_alias") != "block"], "freed": []}
     if mode == "selective":
         return selective(s, i, lines)

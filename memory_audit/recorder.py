@@ -22,7 +22,7 @@ import re
 import time
 import traceback
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -210,11 +210,29 @@ class _RecomputeLabel:
 
 
 @contextmanager
-def checkpoint_observers(model, windows, keep, cuda, short):
+def _rng_states_seen(note):
+    """torch.utils.checkpoint keeps torch.get_rng_state() (a CPU tensor) per region that
+    preserves the RNG state (model.py: where a dropout needs it); hand each one to `note` so it
+    is named like what the region saved. The state returned is the one torch made, unchanged."""
+    real = torch.get_rng_state
+
+    def get_rng_state():
+        state = real()
+        note(state)
+        return state
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = real
+
+
+@contextmanager
+def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: None):
     """For the audited forward, wrap every checkpointing module's `ac_context_fn` (model.py's
-    convention) so its region is noted and its recomputation labelled, and let SAC blocks report
-    the outputs they keep through `keep(op, output)`. Restores the modules on exit; contexts
-    already made keep labelling the backward."""
+    convention) so its region is noted and its recomputation labelled, let SAC blocks report
+    the outputs they keep through `keep(op, output)`, and give each region's saved RNG state to
+    `rng_state`. Restores the modules on exit; contexts already made keep labelling the backward."""
     wrapped = []
     for name, m in model.named_modules():
         fn = getattr(m, "ac_context_fn", None)
@@ -229,7 +247,8 @@ def checkpoint_observers(model, windows, keep, cuda, short):
         if hasattr(m, "sac_observer"):
             m.sac_observer = keep
     try:
-        yield
+        with _rng_states_seen(rng_state) if wrapped else nullcontext():
+            yield
     finally:
         for m, fn, observer in wrapped:
             m.ac_context_fn = fn
@@ -314,7 +333,8 @@ def saved_tensor_ledger(model, out, device):
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                checkpoint_observers(model, windows, keep, device.startswith("cuda"), short):
+                checkpoint_observers(model, windows, keep, device.startswith("cuda"), short,
+                                     lambda t: record(t, "checkpoint.rng_state")):
             yield label
     finally:
         for h in handles:

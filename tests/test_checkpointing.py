@@ -60,6 +60,38 @@ def test_full_checkpointing_moves_the_peak_into_the_backward(audits):
     assert rec["peak"]["categories"]["recomputed"] > 0  # measured: recomputed tensors live at the peak
 
 
+@pytest.mark.parametrize("name, args, peak_at", [
+    ("b1-fp32", ["--dtype=float32"], "tied gradients summed"),
+    ("b1-bf16", ["--dtype=bfloat16"], "backward of wte"),
+    ("b1-fp32-dropout", ["--dtype=float32", "--dropout=0.1"], "backward of h.0"),
+])
+def test_batch_one_full_checkpointing_to_the_byte(audits, name, args, peak_at):
+    """At batch 1 with full checkpointing the gradients outweigh what is saved: the peak is the
+    embedding's backward, the last node (fp32 adds the tied wte/lm_head gradients out of place,
+    one allocation later; bf16 adds them in place). Dropout: each region keeps the CPU RNG state.
+    The batch is two tensors of B*T int64 (at batch 1 they were once views of one buffer)."""
+    run = audits(f"ac-full-{name}", "--batch_size=1", "--attention=manual", "--activation_checkpointing=full", *args)
+    rec = reconcile(run)
+    assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"], skip=()) == []
+    assert [rec["totals"][k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0]
+    assert rec["cost"]["peak_at"] == peak_at
+    start = {r["key"]: r["actual"] for r in rec["rows"] if r["phase"] == "step2_start"}
+    assert start["inputs/x"] == start["inputs/y"] == 8 * 64
+    before = {r["key"]: r["actual"] for r in rec["rows"] if r["phase"] == "step2_before_backward"}
+    states = {k: v for k, v in before.items() if k.endswith("checkpoint.rng_state")}
+    if "--dropout=0.1" in args:
+        assert states == {"activations/h.0/checkpoint.rng_state": 5056, "activations/h.1/checkpoint.rng_state": 5056}
+    else:
+        assert states == {}
+
+
+def test_cpu_rng_state_size():
+    """The predictor's constant is the size torch.get_rng_state() returns here."""
+    import torch
+    from memory_audit.levers import CPU_RNG_STATE_BYTES
+    assert torch.get_rng_state().nbytes == CPU_RNG_STATE_BYTES
+
+
 def test_diff_none_against_full(audits, tmp_path):
     none = audits("fp32-manual-gelu", "--dtype=float32", "--attention=manual", "--activation=gelu")
     full = audits("ac-full", "--dtype=float32", "--attention=manual", "--activation_checkpointing=full")
