@@ -191,3 +191,28 @@ def predicted_gaps(ledger, cfg, expandable=False):
         result["steady"] = held()
         result["reserved_steady"] = model.reserved
     return result
+
+
+# action codes of trace.ACTIONS (this module stays free of numpy)
+_ALLOC, _FREE_COMPLETED, _FREE, _SEG_ALLOC, _SEG_MAP = 1, 3, 4, 5, 7
+
+
+def replay_requests(act, addr, size, expandable=False):
+    """The allocator model fed a real trace's requests in their order (the sizes asked for and
+    when each block came back), choosing blocks and segments itself. For a trace that starts
+    with the process (an audit records from before the model exists) the segments it makes
+    should be the ones the snapshot shows: where they are, the allocator rules are right and a
+    reserved-memory miss lies in the predicted history (which tensors, in which order), not in
+    the rules. Returns {"reserved": bytes of the model's segments, "segments": their sizes,
+    "trace_reserved": bytes of the trace's own segment_alloc/map entries, "trace_segments"}."""
+    model, placed, real = CachingAllocatorModel(expandable), {}, []
+    for a, ad, sz in zip(act, addr, size):
+        a, ad, sz = int(a), int(ad), int(sz)
+        if a == _ALLOC:
+            placed[ad] = model.alloc(sz)[0]
+        elif a in (_FREE_COMPLETED, _FREE) and ad in placed:
+            model.release(placed.pop(ad))
+        elif a in (_SEG_ALLOC, _SEG_MAP):
+            real.append(sz)
+    return {"reserved": model.reserved, "segments": sorted(model.segments.values()),
+            "trace_reserved": sum(real), "trace_segments": sorted(real)}
