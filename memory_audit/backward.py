@@ -5,7 +5,9 @@ everything saved. With activation checkpointing each checkpointed block's backwa
 recomputes what it saved, so the peak can move inside a block's backward. For every
 recomputed block this module builds the moment its backward begins in earnest (the MLP's
 c_proj backward has just made its input gradient, with the whole recomputation live) as
-changes from the before-backward ledger, and the peak is the largest candidate:
+changes from the before-backward ledger, and the peak is the largest candidate (selective
+checkpointing recomputes only the attention core, later, when the backward reaches it: its
+moment at c_proj holds no recomputation, and the core's own moment is not a candidate):
 
   released  the head's saved tensors (but the logits the loop holds), the old targets, and
             what every later block kept (its checkpoint input, or all it saved)
@@ -107,6 +109,9 @@ def block_entry(s, cfg, params, acts, b):
 def block_moment(s, cfg, params, acts, b, redo):
     """Changes from the before-backward ledger at block b's first backward matmul."""
     out = block_entry(s, cfg, params, acts, b) + _first_matmul(s, cfg, b)
+    mlp_dropout = f"h.{b}.mlp.dropout/"  # its mask (recomputed, or kept when the MLP is not) is spent
+    for l in [l for l in (redo["new"] or acts) if s["drop"] and l["key"].split("/", 1)[1].startswith(mlp_dropout)]:
+        out.append(_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "spent by dropout's backward"))
     for l in redo["freed"]:
         out.append(_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "consumed by the recomputation"))
     for l in redo["new"]:
@@ -180,7 +185,11 @@ def _first_matmul(s, cfg, b):
     d, Ne, a, fresh = s["d"], s["Ne"], s["a"], "step2_before_backward" not in grad_phases(cfg)
     t, rows = s["tp"], s["Ne"] // (s["tp"] if s["sp"] else 1)  # tensor parallelism: c_proj's input is /t;
     out, w = [], f"h.{b}.mlp.c_proj"  # sequence parallelism: the gradient into the block is /t too
-    if s["autocast"]:
+    if s["drop"]:  # the MLP's dropout ran its backward first: its output is c_proj's gradient
+        g = a if s["autocast"] else 4  # (under autocast the gradient's low-precision cast is gone)
+        out.append(_delta(s, f"temporary/h.{b}.mlp.dropout/grad_input", g * rows, f"{g}*B*T*d",
+                          "dropout's input gradient"))
+    elif s["autocast"]:
         out.append(_delta(s, f"temporary/h.{b}.mlp/grad_output_cast", a * rows, f"{a}*B*T*d",
                           "its cast for the low-precision MLP output"))
     if s["sp"]:  # the row-parallel c_proj's reduce-scatter: its backward all-gathers the gradient
@@ -198,14 +207,44 @@ def _first_matmul(s, cfg, b):
     return out
 
 
-def _activation_backward(s, b):
-    """One node later: the MLP activation's input gradient. GELU's output, saved by c_proj
-    alone, is gone by then; ReLU's output is also ReLU's own saved tensor and stays."""
+_INCOMING = ("mlp.dropout/grad_input", "mlp/grad_output_cast", "mlp.c_proj/grad_output_gathered")
+
+
+def _after_c_proj(s, b, moment, saved):
+    """mlp.c_proj's backward is done: the gradient it was handed, where that was a temporary
+    (dropout's input gradient, autocast's low-precision cast, SP's all-gathered copy), its saved
+    input where nothing else saved it (GELU's output), and the low-precision weight copy it saved (recomputed, or `saved` in the forward) are let go; under
+    autocast its weight gradient's fp32 copy (ToCopyBackward, for AccumulateGrad) is made while
+    the low-precision gradient still exists. Measured on CPU: with ReLU this moment, or the
+    activation's backward after it, is the peak."""
     a, Ne = s["a"], s["Ne"] // s["tp"]  # the MLP's hidden units are /t with tensor parallelism
-    out = [_delta(s, f"temporary/h.{b}.mlp.act/grad_input", a * 4 * Ne, f"{a}*4*B*T*d/t", "activation's input gradient")]
-    if s["activation"] == "gelu":
+    out = [_delta(s, "released/" + l["key"][len("temporary/"):], -l["bytes"], "-" + l["formula"], "spent by c_proj's backward")
+           for l in moment if l["key"].startswith("temporary/") and l["key"].endswith(tuple(f"h.{b}.{k}" for k in _INCOMING))]
+    if s["activation"] == "gelu":  # GELU's output was saved by c_proj alone (ReLU's by ReLU too)
         out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d/t", "GELU output"))
+    if s["autocast"]:
+        out += [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "c_proj's weight copy, spent")
+                for l in saved if l["key"].split("/", 1)[1] in (f"h.{b}.mlp.c_proj/mm.mat2", f"h.{b}.mlp.c_proj/addmm.mat2")]
+        if s["bias"]:  # the bias gradient was cast first (its low-precision one is gone)
+            out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_bias_fp32", (4 - a) * s["d"], f"(4-{a})*d",
+                              "the bias gradient cast to fp32, the low-precision one freed"))
+        out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_weight_fp32", 4 * 4 * s["d"] * s["d"] // s["tp"], "4*4d*d/t",
+                          "the weight gradient cast to fp32"))
     return out
+
+
+def _low_precision_grad_freed(s, b):
+    """Once the fp32 copy exists, the low-precision weight gradient goes (autocast only)."""
+    if not s["autocast"]:
+        return []
+    return [_delta(s, f"released/h.{b}.mlp.c_proj/grad_weight", -s["a"] * 4 * s["d"] * s["d"] // s["tp"], f"-{s['a']}*4d*d/t")]
+
+
+def _activation_backward(s, b):
+    """One node later: the MLP activation's input gradient (ReLU's output, its own saved tensor,
+    is still there; GELU's went with c_proj's backward)."""
+    a, Ne = s["a"], s["Ne"] // s["tp"]  # the MLP's hidden units are /t with tensor parallelism
+    return [_delta(s, f"temporary/h.{b}.mlp.act/grad_input", a * 4 * Ne, f"{a}*4*B*T*d/t", "activation's input gradient")]
 
 
 def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []):
@@ -225,10 +264,16 @@ def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []
         if not s["autocast"] or s["tp"] > 1:
             candidates.append(("tied gradients summed", end + tied_sum(s, params)))
     for b in sorted(recomputed, reverse=True):
-        moment = block_moment(s, cfg, params, acts, b, recomputed[b]) + during(b)
+        # selective: the MLP's c_proj backward runs before the attention core is recomputed
+        redo = {"new": [], "freed": []} if block_mode(cfg, b) == "selective" else recomputed[b]
+        moment = block_moment(s, cfg, params, acts, b, redo) + during(b)
         candidates.append((f"backward of h.{b}", moment))
+        after = moment + _after_c_proj(s, b, moment, redo["new"] or acts)
+        if s["autocast"]:
+            candidates.append((f"backward of h.{b}.mlp.c_proj done", after))
         if block_mode(cfg, b) != "selective":  # the MLP was recomputed too
-            candidates.append((f"backward of h.{b}.mlp.act", moment + _activation_backward(s, b)))
+            act_moment = after + _low_precision_grad_freed(s, b) + _activation_backward(s, b)
+            candidates.append((f"backward of h.{b}.mlp.act", act_moment))
 
     def total(lines):
         return sum(l["allocated"] for l in lines)
