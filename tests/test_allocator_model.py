@@ -12,6 +12,8 @@ from memory_audit.loader import load_snapshot
 
 
 def _replay(path):
+    if not os.path.isfile(path):
+        pytest.skip("../shared/fixtures/foreign_snapshots not present")
     tr = load_snapshot(path)["device_traces"][0]
     return replay_requests(tr.act, tr.addr, tr.size)
 
@@ -45,19 +47,13 @@ MORE_SEGMENTS = {
 
 @pytest.mark.parametrize("name, n", sorted(SAME_SEGMENTS.items()))
 def test_foreign_traces_get_the_same_segments(name, n):
-    path = os.path.join(FOREIGN, name)
-    if not os.path.isfile(path):
-        pytest.skip("../shared/fixtures/foreign_snapshots not present")
-    r = _replay(path)
+    r = _replay(os.path.join(FOREIGN, name))
     assert len(r["trace_segments"]) == n
     assert r["segments"] == r["trace_segments"] and r["reserved"] == r["trace_reserved"]
 
 
 @pytest.mark.parametrize("name, counts", sorted(MORE_SEGMENTS.items()))
 def test_foreign_traces_begun_late_get_a_few_more_segments(name, counts):
-    path = os.path.join(FOREIGN, name)
-    if not os.path.isfile(path):
-        pytest.skip("../shared/fixtures/foreign_snapshots not present")
-    r = _replay(path)
+    r = _replay(os.path.join(FOREIGN, name))
     assert (len(r["segments"]), len(r["trace_segments"])) == counts
     assert 0 < r["reserved"] - r["trace_reserved"] < r["trace_reserved"] // 100  # under 1% more
