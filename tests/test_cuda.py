@@ -55,6 +55,18 @@ def test_cuda_checkpointing_audit(tmp_path, mode, dtype, attention):
         assert any(p["categories"].get("recomputed") for p in rec["series"])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cuda_batch_one_full_checkpointing_peak(tmp_path, dtype):
+    """The end-of-backward moments measured on CPU (the token embedding's backward; fp32 adds the
+    tied gradients out of place): at batch 1 with full checkpointing one of them is the peak.
+    Whether CUDA's engine adds in place the same way is what this checks."""
+    rec = _audit_beside_plain(tmp_path, f"--dtype={dtype}", "--attention=manual", "--batch_size=1",
+                              "--activation_checkpointing=full")
+    print("predicted peak at", rec["cost"]["peak_at"], "diff", rec["totals"]["peak"]["diff"])
+    assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"]) == []
+    assert rec["totals"]["peak"]["diff"] == 0
+
+
 def test_api_on_a_cuda_loop_that_is_not_gpt(tmp_path):
     """The Audit made after the model: the weights predate the trace and are named from the
     segments by the phases' registry; every phase and the peak fully named."""
