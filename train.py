@@ -17,8 +17,9 @@ if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun stops the ot
     import signal                                         # one that is still starting says so in one line
 
     def _stopped_early(signum, frame):
-        print("error: torchrun stopped this rank (SIGTERM) while it started: another rank failed; see its error",
-              file=sys.stderr, flush=True)
+        sys.stderr.write("error: torchrun stopped this rank (SIGTERM) while it started: another rank failed; "
+                         "see its error\n")  # one write: the ranks share torchrun's stderr
+        sys.stderr.flush()
         os._exit(2)
     signal.signal(signal.SIGTERM, _stopped_early)
 import json
@@ -93,7 +94,10 @@ config_keys = [k for k, v in globals().items() if not k.startswith("_") and isin
 
 
 def fail(message):
-    print(f"error: {message}", file=sys.stderr)
+    # one write, newline included: under torchrun every rank shares one stderr, and print's two
+    # writes (text, then newline) from two ranks interleaved into one line once in a CI rehearsal
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 
