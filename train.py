@@ -13,13 +13,20 @@ seed gives the same losses with and without it.
 
 import os
 import sys
+
+
+def error_line(message):
+    """`error: message` in one write, newline included: under torchrun every rank shares one
+    stderr, and print's two writes (text, then newline) from two ranks once interleaved."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun stops the other ranks when one fails:
     import signal                                         # one that is still starting says so in one line
 
     def _stopped_early(signum, frame):
-        sys.stderr.write("error: torchrun stopped this rank (SIGTERM) while it started: another rank failed; "
-                         "see its error\n")  # one write: the ranks share torchrun's stderr
-        sys.stderr.flush()
+        error_line("torchrun stopped this rank (SIGTERM) while it started: another rank failed; see its error")
         os._exit(2)
     signal.signal(signal.SIGTERM, _stopped_early)
 import json
@@ -94,10 +101,7 @@ config_keys = [k for k, v in globals().items() if not k.startswith("_") and isin
 
 
 def fail(message):
-    # one write, newline included: under torchrun every rank shares one stderr, and print's two
-    # writes (text, then newline) from two ranks interleaved into one line once in a CI rehearsal
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
+    error_line(message)
     sys.exit(2)
 
 

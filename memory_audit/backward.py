@@ -146,6 +146,11 @@ def forward_end(s, cfg, acts):
     return out
 
 
+def _tied_bytes(params):
+    """The tied wte/lm_head weight's gradient (fp32): 4*V*d."""
+    return sum(4 * _numel(sh) for n, sh in params if n == "transformer.wte.weight")
+
+
 def backward_end(s, cfg, params, acts):
     """Changes from the before-backward ledger at the last node of backward, the token
     embedding's: its weight gradient (4*V*d) has just been made while the tied lm_head's, which
@@ -153,7 +158,7 @@ def backward_end(s, cfg, params, acts):
     saved tensor is gone but the logits the loop holds. With checkpointing at small batches
     this beats the start of backward (the gradients outweigh what is saved)."""
     fresh = "step2_before_backward" not in grad_phases(cfg)
-    tied = sum(4 * _numel(sh) for n, sh in params if n == "transformer.wte.weight")
+    tied = _tied_bytes(params)
     out = [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"])
            for l in acts if l["key"] != "activations/lm_head/output"]
     out.append(_delta(s, "released/inputs.y", -8 * s["B"] * s["T"], "-8*B*T", "old targets, freed with nll_loss"))
@@ -170,21 +175,16 @@ def tied_sum(s, params):
     """One step later, measured on CPU without autocast: the engine adds the two tied gradients
     out of place (under autocast it adds in place, and this moment does not exist). The old
     tokens, saved by the embedding, and the gradient into it are gone."""
-    tied = sum(4 * _numel(sh) for n, sh in params if n == "transformer.wte.weight")
+    tied = _tied_bytes(params)
     return [_delta(s, "released/inputs.x", -8 * s["B"] * s["T"], "-8*B*T", "old tokens, freed with the embedding's node"),
             _delta(s, "released/wte/grad_output", -4 * s["Ne"], "-4*B*T*d"),
             _delta(s, "temporary/tied_grad_sum", tied, "4*V*d", "lm_head's + wte's gradient, out of place")]
 
 
-def _first_matmul(s, cfg, b):
-    """What mlp.c_proj's backward has made when its input gradient appears. Under autocast
-    the matmul runs in low precision: the gradient coming in is cast down first, and the weight
-    gradient is still the low-precision one (its fp32 copy comes with AccumulateGrad). Where
-    gradients already exist (accumulation, set_to_none=False) the new one is a temporary until
-    it is added in place."""
-    d, Ne, a, fresh = s["d"], s["Ne"], s["a"], "step2_before_backward" not in grad_phases(cfg)
-    t, rows = s["tp"], s["Ne"] // (s["tp"] if s["sp"] else 1)  # tensor parallelism: c_proj's input is /t;
-    out, w = [], f"h.{b}.mlp.c_proj"  # sequence parallelism: the gradient into the block is /t too
+def _c_proj_incoming(s, b):
+    """The temporaries that carry the gradient into mlp.c_proj's backward (none in fp32 without
+    dropout: there it is the residual stream's own gradient)."""
+    a, rows, out = s["a"], s["Ne"] // (s["tp"] if s["sp"] else 1), []
     if s["drop"]:  # the MLP's dropout ran its backward first: its output is c_proj's gradient
         g = a if s["autocast"] else 4  # (under autocast the gradient's low-precision cast is gone)
         out.append(_delta(s, f"temporary/h.{b}.mlp.dropout/grad_input", g * rows, f"{g}*B*T*d",
@@ -194,7 +194,20 @@ def _first_matmul(s, cfg, b):
                           "its cast for the low-precision MLP output"))
     if s["sp"]:  # the row-parallel c_proj's reduce-scatter: its backward all-gathers the gradient
         g = a if s["autocast"] else 4
-        out.append(_delta(s, f"temporary/{w}/grad_output_gathered", g * Ne, f"{g}*B*T*d", "all-gathered over the ranks"))
+        out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_output_gathered", g * s["Ne"], f"{g}*B*T*d",
+                          "all-gathered over the ranks"))
+    return out
+
+
+def _first_matmul(s, cfg, b):
+    """What mlp.c_proj's backward has made when its input gradient appears. Under autocast
+    the matmul runs in low precision: the gradient coming in is cast down first, and the weight
+    gradient is still the low-precision one (its fp32 copy comes with AccumulateGrad). Where
+    gradients already exist (accumulation, set_to_none=False) the new one is a temporary until
+    it is added in place."""
+    d, Ne, a, fresh = s["d"], s["Ne"], s["a"], "step2_before_backward" not in grad_phases(cfg)
+    t, w = s["tp"], f"h.{b}.mlp.c_proj"  # tensor parallelism: c_proj's input and weight are /t
+    out = _c_proj_incoming(s, b)
     if s["autocast"]:
         out.append(_delta(s, f"temporary/{w}/grad_weight", a * 4 * d * d // t, f"{a}*4d*d/t", "low-precision weight gradient"))
     else:
@@ -207,19 +220,17 @@ def _first_matmul(s, cfg, b):
     return out
 
 
-_INCOMING = ("mlp.dropout/grad_input", "mlp/grad_output_cast", "mlp.c_proj/grad_output_gathered")
-
-
-def _after_c_proj(s, b, moment, saved):
-    """mlp.c_proj's backward is done: the gradient it was handed, where that was a temporary
-    (dropout's input gradient, autocast's low-precision cast, SP's all-gathered copy), its saved
-    input where nothing else saved it (GELU's output), and the low-precision weight copy it saved (recomputed, or `saved` in the forward) are let go; under
-    autocast its weight gradient's fp32 copy (ToCopyBackward, for AccumulateGrad) is made while
-    the low-precision gradient still exists. Measured on CPU: with ReLU this moment, or the
-    activation's backward after it, is the peak."""
+def _after_c_proj(s, b, saved):
+    """mlp.c_proj's backward is done: the temporaries that carried its gradient in (dropout's
+    input gradient, autocast's low-precision cast, SP's all-gathered copy), its saved input where
+    nothing else saved it (GELU's output), and the low-precision weight copy it saved
+    (recomputed, or `saved` in the forward) are let go; under autocast its weight gradient's fp32
+    copy (ToCopyBackward, for AccumulateGrad) is made while the low-precision gradient still
+    exists. Measured on CPU: with ReLU this moment, or the activation's backward after it, is
+    the peak."""
     a, Ne = s["a"], s["Ne"] // s["tp"]  # the MLP's hidden units are /t with tensor parallelism
     out = [_delta(s, "released/" + l["key"][len("temporary/"):], -l["bytes"], "-" + l["formula"], "spent by c_proj's backward")
-           for l in moment if l["key"].startswith("temporary/") and l["key"].endswith(tuple(f"h.{b}.{k}" for k in _INCOMING))]
+           for l in _c_proj_incoming(s, b)]
     if s["activation"] == "gelu":  # GELU's output was saved by c_proj alone (ReLU's by ReLU too)
         out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d/t", "GELU output"))
     if s["autocast"]:
@@ -268,7 +279,7 @@ def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []
         redo = {"new": [], "freed": []} if block_mode(cfg, b) == "selective" else recomputed[b]
         moment = block_moment(s, cfg, params, acts, b, redo) + during(b)
         candidates.append((f"backward of h.{b}", moment))
-        after = moment + _after_c_proj(s, b, moment, redo["new"] or acts)
+        after = moment + _after_c_proj(s, b, redo["new"] or acts)
         if s["autocast"]:
             candidates.append((f"backward of h.{b}.mlp.c_proj done", after))
         if block_mode(cfg, b) != "selective":  # the MLP was recomputed too

@@ -28,6 +28,7 @@ here the best-fit choice and the new segments are made instead.
 import bisect
 
 from .allocator_sim import SMALL_SIZE as MiB, BlockSim, round_size
+from .allocator_sim import _ALLOC, _FREE, _FREE_COMPLETED, _SEG_ALLOC, _SEG_MAP
 
 
 def segment_size(rounded):
@@ -192,9 +193,6 @@ def predicted_gaps(ledger, cfg, expandable=False):
         result["reserved_steady"] = model.reserved
     return result
 
-
-# action codes of trace.ACTIONS (this module stays free of numpy)
-_ALLOC, _FREE_COMPLETED, _FREE, _SEG_ALLOC, _SEG_MAP = 1, 3, 4, 5, 7
 
 
 def replay_requests(act, addr, size, expandable=False):

@@ -81,3 +81,18 @@ def gpt_steps(forward, opt, batches, audit=None, inputs=("inputs/x",)):
 def load_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+def committed_rows(name):
+    """The rows of snapshots/results/<name> (one JSON object a line)."""
+    return [json.loads(line) for line in open(os.path.join(ROOT, "snapshots", "results", name))]
+
+
+def assert_repredicted_exactly(rows):
+    """Each measured row ok with 0 unattributed, and its steady state, activations and peak
+    re-predicted by the current predictor to the byte (no runs: the measurements are data)."""
+    from memory_audit.sweep import repredict
+    for r in rows:
+        assert r["status"] == "ok" and r["unattributed_bytes"] == 0, r["config"]
+        t = repredict(r)
+        assert [t[k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0], (r["config"], t)

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT, load_json, run_cli, run_train
+from conftest import ROOT, assert_repredicted_exactly, committed_rows, load_json, run_cli, run_train
 from memory_audit.predict import device_facts, predict
 from memory_audit.reconcile import mismatched
 
@@ -163,15 +163,11 @@ def test_committed_torchrun_rows_are_predicted_to_the_byte():
     """Every rank of every run in snapshots/results/cpu-parallel.jsonl (ddp, fsdp, tp, tp-sp,
     fsdp+tp, fsdp+tp-sp, FSDP2 with full and selective checkpointing; measured on CPU with gloo)
     re-predicted by the current predictor: steady state, activations and peak to the byte."""
-    from memory_audit.sweep import repredict
-    rows = [json.loads(l) for l in open(os.path.join(ROOT, "snapshots", "results", "cpu-parallel.jsonl"))]
+    rows = committed_rows("cpu-parallel.jsonl")
     strategies = {r["config"].get("parallel", "none") for r in rows}
     assert strategies == {"none", "ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp"} and len(rows) == 27
     assert any(r["config"].get("activation_checkpointing") == "full" and r["config"].get("parallel") == "fsdp" for r in rows)
-    for r in rows:
-        assert r["status"] == "ok" and r["unattributed_bytes"] == 0, r["config"]
-        t = repredict(r)
-        assert [t[k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0], (r["config"], t)
+    assert_repredicted_exactly(rows)
 
 
 def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):

@@ -1,13 +1,9 @@
 """The cpu-small grid: every row fully attributed and every activation line predicted exactly."""
 
 import json
-import os
 
-from conftest import run_cli
-from memory_audit.sweep import accuracy_table, grid, repredict
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import assert_repredicted_exactly, committed_rows, run_cli
+from memory_audit.sweep import accuracy_table, grid
 
 
 def _sweep(tmp_path, name, rows=None):
@@ -65,12 +61,9 @@ def test_cpu_ac_grid(tmp_path):
 def test_committed_cpu_ac_rows_are_predicted_to_the_byte():
     """All 20 cpu-ac rows as measured (snapshots/results/cpu-ac.jsonl), re-predicted by the current
     predictor: steady state, activations and peak to the byte, 0 unattributed."""
-    rows = [json.loads(l) for l in open(os.path.join(ROOT, "snapshots", "results", "cpu-ac.jsonl"))]
+    rows = committed_rows("cpu-ac.jsonl")
     assert [r["config"] for r in rows] == grid("cpu-ac")
-    for r in rows:
-        assert r["status"] == "ok" and r["unattributed_bytes"] == 0, r["config"]
-        t = repredict(r)
-        assert [t[k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0], (r["config"], t)
+    assert_repredicted_exactly(rows)
 
 
 def test_unknown_grid_is_one_line():
