@@ -9,16 +9,17 @@ before. This module replays a simplified history of one training run, built from
 predicted ledger:
 
   model.to(device): weights and buffers in order; the first batch;
-  step 1: the forward's saved tensors, the cross-entropy gradients of the backward's start,
+  step 1: the forward's saved tensors in order, with the tensors the forward makes and drops
+  on the way (`forward_temporaries`), the cross-entropy gradients of the backward's start,
   then the backward (saved tensors freed from the last layer down, each layer's gradients
   allocated as it is passed), AdamW's state (exp_avg, exp_avg_sq, step per parameter),
   zero_grad and the next batch; step 2's forward.
 
-Short-lived temporaries are left out, which is why this is a model, not a measurement:
-on the H100 sweep it lands within 0.2% of the measured peak where rounding alone missed by up
-to 1.5% (GPT-2 xl), and within 6 MB of the measured steady-state gaps for xl with SDPA. The
-segments it makes are the predicted memory_reserved(): within 2% of the measured on 17 of the
-23 H100 rows, 5.0% under at worst, and to the byte on the two committed tiny CUDA audits (README, "Will it fit?").
+The backward's short-lived temporaries are left out, which is why this is a model, not a
+measurement: on the H100 sweep it lands within 0.1% of the measured peak where rounding alone
+missed by up to 1.5% (GPT-2 xl). The segments it makes are the predicted memory_reserved():
+within 2% of the measured on 19 of the 23 H100 rows, 4.9% under at worst, and to the byte on
+the two committed tiny CUDA audits (README, "Will it fit?").
 
 The model is the replay's own block bookkeeping (allocator_sim.BlockSim), which the
 byte-exact replay of a trace uses unchanged: the trace says which address each allocation got;
@@ -116,6 +117,124 @@ def _logits_bytes(log_softmax, cfg):
     return rows * vocab * (4 if cfg["dtype"] == "float32" else 2)
 
 
+def _module_op(line):
+    """('h.3.attn.c_proj', 'mm.self') from 'activations/h.3.attn.c_proj/mm.self'."""
+    parts = line["key"].split("/")
+    return parts[1], parts[-1]
+
+
+def _block(module):
+    """'h.3' for the modules of block 3; other modules are their own block."""
+    return ".".join(module.split(".")[:2]) if module.startswith("h.") else module
+
+
+def forward_order(acts):
+    """Indices of the saved tensors in the order the forward makes them. The ledger lists a
+    matmul's weight cast (mm.mat2) before its input (mm.self), which is the order autocast casts
+    them in; a c_proj's input is the output of the op before it (att @ v made contiguous, the
+    activation), so it exists before the weight is cast (the H100 reference series)."""
+    order = list(range(len(acts)))
+    for j in range(len(acts) - 1):
+        (module, op), (next_module, next_op) = _module_op(acts[j]), _module_op(acts[j + 1])
+        if module == next_module and module.endswith("c_proj") and (op, next_op) == ("mm.mat2", "mm.self"):
+            order[j], order[j + 1] = j + 1, j
+    return order
+
+
+def forward_temporaries(acts, cfg):
+    """The tensors an eager forward makes and drops before it ends, which the ledger (the saved
+    tensors) does not list, as steps around the saved tensors they come with:
+    {(index into acts, "before" | "after"): [("alloc" | "free", name, bytes)]}. Read off the
+    H100's step-2 allocation series (GPT-2 small, fp16, manual attention: the reference run) and
+    the committed tiny bf16 SDPA trace:
+      tok_emb and pos_emb (fp32) live until the forward returns; under autocast each LayerNorm
+      writes an fp32 output the next matmul casts and drops; each c_proj writes its output in the
+      matmul dtype, dropped once the residual add has made the block's next fp32 stream.
+      Manual attention: qkv (3 x q's bytes) lives until c_proj has run; q @ k^T and its scaled
+      copy, then masked_fill's copy (each B*H*T*T in the matmul dtype) come and go around the
+      fp32 softmax; att @ v is made contiguous for c_proj and dropped. SDPA keeps qkv (q, k, v
+      are views of it) and writes its output in the layout c_proj reads.
+    Sizes come from the saved tensors themselves, so tensor-parallel widths carry through."""
+    low = 2 if cfg["dtype"] in ("float16", "bfloat16") else 4  # bytes per element matmuls write
+    manual = cfg["attention"] == "manual"
+    by_key = {l["key"]: l["bytes"] for l in acts}
+    order = forward_order(acts)
+    last_matmul_line = {}  # c_proj: its output comes after its last saved operand
+    for i in order:
+        module, op = _module_op(acts[i])
+        if module.endswith("c_proj") and op in ("mm.self", "mm.mat2"):
+            last_matmul_line[module] = i
+    steps = {}
+
+    def at(i, when, *actions):
+        steps.setdefault((i, when), []).extend(actions)
+
+    previous_block = None
+    for i in order:
+        l = acts[i]
+        module, op = _module_op(l)
+        block = _block(module)
+        stream = by_key.get(f"activations/{block}.ln_2/native_layer_norm.input", 0)  # (B, T, C) fp32
+        if l["key"] == "activations/wpe/embedding.indices":
+            tok = by_key.get("activations/h.0.ln_1/native_layer_norm.input", 0)
+            at(i, "after", ("alloc", "tok_emb", tok), ("alloc", "pos_emb", tok // cfg["batch_size"]))
+        elif op == "native_layer_norm.result1" and low == 2:
+            at(i, "before", ("alloc", f"{module}.out", by_key.get(f"activations/{module}/native_layer_norm.input", 0)))
+        elif op == "native_layer_norm.input" and module.endswith("ln_2"):
+            at(i, "before", ("free", f"{block}.ln_1.out", 0))
+            at(i, "after", ("free", f"{block}.attn.c_proj.out", 0))
+        elif op == "native_layer_norm.input" and previous_block and block != previous_block:
+            at(i, "before", ("free", f"{previous_block}.ln_2.out", 0))  # the next block's stream
+            at(i, "after", ("free", f"{previous_block}.mlp.c_proj.out", 0))
+        elif manual and module.endswith("attn.c_attn") and op == "mm.self":
+            at(i, "after", ("alloc", f"{block}.qkv", 3 * by_key.get(f"activations/{block}.attn/bmm.self", 0)))
+        elif manual and op == "bmm.mat2":
+            scores = by_key.get(f"activations/{block}.attn/softmax.result", 0) * low // 4
+            at(i, "after", ("alloc", f"{block}.scores", scores), ("alloc", f"{block}.scaled", scores),
+               ("free", f"{block}.scores", 0))
+        elif manual and op == "masked_fill.mask":
+            at(i, "after", ("alloc", f"{block}.masked", by_key.get(f"activations/{block}.attn/softmax.result", 0) * low // 4),
+               ("free", f"{block}.scaled", 0))
+        elif manual and op == "softmax.result":
+            at(i, "after", ("free", f"{block}.masked", 0))
+        elif manual and op == "bmm.mat2#2":
+            at(i, "after", ("alloc", f"{block}.y", l["bytes"]))
+        if module.endswith("attn.c_proj") and op == "mm.self":
+            at(i, "after", ("free", f"{block}.y", 0))
+        if module.endswith("c_proj") and last_matmul_line.get(module) == i:
+            at(i, "after", ("alloc", f"{module}.out", stream * low // 4))
+            if module.endswith("attn.c_proj"):
+                at(i, "after", ("free", f"{block}.qkv", 0))
+        if block.startswith("h."):
+            previous_block = block
+    return steps
+
+
+def play_forward(acts, temporaries, cfg, alloc, free, live):
+    """One forward through the model: the saved tensors in order with the temporaries around
+    them (`forward_temporaries`); when it returns, the temporaries still held go, newest first
+    (the LayerNorm output before lm_head, pos_emb, tok_emb), then the logits a loop that does not
+    keep them lets go."""
+    def play(actions):
+        for what, name, nbytes in actions:
+            if what == "alloc" and nbytes:
+                alloc(("tmp", name), nbytes)
+            elif what == "free" and ("tmp", name) in live:  # absent where checkpointing saved no anchor
+                free(("tmp", name))
+
+    for i in forward_order(acts):
+        l = acts[i]
+        play(temporaries.get((i, "before"), ()))
+        if l["key"] == "activations/gpt/log_softmax.result" and not cfg["keep_logits"]:
+            alloc("logits", _logits_bytes(l, cfg))  # made by lm_head, dropped once the loss exists
+        alloc(("act", i), l["bytes"])
+        play(temporaries.get((i, "after"), ()))
+    for key in reversed([k for k in live if isinstance(k, tuple) and k[0] == "tmp"]):
+        free(key)
+    if "logits" in live:
+        free("logits")
+
+
 def predicted_gaps(ledger, cfg, expandable=False):
     """Bytes beyond the 512 B rounding held at steady state, before backward and at the peak,
     and the bytes reserved then (reserved_steady, reserved_before_backward, reserved_peak)."""
@@ -147,13 +266,9 @@ def predicted_gaps(ledger, cfg, expandable=False):
     acts = [l for l in ledger if l["category"] == "activations"]
     peak_extra = [l for l in ledger if "peak" in l["phases"] and l["bytes"] > 0]
     result = {}
+    temporaries = forward_temporaries(acts, cfg)
     for step in (1, 2):
-        for i, l in enumerate(acts):
-            if l["key"] == "activations/gpt/log_softmax.result" and not cfg["keep_logits"]:
-                alloc("logits", _logits_bytes(l, cfg))  # made by lm_head, dropped once the loss exists
-            alloc(("act", i), l["bytes"])
-        if "logits" in live:
-            free("logits")
+        play_forward(acts, temporaries, cfg, alloc, free, live)
         if step == 2:
             result["before_backward"] = held()
             result["reserved_before_backward"] = model.reserved

@@ -81,7 +81,7 @@ def join(pred, phase, actual_lines, actual_categories):
     pred_gaps = sum(l["allocated"] - l["bytes"] for l in pred["ledger"] if phase in l["phases"]) + unsplit
     rows.append(_row(phase, "gaps", "gaps", pred_gaps, actual_categories.get("gaps", 0),
                      formula="512 B rounding per block + unsplit blocks (allocator model)",
-                     note="history-dependent: the allocator model leaves out short-lived temporaries"))
+                     note="history-dependent: the allocator model leaves out the backward's short-lived temporaries"))
     cats = []
     for c in CATEGORIES:
         p = pred_gaps if c == "gaps" else sum(v for k, v in predicted_lines.items() if k.split("/", 1)[0] == c)

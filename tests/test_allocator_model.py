@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import EXAMPLES, FOREIGN
+from conftest import EXAMPLES, FOREIGN, load_json
 from memory_audit.gap_sim import replay_requests
 from memory_audit.loader import load_snapshot
 
@@ -57,3 +57,36 @@ def test_foreign_traces_begun_late_get_a_few_more_segments(name, counts):
     r = _replay(os.path.join(FOREIGN, name))
     assert (len(r["segments"]), len(r["trace_segments"])) == counts
     assert 0 < r["reserved"] - r["trace_reserved"] < r["trace_reserved"] // 100  # under 1% more
+
+
+def test_forward_history_is_the_h100_reference_forward():
+    """The history the reserved-memory model plays for a forward (saved tensors in the order
+    they are made, and the temporaries the forward makes and drops) against the H100
+    reference run's measured step-2 forward, GPT-2 small, fp16, manual attention: every
+    large-pool request and release (over 1 MiB) in the same order with the same size. The
+    small pool (a few 4 B scalars the ledger does not order) is left out."""
+    from memory_audit.allocator_sim import SMALL_SIZE, round_size
+    from memory_audit.gap_sim import forward_temporaries, play_forward
+    from memory_audit.predict import predict
+    from memory_audit.reconcile import device_from_meta
+
+    ref = os.path.join(EXAMPLES, "h100-gpt2-reference")
+    meta, report = load_json(os.path.join(ref, "meta.json")), load_json(os.path.join(ref, "report.json"))
+    acts = [l for l in predict(meta["config"], device_from_meta(meta))["ledger"] if l["category"] == "activations"]
+    played, live = [], {}
+
+    def alloc(key, nbytes):
+        live[key] = nbytes
+        played.append(round_size(nbytes))
+
+    def free(key):
+        played.append(-round_size(live.pop(key)))
+
+    play_forward(acts, forward_temporaries(acts, meta["config"]), meta["config"], alloc, free, live)
+    series, start, end = report["series"], report["phase_index"]["step2_start"], report["phase_index"]["step2_before_backward"]
+    measured = [b["allocated"] - a["allocated"] for a, b in zip(series, series[1:]) if start < b["index"] <= end]
+    large = [n for n in measured if abs(n) > SMALL_SIZE]
+    assert len(large) == 421 and [n for n in played if abs(n) > SMALL_SIZE] == large
+    # when the forward returns only the saved tensors are held: the temporaries and the logits
+    # this loop does not keep are gone
+    assert live and all(key[0] == "act" for key in live)
