@@ -241,12 +241,8 @@ def _results_file(row):
     return os.path.join(ROOT, "snapshots", "results", f"{tag}.jsonl")
 
 
-def repredict(row):
-    """The row's totals with `predicted` recomputed by the current predictor.
-
-    Measurements are data; predictions come from the config alone, so a results file stays
-    comparable after the predictor improves.
-    """
+def row_prediction(row):
+    """predict_run() of the config a results row ran (its preset expanded), on its device."""
     from .predict import predict_run
     from .reconcile import device_from_meta
     if ROOT not in sys.path:
@@ -259,7 +255,17 @@ def repredict(row):
         cfg.update({k: v for k, v in PRESETS.get(cfg.pop("preset", None), {}).items() if k not in row["config"]})
     name = row.get("device") or "cpu"
     device = {"type": "cpu"} if name == "cpu" else {"type": "cuda", "name": name}
-    t = predict_run(cfg, device_from_meta({"device": device}), plan=row.get("inductor_plan"))["totals"]
+    return predict_run(cfg, device_from_meta({"device": device}), plan=row.get("inductor_plan"))
+
+
+def repredict(row):
+    """The row's totals with `predicted` recomputed by the current predictor.
+
+    Measurements are data; predictions come from the config alone, so a results file stays
+    comparable after the predictor improves.
+    """
+    name = row.get("device") or "cpu"
+    t = row_prediction(row)["totals"]
     out = {"reserved": _pair(t["reserved_peak_bytes"] if name != "cpu" else None, row.get("reserved_actual"))}
     for key, pkey in (("steady_state", "steady_state_allocated"), ("activations", "activations_bytes"),
                       ("peak", "peak_allocated_bytes")):

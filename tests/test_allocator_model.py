@@ -90,3 +90,27 @@ def test_forward_history_is_the_h100_reference_forward():
     # when the forward returns only the saved tensors are held: the temporaries and the logits
     # this loop does not keep are gone
     assert live and all(key[0] == "act" for key in live)
+
+
+def test_reserved_phases_script_agrees_with_the_accuracy_rows():
+    """scripts/reserved_phases.py (where a reserved miss enters) prints, for each of the 23 stored
+    H100 rows with a report, the model's and the measured reserved per phase; its end-of-step
+    columns are the accuracy table's reserved pair (the measured side to the reports' 3 decimals)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from memory_audit.sweep import accuracy_rows
+
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "reserved_phases.py")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    printed = [l.split(" | ") for l in p.stdout.splitlines()[1:]]
+    rows = [r for f in ("h100.jsonl", "h100-variants.jsonl")
+            for r in accuracy_rows(os.path.join(ROOT, "snapshots", "results", f))]
+    assert len(printed) == len(rows) == 23
+    for cells, row in zip(printed, rows):
+        model, measured = (float(x) for x in cells[3].split(" / "))
+        assert cells[0] == row["run"].replace("sweep-preset", "")
+        assert abs(model * 2**30 - row["reserved_predicted"]) < 0.0005 * 2**30
+        assert abs(measured * 2**30 - row["reserved_actual"]) < 0.005 * 2**30
