@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "snapshots", "results")
 
 
-def _table(text, phase):
+def report_table(text, phase):
+    """The rows of a report.md's "<phase>: by category" table, as lists of cell strings."""
     block = text.split(f"## {phase}: by category", 1)[1].split("\n## ", 1)[0]
     return [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines()
             if line.startswith("| ") and not line.startswith("| category")]
@@ -29,7 +30,7 @@ def measured_reserved(report_md):
     text = open(report_md).read()
     steady = re.search(r"\| steady_state \|[^\n]*", text)[0].split("|")
     allocated = int(steady[5].strip().replace(",", ""))  # the "actual B" column
-    start, end = _table(text, "step2_start"), _table(text, "step2_end")
+    start, end = report_table(text, "step2_start"), report_table(text, "step2_end")
     allocated_rows = [r for r in end if r[0] not in ("cached_free", "pending_free")]
     if allocated_rows != [r for r in start if r[0] not in ("cached_free", "pending_free")]:
         raise ValueError(f"{report_md}: step2_end's allocations differ from step2_start's")

@@ -17,6 +17,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from backfill_reserved import report_table  # noqa: E402  (beside this script)
 from memory_audit.gap_sim import predicted_gaps  # noqa: E402
 from memory_audit.sweep import row_prediction  # noqa: E402
 
@@ -28,13 +29,10 @@ PHASES = ("step2_start", "step2_before_backward", "step2_end")
 def measured(report_md):
     """Bytes reserved at each phase: every category's actual column (allocated, cached_free,
     pending_free) summed."""
-    text, out = open(report_md).read(), {}
-    for phase in PHASES:
-        block = text.split(f"## {phase}: by category", 1)[1].split("\n## ", 1)[0]
-        rows = [[c.strip() for c in l.strip("|").split("|")] for l in block.splitlines()
-                if l.startswith("| ") and not l.startswith(("| category", "| ---"))]
-        out[phase] = sum(float(r[2].split()[0].replace(",", "")) * UNIT[r[2].split()[1]] for r in rows)
-    return out
+    text = open(report_md).read()
+    return {phase: sum(float(r[2].split()[0].replace(",", "")) * UNIT[r[2].split()[1]]
+                       for r in report_table(text, phase) if not r[0].startswith("---"))
+            for phase in PHASES}
 
 
 def modelled(row):
