@@ -197,8 +197,8 @@ def forward_temporaries(acts, cfg):
                ("free", f"{block}.scaled", 0))
         elif manual and op == "softmax.result":
             at(i, "after", ("free", f"{block}.masked", 0))
-        elif manual and op == "bmm.mat2#2":
-            at(i, "after", ("alloc", f"{block}.y", l["bytes"]))
+        elif manual and module.endswith("attn.c_proj") and op == "mm.self":  # att @ v, before its copy
+            at(i, "before", ("alloc", f"{block}.y", l["bytes"]))
         if module.endswith("attn.c_proj") and op == "mm.self":
             at(i, "after", ("free", f"{block}.y", 0))
         if module.endswith("c_proj") and last_matmul_line.get(module) == i:

@@ -135,13 +135,19 @@ def math_sdpa(s, h):
             ] + linear(s, f"{h}.attn.c_proj", d, d, input_note="attention output, back in the autocast dtype")
 
 
+def _views(s):
+    """matmul folds (B, heads) into one batch dimension: q, k^T and v, transposed views of
+    c_attn's output, fold without a copy only when one of the two is 1."""
+    return s["nh_local"] == 1 or s["B"] == 1
+
+
 def manual_attention(s, h):
     """q @ k^T, scale, mask, softmax, dropout, @ v: each saves its own copy."""
     B, T, d, nh, Ne, Na, a, lowp, sm = (s[k] for k in ("B", "T", "d", "nh", "Ne", "Na", "a", "lowp", "sm"))
     core = dict(region="core")
-    if s["nh_local"] == 1:  # one head: q, k^T and v reshape to 3-D without copies; c_attn's output is saved
+    if _views(s):  # q, k^T and v reshape to 3-D without copies; c_attn's output is saved
         out = [act(s, f"{h}.attn/bmm.mat2", a * 3 * Ne, lowp, [B, T, 3 * d], f"{a}*3*B*T*d",
-                   "q, k^T, v: views of the c_attn output (one head: no copies)", input_alias="core", **core)]
+                   "q, k^T, v: views of the c_attn output (one head or batch 1: no copies)", input_alias="core", **core)]
     else:
         out = [act(s, f"{h}.attn/bmm.self", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "q, made contiguous", **core),
                act(s, f"{h}.attn/bmm.mat2", a * Ne, lowp, [B * nh, d // nh, T], f"{a}*B*T*d", "k^T, made contiguous", **core)]
@@ -155,7 +161,7 @@ def manual_attention(s, h):
     elif s["drop"]:  # att @ v saves the dropout's output, a new tensor
         out.append(act(s, f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
                        "attention dropout output", **core))
-    if s["nh_local"] > 1:
+    if not _views(s):
         out.append(act(s, f"{h}.attn/bmm.mat2#2", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "v, made contiguous", **core))
     if s["dt"] == "cpu":
         out.append(act(s, f"{h}.attn/mul.other", 8, "float64", [], "8", "the 1/sqrt(hs) scalar, a CPU tensor",
@@ -193,10 +199,16 @@ def sdpa_attention(s, h):
     return out + linear(s, f"{h}.attn.c_proj", d, d, input_saved_here=False)
 
 
+def materialized_scores(s):
+    """Does the attention core make B*n_head*T^2 tensors? Manual attention does, and so does
+    CPU SDPA with dropout in training (the math fallback)."""
+    return s["attention"] == "manual" or (s["drop"] and s["dt"] == "cpu")
+
+
 def attention(s, h):
     d = s["d"]
     out = linear(s, f"{h}.attn.c_attn", d, 3 * d, input_note=_cast_note(s))
-    if s["attention"] == "sdpa" and s["drop"] and s["dt"] == "cpu":
+    if s["attention"] == "sdpa" and materialized_scores(s):
         out += math_sdpa(s, h)
     elif s["attention"] == "manual":
         out += manual_attention(s, h)
