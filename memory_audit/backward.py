@@ -25,14 +25,22 @@ cached weight copies of checkpointed blocks) is a third. The end of backward (th
 embedding's node: every gradient made, the tied weight's two halves not yet added) is a fourth;
 at micro-batch 1 it can be the peak (GPT-2 small with full checkpointing).
 
+Where the attention core makes B*n_head*T^2 tensors (manual attention; CPU SDPA's math path
+with dropout), two moments inside every block's attention backward compete too, with or without
+a lever (`attention_core_moment`): right after att @ v's backward and right after softmax's.
+They win when n_head*T outgrows the vocabulary's share (the head's B*T*V tensors): predicted
+for GPT-2 small with full checkpointing from T=4096 (not at 2048).
+
 Measured on CPU (torch 2.13) to the byte for every mode, fp32 and bf16, manual and SDPA, GELU
-and ReLU, bias, dropout, accumulation. Moments deeper in a block's backward (attention's T^2
-gradients at long sequences) are not candidates: where they dominate, the peak is
-under-predicted. The CUDA moments follow the same rules but are not yet measured.
+and ReLU, bias, dropout, accumulation, batch 1, and under FSDP2 and tensor parallelism
+(snapshots/results/cpu-long.jsonl for the attention core). Not a candidate: a moment inside a
+checkpointed block's forward, which SAC keeping the scores (bmm) can make the peak with CPU
+SDPA's math path, dropout and bf16. The CUDA moments follow the same rules but are not yet
+measured.
 """
 
 from .levers import block_mode
-from .parts import grad_phases, line, numel as _numel
+from .parts import grad_phases, line, materialized_scores, numel as _numel
 
 PEAK = ("peak",)
 
@@ -258,10 +266,74 @@ def _activation_backward(s, b):
     return [_delta(s, f"temporary/h.{b}.mlp.act/grad_input", a * 4 * Ne, f"{a}*4*B*T*d/t", "activation's input gradient")]
 
 
-def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []):
+# what block b's attention still holds inside its backward: ln_1's and c_attn's saved tensors,
+# q, k^T, the mask, the probabilities (and CPU's scalar), the checkpoint's inputs; right after
+# att @ v's backward also the dropout's mask and output, and v
+_HELD = {"softmax": ("bmm.self", "bmm.mat2", "masked_fill.mask", "softmax.result", "safe_softmax.result",
+                     "checkpoint.input", "checkpoint.rng_state")}
+_HELD["att @ v"] = _HELD["softmax"] + ("bmm.self#2", "bmm.mat2#2", "mul.other")  # math SDPA's dropout noise
+
+
+def _held(key, b, at):
+    part, op = key.split("/")[1], key.split("/")[-1]
+    if part in (f"h.{b}", f"h.{b}.ln_1", f"h.{b}.attn.c_attn") or (at == "att @ v" and part == f"h.{b}.attn.attn_dropout"):
+        return True
+    return part == f"h.{b}.attn" and op in _HELD[at]
+
+
+def _spent(l, b, spent, at):
+    """Is block b's kept line l gone at moment `at`? SAC's cached outputs go when the recompute
+    consumes them (`spent`), with the saved tensor they are (`feeds`), or never before the
+    block's backward ends (mlp.c_proj's, which the recompute does not rerun)."""
+    if l["key"] in spent:
+        return True
+    if l.get("feeds"):
+        return not _held(l["feeds"], b, at)
+    return not l.get("graph") and ".sac_output" not in l["key"] and not _held(l["key"], b, at)
+
+
+def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
+    """Changes from the before-backward ledger inside block b's attention core (manual
+    attention), at = "att @ v": its backward has just made the gradient of the probabilities
+    (or of dropout's output) beside the gradient for v and the contiguous copy of c_proj's input
+    gradient it read; at = "softmax": softmax's backward has just made its input gradient, so
+    three B*n_head*T^2 tensors are live: the probabilities, the gradient into softmax (after
+    dropout's backward and under CUDA autocast the cast up to fp32, each replacing the one
+    before) and the new one. The MLP and c_proj are done: their saved (or recomputed) tensors
+    are spent, their weight gradients made. Measured on CPU: with long sequences one of the two
+    is the step's peak, in every checkpointing mode and without one (att @ v with dropout).
+    own: the parameters as block b's backward sees them (FSDP2: all-gathered, so its gradients
+    are whole until the block's reduce-scatter); params: as this rank keeps them."""
+    redo = redo or {"new": [], "freed": []}
+    spent = {l["key"] for l in redo["freed"]}  # SAC's cached outputs, consumed by the recompute
+    out = block_entry(s, cfg, params, acts, b)
+    out += [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], f"spent before {at}'s backward")
+            for l in acts if _block_of(l["key"]) == b and _spent(l, b, spent, at)]
+    out += [_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"])
+            for l in redo["new"] if _held(l["key"], b, at)]
+    if "step2_before_backward" not in grad_phases(cfg):
+        done = tuple(f"transformer.h.{b}.{m}." for m in ("mlp", "ln_2", "attn.c_proj"))
+        out.append(_delta(s, f"grads/h.{b}.after_attention_core", _param_grads(s, own or params, done), "4*numel",
+                          f"h.{b}'s mlp, ln_2 and attn.c_proj"))
+    by_key = {l["key"]: l for l in acts + redo["new"]}
+    core = f"activations/h.{b}.attn/"
+    probs = by_key.get(core + "softmax.result") or by_key[core + "safe_softmax.result"]
+    # v's dtype (math SDPA: fp32 under autocast too); no line for v where q, k, v are views
+    v = by_key.get(core + "bmm.mat2#2") or {"bytes": s["a"] * s["Ne"] // s["tp"], "formula": f"{s['a']}*B*T*d/t"}
+    out.append(_delta(s, f"temporary/h.{b}.attn/grad_v", v["bytes"], v["formula"], "att @ v's gradient for v"))
+    if at == "att @ v":
+        att = by_key.get(core + "bmm.self#2", probs)  # what att @ v saved
+        return out + [_delta(s, f"temporary/h.{b}.attn/grad_y", v["bytes"], v["formula"], "c_proj's input gradient, made contiguous"),
+                      _delta(s, f"temporary/h.{b}.attn/grad_att", att["bytes"], att["formula"], "the gradient of att @ v's input")]
+    return out + [_delta(s, f"temporary/h.{b}.attn/grad_probs", probs["bytes"], probs["formula"], "the gradient into softmax"),
+                  _delta(s, f"temporary/h.{b}.attn/grad_scores", probs["bytes"], probs["formula"], "softmax's input gradient")]
+
+
+def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: [], unsharded=None):
     """(lines of the peak moment, as changes from the before-backward ledger; a summary).
     during(moment): what a parallel strategy adds at the end of the forward ("forward end"), as
-    block b's backward begins (("entry", b)) or inside it (b), e.g. fsdp.during."""
+    block b's backward begins (("entry", b)) or inside it (b), e.g. fsdp.during. unsharded: the
+    parameters before FSDP2 shards them (a block's gradients are whole inside its backward)."""
     candidates = [("start of backward", start)]
     if recomputed:  # only a lever that shrinks what is saved lets the forward's end compete
         candidates.append(("end of forward", forward_end(s, cfg, acts) + during("forward end")))
@@ -285,6 +357,11 @@ def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []
         if block_mode(cfg, b) != "selective":  # the MLP was recomputed too
             act_moment = after + _low_precision_grad_freed(s, b) + _activation_backward(s, b)
             candidates.append((f"backward of h.{b}.mlp.act", act_moment))
+    if materialized_scores(s):  # the attention core's T^2 gradients, in every block
+        for b in range(s["L"] - 1, -1, -1):
+            for at in ("att @ v", "softmax"):
+                moment = attention_core_moment(s, cfg, params, acts, b, recomputed.get(b), at, unsharded) + during(b)
+                candidates.append((f"backward of h.{b}.attn {at}", moment))
 
     def total(lines):
         return sum(l["allocated"] for l in lines)

@@ -122,9 +122,12 @@ def sac(s, i, lines, ops):
     keep = _numbered([l for op, l in sac_outputs(s, i) if op in ops])
     fed = {l["feeds"] for l in keep if l["feeds"]}
     # recomputation allocates what SAC did not keep; a kept output nothing saved is dropped
-    # from SAC's cache once the recomputation has consumed it
+    # from SAC's cache once the recomputation has consumed it. The recomputation stops once the
+    # last saved tensor exists: without dropout that is mlp.c_proj's input, so c_proj's own
+    # output stays cached until the block's backward is over (measured on CPU)
+    never_rerun = () if s["drop"] else (f"activations/h.{i}.mlp.c_proj/",)
     redo = {"new": [l for l in lines if not l.get("graph") and l.get("input_alias") != "block" and l["key"] not in fed],
-            "freed": [l for l in keep if not l["feeds"]]}
+            "freed": [l for l in keep if not l["feeds"] and not l["key"].startswith(never_rerun)]}
     return [checkpoint_input(s, i)] + rng_state(s, f"h.{i}") + keep + [l for l in lines if l.get("graph")], redo
 
 

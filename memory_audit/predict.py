@@ -227,7 +227,8 @@ def predict(config=None, device=None, gaps_bytes=None):
     params = [(n, fsdp.local_shape(sh, shards)) for n, sh in tp_local]  # what this rank holds
     acts, recomputed = activation_lines(s, cfg)
     start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, tp_local)
-    peak, backward = peak_lines(s, cfg, params, acts, recomputed, start, lambda m: fsdp.during(s, cfg, tp_local, m))
+    peak, backward = peak_lines(s, cfg, params, acts, recomputed, start, lambda m: fsdp.during(s, cfg, tp_local, m),
+                                tp_local)
     ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
     totals = _totals(ledger, params, dev, gaps_bytes, cfg)
     totals["recompute_flops"] = recompute_flops(s, cfg)
