@@ -65,15 +65,33 @@ def grid(name):
                      n_embd=128, n_head=4, n_layer=3, dtype="bfloat16"),
                 dict(base, nproc=4, parallel="fsdp+tp-sp", tp_size=2, activation_checkpointing="full",
                      gradient_accumulation_steps=2, n_head=4)]
+    if name == "cpu-long":  # sequences long enough (T=512, 8 heads) that the attention core's T^2 gradients are the peak
+        base = dict(preset="cpu-tiny", batch_size=2, device="cpu", block_size=512, n_head=8, attention="manual")
+        return ([dict(base, activation_checkpointing=m, dtype=d) for m in ("none", "full", "selective", "sac")
+                 for d in ("float32", "bfloat16")]
+                + [dict(base, activation_checkpointing=m, dropout=0.1) for m in ("none", "full", "selective", "sac")]
+                + [dict(base, attention="sdpa", dropout=0.1, activation_checkpointing=m) for m in ("none", "full")]
+                + [dict(base, dtype="float16", activation_checkpointing="full", bias=True),
+                   dict(base, activation_checkpointing="full", set_to_none=False, activation="relu"),
+                   dict(base, batch_size=1, block_size=256, n_head=4, activation_checkpointing="full"),
+                   dict(base, nproc=2, parallel="fsdp", activation_checkpointing="full", gradient_accumulation_steps=2),
+                   dict(base, nproc=2, parallel="tp-sp", activation_checkpointing="full", dtype="bfloat16"),
+                   dict(base, nproc=2, parallel="tp", dtype="bfloat16")])
     if name == "smoke":  # one tiny CPU run, for tests
         return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
+    if name == "gpu-long":  # for a lent GPU: cpu-long's attention-core peak on CUDA (autocast: fp32 softmax)
+        tiny = dict(preset="cpu-tiny", batch_size=2, block_size=512, n_head=8, attention="manual")
+        return ([dict(tiny, dtype=d, activation_checkpointing=m) for d in ("float16", "bfloat16", "float32")
+                 for m in ("none", "full", "selective")]
+                + [dict(preset="gpt2", batch_size=2, block_size=4096, dtype="float16", attention="manual",
+                        activation_checkpointing=m) for m in ("full", "selective")])
     if name == "gpu-ac":  # for a lent GPU: GPT-2 small and medium, fp16, full and selective
         return [dict(preset=p, batch_size=12, dtype="float16", attention=a, activation_checkpointing=m)
                 for p in ("gpt2", "gpt2-medium") for a in ("manual", "sdpa") for m in ("none", "full", "selective")]
     raise ValueError(f"unknown grid {name!r}; one of {', '.join(GRIDS)}")
 
 
-GRIDS = ("cpu-small", "cpu-ac", "cpu-compile-budget", "cpu-parallel", "gpt2-sizes", "variants", "gpu-ac", "gpu-compile-budget", "smoke")
+GRIDS = ("cpu-small", "cpu-ac", "cpu-long", "cpu-compile-budget", "cpu-parallel", "gpt2-sizes", "variants", "gpu-ac", "gpu-long", "gpu-compile-budget", "smoke")
 COMPILE_BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
