@@ -4,7 +4,10 @@
 # 1. the CUDA tests (3 tiny AC audits: losses unchanged, lines exact, recomputation labelled);
 # 2. GPT-2 small and medium, fp16, manual and sdpa, none/full/selective (sweep grid gpu-ac),
 #    rows to $OUT/h100-ac.jsonl (commit as snapshots/results/h100-ac.jsonl);
-# 3. how large a batch fits with each mode: the predictor's answer, then the real OOM edge.
+# 3. long sequences (sweep grid gpu-long): the peak inside the attention core's backward, which
+#    the predictor puts at three fp32 B*n_head*T^2 tensors under autocast (CPU-measured rule),
+#    rows to $OUT/h100-long.jsonl (commit as snapshots/results/h100-long.jsonl);
+# 4. how large a batch fits with each mode: the predictor's answer, then the real OOM edge.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}
@@ -13,6 +16,7 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cud
 hasattr(torch.cuda.memory, '_set_memory_metadata'))"
 python3 -m pytest -q tests/test_cuda.py 2>&1 | tail -15
 python3 -m memory_audit sweep --grid=gpu-ac --out="$OUT/h100-ac.jsonl" --audit-dir=/tmp/ac-runs --timeout=600
+python3 -m memory_audit sweep --grid=gpu-long --out="$OUT/h100-long.jsonl" --audit-dir=/tmp/long-runs --timeout=600
 for mode in none full selective; do
     python3 -m memory_audit fit --gpu=H100 --preset=gpt2 --attention=manual --activation_checkpointing=$mode
 done
