@@ -224,7 +224,7 @@ def sweep_table(rows):
         r["totals"] = repredict(r)
         c, t = r["config"], r["totals"]
         variant = variant_label(c)
-        out.append((r["file"], c.get("preset"), c.get("batch_size"), c.get("dtype"), c.get("attention", "manual"), variant,
+        out.append((r["file"], c.get("preset"), c.get("batch_size"), _dtype(r), c.get("attention", "manual"), variant,
                     round(t["peak"]["predicted"] / GiB, 3), round(t["peak"]["actual"] / GiB, 3), t["peak"]["diff_pct"],
                     len(r["activation_lines_mismatched"]), r["unattributed_bytes"]))
     return formatted(_frame(out, ["file", "preset", "batch", "dtype", "attention", "variant", "peak predicted GiB",
@@ -252,7 +252,25 @@ def fig_sweep(rows):
     return fig
 
 
-LEVER_KEYS = ("preset", "batch_size", "dtype", "attention", "n_layer", "device")
+LEVER_KEYS = ("activation_checkpointing", "ac_every", "sac_save_ops")  # what sets a lever row apart from its `none` row
+
+
+def _dtype(r):
+    """The row's dtype as train.py resolved it (a config may leave it to the default)."""
+    return (r.get("resolved_config") or r["config"]).get("dtype", "auto")
+
+
+def _setup(c):
+    """A row's setup: its config but the checkpointing keys, as a hashable key."""
+    return tuple(sorted((k, str(v)) for k, v in c.items() if k not in LEVER_KEYS))
+
+
+def _setup_label(r):
+    """'cpu-tiny bfloat16 manual' and what else sets the setup apart (block_size=512, n_layer=3...)."""
+    from .sweep import variant_label
+    c = r["config"]
+    extra = variant_label({k: v for k, v in c.items() if k not in LEVER_KEYS})
+    return f"{c.get('preset')} {_dtype(r)} {c.get('attention', 'manual')}" + ("" if extra == "-" else f" {extra}")
 
 
 def _lever_rows(rows):
@@ -264,11 +282,11 @@ def _lever_rows(rows):
     for r in ok:
         c = r["config"]
         if c.get("activation_checkpointing", "none") == "none":
-            base[tuple(c.get(k) for k in LEVER_KEYS)] = r
+            base[_setup(c)] = r
     out = []
     for r in ok:
         c = r["config"]
-        b = base.get(tuple(c.get(k) for k in LEVER_KEYS))
+        b = base.get(_setup(c))
         if b is not None and "activation_checkpointing" in c:
             mode = c["activation_checkpointing"] + (f" (every {c['ac_every']})" if c.get("ac_every", 1) > 1 else "")
             out.append((mode, r, b))
@@ -283,8 +301,7 @@ def levers_table(rows):
         c, t, tb = r["config"], r["totals"], b["totals"]
         cost = r.get("cost") or {}
         share = cost.get("recompute_flops", 0) / cost["forward_flops"] if cost.get("forward_flops") else None
-        out.append((f"{c.get('preset')} {c.get('dtype')} {c.get('attention', 'manual')}" + (f" L{c['n_layer']}" if c.get("n_layer") else ""),
-                    mode, t["activations"]["actual"], t["activations"]["actual"] - tb["activations"]["actual"],
+        out.append((_setup_label(r), mode, t["activations"]["actual"], t["activations"]["actual"] - tb["activations"]["actual"],
                     t["peak"]["actual"], t["peak"]["actual"] - tb["peak"]["actual"], t["peak"]["diff"],
                     cost.get("peak_at", ""), None if share is None else round(share, 3)))
     return formatted(_frame(out, ["setup", "mode", "activations B", "diff vs none B", "peak B", "peak diff vs none B",
@@ -312,19 +329,23 @@ def fig_levers(rows):
     if not lever:
         ax.text(0.5, 0.5, "no lever results", ha="center")
         return fig
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    fig.set_size_inches(max(8, 0.22 * len(lever)), 6)
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "cpu-tiny ": "", "block_size=": "T=", "n_head=": "H="}
 
-    def label(mode, c):
-        layers = f" L{c['n_layer']}" if c.get("n_layer") else ""
-        return f"{short.get(c.get('dtype'), c.get('dtype'))} {c.get('attention', 'manual')}{layers}\n{mode}"
-    labels = [label(mode, r["config"]) for mode, r, _ in lever]
+    def label(mode, r):
+        text = _setup_label(r)
+        for a, b in short.items():
+            text = text.replace(a, b)
+        return f"{text}: {mode}"
+    labels = [label(mode, r) for mode, r, _ in lever]
     actual = [r["totals"]["peak"]["actual"] / 2 ** 20 for _, r, _ in lever]
     predicted = [r["totals"]["peak"]["predicted"] / 2 ** 20 for _, r, _ in lever]
     xs = range(len(lever))
     ax.bar(xs, actual, color=["#999999" if m.startswith("none") else COLORS["recomputed"] for m, _, _ in lever])
     ax.scatter(xs, predicted, marker="_", s=300, color="k", zorder=3, label="predicted")
     ax.set_xticks(list(xs), labels, rotation=90, fontsize=7)
-    ax.set_ylabel("peak (MiB)")
+    ax.set_yscale("log")  # cpu-tiny's few MiB beside cpu-mini's hundreds
+    ax.set_ylabel("peak (MiB, log scale)")
     ax.set_title("what each checkpointing mode buys (CPU runs; bars measured)")
     ax.legend()
     fig.tight_layout()
