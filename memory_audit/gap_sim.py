@@ -237,6 +237,32 @@ def play_forward(acts, temporaries, cfg, alloc, free, live):
         free("logits")
 
 
+def play_backward_and_step(acts, weights, cfg, alloc, free, live):
+    """Step 1 after its peak: the saved tensors freed from the last layer down, each layer's
+    gradients made as it is passed (the tied wte with lm_head), AdamW's state parameter by
+    parameter (exp_avg, exp_avg_sq, fused's step), then zero_grad."""
+    pending = list(weights)
+    for i in reversed(range(len(acts))):
+        module = acts[i]["key"].split("/")[1]
+        if ("act", i) in live:  # not already let go at the peak moment
+            free(("act", i))
+        for w in list(pending):
+            name = w["key"][len("weights/"):].replace("transformer.", "")
+            if name.startswith(module + ".") or (module == "lm_head" and name.startswith("wte.")):
+                pending.remove(w)
+                alloc(("grad", w["key"]), w["bytes"])
+    for w in pending:
+        alloc(("grad", w["key"]), w["bytes"])
+    for w in weights:
+        alloc(("exp_avg", w["key"]), w["bytes"])
+        alloc(("exp_avg_sq", w["key"]), w["bytes"])
+        if cfg["optimizer_impl"] == "fused":
+            alloc(("step", w["key"]), 4)
+    if cfg["set_to_none"]:
+        for w in weights:
+            free(("grad", w["key"]))
+
+
 def predicted_gaps(ledger, cfg, expandable=False):
     """Bytes beyond the 512 B rounding held at steady state, before backward and at the peak,
     and the bytes reserved then (reserved_steady, reserved_before_backward, reserved_peak)."""
@@ -294,26 +320,7 @@ def predicted_gaps(ledger, cfg, expandable=False):
         play_peak()
         for i in range(len(peak_extra)):
             free(("peak", i))
-        pending = list(weights)
-        for i in reversed(range(len(acts))):  # backward: last layer first
-            module = acts[i]["key"].split("/")[1]
-            if ("act", i) in live:  # not already let go at the peak moment
-                free(("act", i))
-            for w in list(pending):
-                name = w["key"][len("weights/"):].replace("transformer.", "")
-                if name.startswith(module + ".") or (module == "lm_head" and name.startswith("wte.")):
-                    pending.remove(w)
-                    alloc(("grad", w["key"]), w["bytes"])
-        for w in pending:
-            alloc(("grad", w["key"]), w["bytes"])
-        for w in weights:  # AdamW's _init_group, parameter by parameter
-            alloc(("exp_avg", w["key"]), w["bytes"])
-            alloc(("exp_avg_sq", w["key"]), w["bytes"])
-            if cfg["optimizer_impl"] == "fused":
-                alloc(("step", w["key"]), 4)
-        if cfg["set_to_none"]:
-            for w in weights:
-                free(("grad", w["key"]))
+        play_backward_and_step(acts, weights, cfg, alloc, free, live)
         for i in range(len(batch)):
             if ("batch", i) in live:
                 free(("batch", i))
@@ -321,7 +328,6 @@ def predicted_gaps(ledger, cfg, expandable=False):
         result["steady"] = held()
         result["reserved_steady"] = model.reserved
     return result
-
 
 
 def replay_requests(act, addr, size, expandable=False):
