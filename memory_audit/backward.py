@@ -267,8 +267,9 @@ def _activation_backward(s, b):
 
 
 # what block b's attention still holds inside its backward: ln_1's and c_attn's saved tensors,
-# q, k^T, the mask, the probabilities (and CPU's scalar), the checkpoint's inputs; right after
-# att @ v's backward also the dropout's mask and output, and v
+# q, k^T, the mask, the probabilities, the checkpoint's inputs (and the graph's own lines, like
+# CPU's 1/sqrt(hs) scalar, always); right after att @ v's backward also dropout's mask and
+# output (math SDPA's noise is attn/mul.other), att @ v's low-precision input and v
 _HELD = {"softmax": ("bmm.self", "bmm.mat2", "masked_fill.mask", "softmax.result", "safe_softmax.result",
                      "checkpoint.input", "checkpoint.rng_state")}
 _HELD["att @ v"] = _HELD["softmax"] + ("bmm.self#2", "bmm.mat2#2", "mul.other")  # math SDPA's dropout noise
