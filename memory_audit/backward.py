@@ -39,6 +39,8 @@ SDPA's math path, dropout and bf16. The CUDA moments follow the same rules but a
 measured.
 """
 
+import functools
+
 from .levers import block_mode
 from .parts import grad_phases, line, materialized_scores, numel as _numel
 
@@ -47,6 +49,13 @@ PEAK = ("peak",)
 
 def _delta(s, key, nbytes, formula, note=""):
     return line(s, key, nbytes, "", [], formula, PEAK, note)
+
+
+def _released(l, note=""):
+    """The release of ledger line l at a moment: _delta's line, built from l's own rounded bytes
+    (a block's backward releases hundreds of lines, in every candidate)."""
+    return {"key": f"released/{l['key']}", "category": "released", "bytes": -l["bytes"], "allocated": -l["allocated"],
+            "dtype": "", "shape": [], "formula": "-" + l["formula"], "phases": list(PEAK), "note": note}
 
 
 def _backward_begun(s, cfg):
@@ -81,6 +90,7 @@ def _param_grads(s, params, prefixes):
     return sum(4 * _numel(sh) for n, sh in params if n.startswith(prefixes))
 
 
+@functools.lru_cache(maxsize=None)
 def _block_of(key):
     """'activations/h.3.attn/...' -> 3; None outside the blocks."""
     part = key.split("/")[1]
@@ -100,7 +110,7 @@ def block_entry(s, cfg, params, acts, b):
     """Changes from the before-backward ledger when block b's backward begins: the later blocks
     are done, and the gradient into block b has arrived."""
     B, T, d, L = s["B"], s["T"], s["d"], s["L"]
-    out = [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"]) for l in _released_after(acts, b)]
+    out = [_released(l) for l in _released_after(acts, b)]
     out.append(_delta(s, "released/inputs.y", -8 * B * T, "-8*B*T", "old targets, freed with nll_loss"))
     out += _backward_begun(s, cfg)
     if "step2_before_backward" not in grad_phases(cfg):  # fresh gradients, made as backward goes
@@ -119,9 +129,9 @@ def block_moment(s, cfg, params, acts, b, redo):
     out = block_entry(s, cfg, params, acts, b) + _first_matmul(s, cfg, b)
     mlp_dropout = f"h.{b}.mlp.dropout/"  # its mask (recomputed, or kept when the MLP is not) is spent
     for l in [l for l in (redo["new"] or acts) if s["drop"] and l["key"].split("/", 1)[1].startswith(mlp_dropout)]:
-        out.append(_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "spent by dropout's backward"))
+        out.append(_released(l, "spent by dropout's backward"))
     for l in redo["freed"]:
-        out.append(_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "consumed by the recomputation"))
+        out.append(_released(l, "consumed by the recomputation"))
     for l in redo["new"]:
         out.append(_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"]))
     return out
@@ -149,7 +159,7 @@ def forward_end(s, cfg, acts):
     if s["pol"]["log_softmax"] == "fp32" and s["autocast"]:
         out.append(_delta(s, "temporary/logits_fp32", 4 * s["Nl"], "4*B*T*V", "cross_entropy's fp32 copy"))
     out.append(_delta(s, "temporary/new_loss", 4, "4", "the loss, before the loop divides it"))
-    out += [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "not made yet")
+    out += [_released(l, "not made yet")
             for l in acts if l["key"] == "activations/gpt/div.other"]
     return out
 
@@ -167,7 +177,7 @@ def backward_end(s, cfg, params, acts):
     this beats the start of backward (the gradients outweigh what is saved)."""
     fresh = "step2_before_backward" not in grad_phases(cfg)
     tied = _tied_bytes(params)
-    out = [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"])
+    out = [_released(l)
            for l in acts if l["key"] != "activations/lm_head/output"]
     out.append(_delta(s, "released/inputs.y", -8 * s["B"] * s["T"], "-8*B*T", "old targets, freed with nll_loss"))
     out += _backward_begun(s, cfg)
@@ -242,7 +252,7 @@ def _after_c_proj(s, b, saved):
     if s["activation"] == "gelu":  # GELU's output was saved by c_proj alone (ReLU's by ReLU too)
         out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d/t", "GELU output"))
     if s["autocast"]:
-        out += [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], "c_proj's weight copy, spent")
+        out += [_released(l, "c_proj's weight copy, spent")
                 for l in saved if l["key"].split("/", 1)[1] in (f"h.{b}.mlp.c_proj/mm.mat2", f"h.{b}.mlp.c_proj/addmm.mat2")]
         if s["bias"]:  # the bias gradient was cast first (its low-precision one is gone)
             out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_bias_fp32", (4 - a) * s["d"], f"(4-{a})*d",
@@ -293,7 +303,7 @@ def _spent(l, b, spent, at):
     return not l.get("graph") and ".sac_output" not in l["key"] and not _held(l["key"], b, at)
 
 
-def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
+def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None, entry=None):
     """Changes from the before-backward ledger inside block b's attention core (manual
     attention), at = "att @ v": its backward has just made the gradient of the probabilities
     (or of dropout's output) beside the gradient for v and the contiguous copy of c_proj's input
@@ -307,8 +317,8 @@ def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
     are whole until the block's reduce-scatter); params: as this rank keeps them."""
     redo = redo or {"new": [], "freed": []}
     spent = {l["key"] for l in redo["freed"]}  # SAC's cached outputs, consumed by the recompute
-    out = block_entry(s, cfg, params, acts, b)
-    out += [_delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], f"spent before {at}'s backward")
+    out = list(entry if entry is not None else block_entry(s, cfg, params, acts, b))
+    out += [_released(l, f"spent before {at}'s backward")
             for l in acts if _block_of(l["key"]) == b and _spent(l, b, spent, at)]
     out += [_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"])
             for l in redo["new"] if _held(l["key"], b, at)]
@@ -328,6 +338,20 @@ def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
                       _delta(s, f"temporary/h.{b}.attn/grad_att", att["bytes"], att["formula"], "the gradient of att @ v's input")]
     return out + [_delta(s, f"temporary/h.{b}.attn/grad_probs", probs["bytes"], probs["formula"], "the gradient into softmax"),
                   _delta(s, f"temporary/h.{b}.attn/grad_scores", probs["bytes"], probs["formula"], "softmax's input gradient")]
+
+
+def attention_blocks(L, every):
+    """The blocks whose attention moments can hold the most, last first. From one block to the
+    next of the same checkpointing mode (every `every`-th) a moment changes by the same bytes
+    (one period of later blocks' kept tensors released, their gradients made), except next to
+    the ends (block 0 prefetches nothing under FSDP2, the last has no later block): so per
+    residue class the first two and the last two blocks hold its largest (a test checks it
+    against every block)."""
+    out = set()
+    for r in range(min(every, L)):
+        same = list(range(r, L, every))
+        out.update(same[:2] + same[-2:])
+    return sorted(out, reverse=True)
 
 
 def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: [], unsharded=None):
@@ -358,10 +382,11 @@ def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []
         if block_mode(cfg, b) != "selective":  # the MLP was recomputed too
             act_moment = after + _low_precision_grad_freed(s, b) + _activation_backward(s, b)
             candidates.append((f"backward of h.{b}.mlp.act", act_moment))
-    if materialized_scores(s):  # the attention core's T^2 gradients, in every block
-        for b in range(s["L"] - 1, -1, -1):
+    if materialized_scores(s):  # the attention core's T^2 gradients
+        for b in attention_blocks(s["L"], cfg.get("ac_every", 1) if cfg["activation_checkpointing"] != "none" else 1):
+            entry = block_entry(s, cfg, params, acts, b)
             for at in ("att @ v", "softmax"):
-                moment = attention_core_moment(s, cfg, params, acts, b, recomputed.get(b), at, unsharded) + during(b)
+                moment = attention_core_moment(s, cfg, params, acts, b, recomputed.get(b), at, unsharded, entry) + during(b)
                 candidates.append((f"backward of h.{b}.attn {at}", moment))
 
     def total(lines):

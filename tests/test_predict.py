@@ -198,3 +198,30 @@ def test_reserved_of_the_committed_cuda_audits(run):
     meta = json.load(open(os.path.join(ROOT, "snapshots", "examples", run, "meta.json")))
     measured = max(p["memory_reserved"] for p in meta["phases"].values())
     assert predict(meta["config"], device_from_meta(meta))["totals"]["reserved_peak_bytes"] == measured == 73_400_320
+
+
+def test_attention_moments_of_the_end_blocks_are_those_of_every_block(monkeypatch):
+    """The predictor builds the attention core's two moments for the first two and last two
+    blocks of each checkpointing period only (backward.attention_blocks); with every block
+    instead, the peak, its moment and its lines are the same, over modes, every 2nd/3rd block,
+    batch 1, accumulation, dropout, FSDP2 and TP, on CPU and an H100."""
+    from memory_audit import backward
+    configs = [dict(n_layer=7, n_head=4, n_embd=64, block_size=256, vocab_size=512, batch_size=b, dtype=dt,
+                    attention="manual", activation_checkpointing=m, ac_every=k, dropout=p, parallel=par,
+                    world_size=2 if par != "none" else 1, gradient_accumulation_steps=g)
+               for m, k in (("none", 1), ("full", 1), ("full", 2), ("selective", 3), ("sac", 2))
+               for b, dt, p, par, g in ((2, "float32", 0.0, "none", 1), (1, "bfloat16", 0.1, "none", 2),
+                                        (2, "float16", 0.0, "tp", 1), (1, "float32", 0.0, "fsdp", 2),
+                                        (2, "bfloat16", 0.0, "fsdp", 4))
+               if not (par == "fsdp" and m != "none" and m != "full")]
+    ends = [predict(c, dev) for dev in (device_facts("cpu"), device_facts(gpu="H100")) for c in configs]
+    monkeypatch.setattr(backward, "attention_blocks", lambda L, every: list(range(L - 1, -1, -1)))
+    every = [predict(c, dev) for dev in (device_facts("cpu"), device_facts(gpu="H100")) for c in configs]
+    at = set()
+    for e, a in zip(ends, every):
+        assert e["backward"]["peak_at"] == a["backward"]["peak_at"]
+        assert e["totals"]["peak_allocated_bytes"] == a["totals"]["peak_allocated_bytes"]
+        assert [l for l in e["ledger"] if "peak" in l["phases"]] == [l for l in a["ledger"] if "peak" in l["phases"]]
+        at.add(e["backward"]["peak_at"].split(" ")[2])
+    assert len([a for a in every if ".attn " in a["backward"]["peak_at"]]) > len(every) // 2
+    assert {"h.0.attn", "h.6.attn"} <= at  # the first and the last block both win somewhere
