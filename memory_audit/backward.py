@@ -39,8 +39,6 @@ SDPA's math path, dropout and bf16. The CUDA moments follow the same rules but a
 measured.
 """
 
-import functools
-
 from .levers import block_mode
 from .parts import grad_phases, line, materialized_scores, numel as _numel
 
@@ -51,11 +49,9 @@ def _delta(s, key, nbytes, formula, note=""):
     return line(s, key, nbytes, "", [], formula, PEAK, note)
 
 
-def _released(l, note=""):
-    """The release of ledger line l at a moment: _delta's line, built from l's own rounded bytes
-    (a block's backward releases hundreds of lines, in every candidate)."""
-    return {"key": f"released/{l['key']}", "category": "released", "bytes": -l["bytes"], "allocated": -l["allocated"],
-            "dtype": "", "shape": [], "formula": "-" + l["formula"], "phases": list(PEAK), "note": note}
+def _released(s, l, note=""):
+    """The release of saved line l at a moment."""
+    return _delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], note)
 
 
 def _backward_begun(s, cfg):
@@ -90,7 +86,6 @@ def _param_grads(s, params, prefixes):
     return sum(4 * _numel(sh) for n, sh in params if n.startswith(prefixes))
 
 
-@functools.lru_cache(maxsize=None)
 def _block_of(key):
     """'activations/h.3.attn/...' -> 3; None outside the blocks."""
     part = key.split("/")[1]
@@ -110,7 +105,7 @@ def block_entry(s, cfg, params, acts, b):
     """Changes from the before-backward ledger when block b's backward begins: the later blocks
     are done, and the gradient into block b has arrived."""
     B, T, d, L = s["B"], s["T"], s["d"], s["L"]
-    out = [_released(l) for l in _released_after(acts, b)]
+    out = [_released(s, l) for l in _released_after(acts, b)]
     out.append(_delta(s, "released/inputs.y", -8 * B * T, "-8*B*T", "old targets, freed with nll_loss"))
     out += _backward_begun(s, cfg)
     if "step2_before_backward" not in grad_phases(cfg):  # fresh gradients, made as backward goes
@@ -129,9 +124,9 @@ def block_moment(s, cfg, params, acts, b, redo):
     out = block_entry(s, cfg, params, acts, b) + _first_matmul(s, cfg, b)
     mlp_dropout = f"h.{b}.mlp.dropout/"  # its mask (recomputed, or kept when the MLP is not) is spent
     for l in [l for l in (redo["new"] or acts) if s["drop"] and l["key"].split("/", 1)[1].startswith(mlp_dropout)]:
-        out.append(_released(l, "spent by dropout's backward"))
+        out.append(_released(s, l, "spent by dropout's backward"))
     for l in redo["freed"]:
-        out.append(_released(l, "consumed by the recomputation"))
+        out.append(_released(s, l, "consumed by the recomputation"))
     for l in redo["new"]:
         out.append(_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"]))
     return out
@@ -159,7 +154,7 @@ def forward_end(s, cfg, acts):
     if s["pol"]["log_softmax"] == "fp32" and s["autocast"]:
         out.append(_delta(s, "temporary/logits_fp32", 4 * s["Nl"], "4*B*T*V", "cross_entropy's fp32 copy"))
     out.append(_delta(s, "temporary/new_loss", 4, "4", "the loss, before the loop divides it"))
-    out += [_released(l, "not made yet")
+    out += [_released(s, l, "not made yet")
             for l in acts if l["key"] == "activations/gpt/div.other"]
     return out
 
@@ -177,7 +172,7 @@ def backward_end(s, cfg, params, acts):
     this beats the start of backward (the gradients outweigh what is saved)."""
     fresh = "step2_before_backward" not in grad_phases(cfg)
     tied = _tied_bytes(params)
-    out = [_released(l)
+    out = [_released(s, l)
            for l in acts if l["key"] != "activations/lm_head/output"]
     out.append(_delta(s, "released/inputs.y", -8 * s["B"] * s["T"], "-8*B*T", "old targets, freed with nll_loss"))
     out += _backward_begun(s, cfg)
@@ -252,7 +247,7 @@ def _after_c_proj(s, b, saved):
     if s["activation"] == "gelu":  # GELU's output was saved by c_proj alone (ReLU's by ReLU too)
         out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d/t", "GELU output"))
     if s["autocast"]:
-        out += [_released(l, "c_proj's weight copy, spent")
+        out += [_released(s, l, "c_proj's weight copy, spent")
                 for l in saved if l["key"].split("/", 1)[1] in (f"h.{b}.mlp.c_proj/mm.mat2", f"h.{b}.mlp.c_proj/addmm.mat2")]
         if s["bias"]:  # the bias gradient was cast first (its low-precision one is gone)
             out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_bias_fp32", (4 - a) * s["d"], f"(4-{a})*d",
@@ -303,7 +298,7 @@ def _spent(l, b, spent, at):
     return not l.get("graph") and ".sac_output" not in l["key"] and not _held(l["key"], b, at)
 
 
-def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None, entry=None):
+def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
     """Changes from the before-backward ledger inside block b's attention core (manual
     attention), at = "att @ v": its backward has just made the gradient of the probabilities
     (or of dropout's output) beside the gradient for v and the contiguous copy of c_proj's input
@@ -317,8 +312,8 @@ def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None, entry=Non
     are whole until the block's reduce-scatter); params: as this rank keeps them."""
     redo = redo or {"new": [], "freed": []}
     spent = {l["key"] for l in redo["freed"]}  # SAC's cached outputs, consumed by the recompute
-    out = list(entry if entry is not None else block_entry(s, cfg, params, acts, b))
-    out += [_released(l, f"spent before {at}'s backward")
+    out = block_entry(s, cfg, params, acts, b)
+    out += [_released(s, l, f"spent before {at}'s backward")
             for l in acts if _block_of(l["key"]) == b and _spent(l, b, spent, at)]
     out += [_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"])
             for l in redo["new"] if _held(l["key"], b, at)]
@@ -384,9 +379,8 @@ def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []
             candidates.append((f"backward of h.{b}.mlp.act", act_moment))
     if materialized_scores(s):  # the attention core's T^2 gradients
         for b in attention_blocks(s["L"], cfg.get("ac_every", 1) if cfg["activation_checkpointing"] != "none" else 1):
-            entry = block_entry(s, cfg, params, acts, b)
             for at in ("att @ v", "softmax"):
-                moment = attention_core_moment(s, cfg, params, acts, b, recomputed.get(b), at, unsharded, entry) + during(b)
+                moment = attention_core_moment(s, cfg, params, acts, b, recomputed.get(b), at, unsharded) + during(b)
                 candidates.append((f"backward of h.{b}.attn {at}", moment))
 
     def total(lines):

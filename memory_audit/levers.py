@@ -14,7 +14,7 @@ What the graph node holds itself (`graph` lines: CPU's wrapped scalars) stays un
 Recompute cost is counted in matmul FLOPs (2*m*n*k per product; pointwise ops left out).
 """
 
-from .parts import act, linear_input_key, sdpa_kernel
+from .parts import act, linear_input_key, materialized_scores, sdpa_kernel
 from .schema import sac_ops
 
 # the ops whose outputs the SAC rule knows in this model; anything else is refused, not guessed
@@ -82,7 +82,7 @@ def sac_outputs(s, i):
         out.append((op, act(s, f"{mod}/{op}.sac_output{suffix}", nbytes, dtype, shape, formula, "kept by SAC",
                             feeds=feeds)))
 
-    math = s["attention"] == "manual" or (s["drop"] and s["dt"] == "cpu")  # math SDPA computes in fp32
+    math = materialized_scores(s)  # manual attention, or math SDPA (which computes in fp32)
     backend, sd = sdpa_kernel(s, s["autocast"])
     add(mm, f"{h}.attn.c_attn", a * 3 * Ne, lowp, [B * T, 3 * d], f"{a}*3*B*T*d",
         feeds="" if math else f"activations/{h}.attn/{sd}.key")
