@@ -179,6 +179,7 @@ typedef struct {
     RowList rl[MAX_ROWLISTS]; int nrl;
     struct { uintptr_t ptr; uint64_t idx; } recent[RECENT]; /* recently memoized lists and dicts */
     Map intern;        /* content hash of a list of objects -> index in interned */
+    Map canonical;     /* address of a list in interned (kept alive there) -> 1 */
     PyObject *interned;
     Map dict_intern;   /* content hash of a small dict -> index in dicts */
     PyObject *dicts;
@@ -360,6 +361,10 @@ keep:
 /* One object for all equal lists of the same objects (a traceback's frames), after sharing
  * their frame dicts. Returns a new reference to the shared list, or to v itself. */
 static PyObject *share_list(Dec *d, PyObject *v) {
+    if (map_find(&d->canonical, (int64_t)(uintptr_t)v)) { /* already the shared one: most entries */
+        Py_INCREF(v);
+        return v;
+    }
     Py_ssize_t n = PyList_GET_SIZE(v);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(v, i);
@@ -389,6 +394,7 @@ static PyObject *share_list(Dec *d, PyObject *v) {
     } else {
         if (PyList_Append(d->interned, v) < 0) return NULL;
         if (map_put(&d->intern, (int64_t)h, PyList_GET_SIZE(d->interned) - 1) < 0) return NULL;
+        if (map_put(&d->canonical, (int64_t)(uintptr_t)v, 1) < 0) return NULL;
     }
     Py_INCREF(v);
     return v;
@@ -736,7 +742,7 @@ static void dec_free(Dec *d) {
     for (int i = 0; i < d->nkeys; i++) Py_XDECREF(d->keycache[i]);
     for (int i = 0; i < d->nrl; i++) { Py_XDECREF(d->rl[i].list); free(d->rl[i].rows); }
     free(d->row_state);
-    map_free(&d->intern); map_free(&d->dict_intern);
+    map_free(&d->intern); map_free(&d->dict_intern); map_free(&d->canonical);
     Py_XDECREF(d->interned); Py_XDECREF(d->dicts); Py_XDECREF(d->action_str);
     free(d->rd.buf);
 }
@@ -787,7 +793,7 @@ static PyObject *py_scan(PyObject *self, PyObject *args) {
     d.dicts = PyList_New(0);
     d.action_str = PyUnicode_FromString("action");
     if (!d.rd.buf || !d.interned || !d.dicts || !d.action_str || map_init(&d.intern, 1024) < 0 ||
-        map_init(&d.dict_intern, 1024) < 0)
+        map_init(&d.dict_intern, 1024) < 0 || map_init(&d.canonical, 1024) < 0)
         goto done;
     if (run(&d) == 0) result = build_result(&d);
 done:

@@ -43,17 +43,27 @@ def _frame_text(frames, n=4):
                        for f in frames[:n])
 
 
-def name_from_frames(frames):
+# Python functions that make a model's weights (by exact name: C++ frames such as
+# "torch::unwind" or "at::_to_copy" must not match "to")
+_INIT_FUNCTIONS = frozenset(("reset_parameters", "_init_weights", "__init__", "_apply", "to", "load_state_dict"))
+
+
+def name_from_frames(frames, live=True):
     """Best-effort (name, rule) from a stack, for snapshots without meta.json; the first rule
     that matches wins: optimizer state (_init_group, or made in a step and still live), the
-    GradScaler, gradients (zero_grad), weights (module construction, _apply/to, load_state_dict,
-    outside any forward), backward, forward (activations, by the forward's file:line)."""
+    GradScaler, gradients (zero_grad; made in backward and still live), weights (module
+    construction, _apply/to, load_state_dict, outside any forward), backward, forward (activations, by the forward's file:line), and, for
+    an allocation still `live` that the user's own code made outside all of these, the user
+    (by that file:line). The same rules name a block at the snapshot's end and an allocation at
+    any moment of its trace (timeline.py), so the peak and the end table agree."""
     text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames)
     if not frames:
         return None, None
     if "_init_group" in text and ("adam" in text or "optim" in text):
         return "optimizer/state", "frames:optimizer-init"
     if "optim" in text and ("step" in text or "_single_tensor" in text or "_multi_tensor" in text):
+        if not live:  # made in a step and freed in it: the step's own temporary
+            return None, None
         # live in a snapshot yet made inside a step: state an optimizer makes on its first step
         # outside _init_group (older torch, hand-written optimizers)
         return "optimizer/state-made-in-step", "frames:optimizer-step"
@@ -61,16 +71,33 @@ def name_from_frames(frames):
         return "optimizer/grad_scaler", "frames:grad-scaler"
     if "zero_grad" in text:
         return "grads/zero_grad", "frames:zero-grad"
-    if any(k in text for k in ("reset_parameters", "_init_weights", "__init__", ":_apply", ":to", "load_state_dict")) \
-            and "forward" not in text:
+    if any(f.get("name") in _INIT_FUNCTIONS for f in frames) and "forward" not in text:
         return "weights/init", "frames:module-init"
-    if "backward" in text:
-        return "temporary/backward", "frames:backward"
+    if "backward" in text or "autograd::Engine" in text:  # Python's backward, or autograd's own thread
+        # still live when the snapshot was taken: what backward leaves behind, the gradients
+        return ("grads/made-in-backward", "frames:backward-live") if live else ("temporary/backward", "frames:backward")
     if "forward" in text:
         fwd = next((f for f in frames if f.get("name") == "forward"), frames[0])
         where = f"{fwd.get('filename', '?').rsplit('/', 1)[-1]}:{fwd.get('line', 0)}"
         return f"activations/{where}", "frames:forward"
+    site = user_site(frames) if live else None
+    if site:
+        return f"user/{site}", "frames:user-site"
     return None, None
+
+
+# Where library code lives: a frame in none of these (and a Python file) is the user's own code.
+_LIBRARY_PATHS = ("/site-packages/", "/dist-packages/", "/lib/python", "/torch/", "<frozen")
+
+
+def user_site(frames):
+    """'file.py:line' of the innermost frame in the user's own Python code (not torch, not an
+    installed package, not the standard library), or None."""
+    for f in frames:
+        filename = f.get("filename") or ""
+        if filename.endswith(".py") and not any(k in filename for k in _LIBRARY_PATHS):
+            return f"{filename.rsplit('/', 1)[-1]}:{f.get('line', 0)}"
+    return None
 
 
 _DDP_BUCKETS = ("_ddp_init_helper", "_rebuild_buckets")

@@ -10,11 +10,11 @@ import pickle
 import sys
 from ast import literal_eval
 
-from . import tensor_parallel
 from .loader import SnapshotError, find_snapshots, load_meta, load_snapshot
-from .predict import GPUS, OUTSIDE_PYTORCH_DEFAULT
-from .report import fmt_bytes, korthikanti_table, table, write_report, totals_table
-from .sweep import GRIDS
+from .text import fmt_bytes, table
+
+# Only what every command needs is imported here; each command imports its own side when it runs,
+# so reading a snapshot pays for neither the predictor nor torch.
 
 GiB = 2 ** 30
 
@@ -168,12 +168,15 @@ def cmd_predict(args, extra):
     print("(layers 1.. repeat layer 0's lines; --json lists every line)")
     print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items() if isinstance(v, int)]))
     print(f"peak at: {pred['backward']['peak_at']}")
+    from . import tensor_parallel
     if tensor_parallel.tp_size(pred["config"]) > 1:
         print(_korthikanti_predicted(pred))
 
 
 def _korthikanti_predicted(pred):
     """Markdown: Korthikanti et al.'s per-layer terms beside block 0's predicted bytes on one rank."""
+    from . import tensor_parallel
+    from .report import korthikanti_table
     layer = {l["key"]: l["bytes"] for l in pred["ledger"]
              if l["key"].startswith("activations/h.0.") and "step2_before_backward" in l["phases"]}
     return korthikanti_table(tensor_parallel.korthikanti_rows(pred["config"], layer, layer), measured=False)
@@ -231,6 +234,7 @@ def cmd_plan(args, extra):
 # -- report ----------------------------------------------------------------------------------
 
 def cmd_report(args):
+    from .report import totals_table, write_report
     if not os.path.isdir(args.run_dir):
         raise SnapshotError(f"{args.run_dir}: not a run directory")
     rec = write_report(args.run_dir)
@@ -263,6 +267,39 @@ def config_help():
     return "config keys (train.py's; default = the reference run):\n" + "\n".join(f"  {a:<{width}}{b}" for a, b in pairs)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A subcommand parser whose epilog is built only when its help is printed: predict's config
+    keys come from model.py's presets, and model.py imports torch, which the commands that read
+    snapshots never do."""
+
+    def __init__(self, *args, epilog_from=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._epilog_from = epilog_from
+
+    def format_help(self):
+        if self._epilog_from is not None:
+            self.epilog, self._epilog_from = self._epilog_from(), None
+        for action in self._actions:  # help texts that name the GPU table or the grids
+            if callable(action.help):
+                action.help = action.help()
+        return super().format_help()
+
+
+def _gpu_help():
+    from .predict import GPUS
+    return f"{', '.join(GPUS)} (any case) or cpu"
+
+
+def _outside_help():
+    from .predict import OUTSIDE_PYTORCH_DEFAULT
+    return f"bytes CUDA holds outside PyTorch (context, handles); default {OUTSIDE_PYTORCH_DEFAULT:,}, an estimate"
+
+
+def _grid_help():
+    from .sweep import GRIDS
+    return f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/sweep.py)"
+
+
 def cmd_accuracy(args):
     from .sweep import accuracy_rows, accuracy_table
     if args.json:
@@ -289,7 +326,7 @@ COMMANDS = {"attribute": cmd_attribute, "predict": cmd_predict, "fit": cmd_fit, 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m memory_audit", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     a = sub.add_parser("attribute", help="where every byte of a snapshot went")
     a.add_argument("path", help="a snapshot pickle or a run directory")
     a.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
@@ -300,17 +337,16 @@ def main(argv=None):
     for name, helptext in (("predict", "the predicted ledger for a config"),
                            ("fit", "the largest batch that fits a GPU"),
                            ("plan", "does it fit, and which levers make it fit, cheapest first")):
-        q = sub.add_parser(name, help=helptext, epilog=config_help(),
+        q = sub.add_parser(name, help=helptext, epilog_from=config_help,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        q.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)} (any case) or cpu")
+        q.add_argument("--gpu", default="H100", help=_gpu_help)
         q.add_argument("--memory", type=int, default=None, help="GPU memory in bytes (with --capability: other GPUs)")
         q.add_argument("--capability", default=None, help="compute capability MAJOR.MINOR of a GPU not in the table")
         q.add_argument("--json", action="store_true")
         q.add_argument("--gaps", type=int, default=None, help="measured allocator gaps (bytes) to use")
         q.add_argument("--headroom", type=float, default=0.02, help="fraction of the card kept free beyond the "
                        "prediction (fit, plan); reserved memory is predicted within -5.0%% to +3.8%% on the H100 rows")
-        q.add_argument("--outside", type=int, default=None, help="bytes CUDA holds outside PyTorch (context, "
-                       f"handles); default {OUTSIDE_PYTORCH_DEFAULT:,}, an estimate")
+        q.add_argument("--outside", type=int, default=None, help=_outside_help)
     r = sub.add_parser("report", help="predicted vs actual for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
@@ -319,7 +355,7 @@ def main(argv=None):
     df.add_argument("b", help="run directory or prediction JSON (with the lever)")
     df.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
     s = sub.add_parser("sweep", help="audit a grid of configs and record predicted vs actual")
-    s.add_argument("--grid", default=None, help=f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/sweep.py)")
+    s.add_argument("--grid", default=None, help=_grid_help)
     s.add_argument("--configs", default=None, help="a JSON file: a list of train.py override dicts")
     s.add_argument("--device", default="auto")
     s.add_argument("--out", default=None, help="results .jsonl (default snapshots/results/<device>.jsonl)")

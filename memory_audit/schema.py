@@ -65,9 +65,11 @@ MARKER_PREFIX = "memory_audit::"
 RECOMPUTE_LABEL = "recompute:"
 
 # Categories an active or cached byte can land in, in the order tables print them.
+# `user`: what a script's own code made outside forward, backward and the optimizer and still
+# holds (snapshots without meta.json, named by allocation site).
 CATEGORIES = (
     "weights", "buffers", "grads", "optimizer", "inputs", "activations", "recomputed",
-    "workspace", "temporary", "baseline", "gaps", "cached_free", "pending_free", "unattributed",
+    "workspace", "user", "temporary", "baseline", "gaps", "cached_free", "pending_free", "unattributed",
 )
 
 

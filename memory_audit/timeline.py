@@ -12,7 +12,8 @@ allocation live at that moment, never to the address.
 
 import numpy as np
 
-from .attribute import BASELINE, baseline_name, distributed_name, name_from_frames, phase_names, trace_workspaces
+from .attribute import (BASELINE, baseline_name, block_namer, distributed_name, name_from_frames, phase_names,
+                        trace_workspaces)
 from .schema import CATEGORIES, RECOMPUTE_LABEL
 from .trace import A, FREES, Trace, as_trace
 
@@ -58,20 +59,47 @@ def temporary_name(frames):
     return "temporary/no-frames" if not frames else "temporary/other" + (f"/{op}" if op else "")
 
 
-class _TemporaryNames:
-    """temporary_name per distinct stack of a trace, computed when first asked for: only the
-    allocations someone reads (live at the peak, a categorized trace) need one."""
+class StackNames:
+    """The name of an allocation that no phase names, by its stack and whether the trace frees
+    it, computed once per distinct stack: only stacks someone reads (live at the peak, a
+    categorized trace, a category column) are named.
 
-    def __init__(self, t):
+    With meta.json (an audit): an allocation the trace frees is a temporary, by what made it
+    (temporary_name); one still live that no phase named stays unnamed. Without it (a snapshot
+    from elsewhere): attribute.name_from_frames first, the rules the end table uses for its
+    blocks, so a block has one name at every moment; a freed allocation it does not name is a
+    temporary as above.
+    """
+
+    def __init__(self, t, meta):
         col = t.columns.get("frames")
         self.values, self.table = col if col is not None and col[1] is not None else (None, None)
+        self.foreign = meta is None
         self.cache = {}
 
-    def __call__(self, i):
-        k = -1 if self.values is None else int(self.values[i])
-        if k not in self.cache:
-            self.cache[k] = temporary_name(self.table[k] if k >= 0 else [])
-        return self.cache[k]
+    def stack(self, i):
+        return -1 if self.values is None else int(self.values[i])
+
+    def by_stack(self, k, freed):
+        if (k, freed) not in self.cache:
+            frames = self.table[k] if k >= 0 else []
+            name = name_from_frames(frames, live=not freed)[0] if self.foreign else None
+            self.cache[k, freed] = name or (temporary_name(frames) if freed else None)
+        return self.cache[k, freed]
+
+    def __call__(self, i, freed=True):
+        return self.by_stack(self.stack(i), freed)
+
+    def codes(self, idx, freed):
+        """Category codes of the allocations at entry indexes `idx` (freed: bool per index)."""
+        stacks = np.full(len(idx), -1, dtype=np.int64) if self.values is None else self.values[idx]
+        out = np.empty(len(idx), dtype=np.int64)
+        for f in (False, True):
+            sel = freed == f
+            keys, inverse = np.unique(stacks[sel], return_inverse=True)
+            table = np.array([_code(self.by_stack(int(k), f)) for k in keys], dtype=np.int64)
+            out[sel] = table[inverse] if len(keys) else 0
+        return out
 
 
 def recompute_labels(t):
@@ -163,7 +191,7 @@ def categorize_trace(snap, meta=None, detail=True):
         t = traces[d] = as_trace(trace)
         workspaces = trace_workspaces(t, meta)
         event_name, freed, _ = name_events(t, cuts, (meta or {}).get("compiled_wrappers"))
-        temporary = _TemporaryNames(t)
+        unnamed = StackNames(t, meta)
         act, addr = t.act.tolist(), t.addr.tolist()
         live, cats = {}, []
         for i in range(t.n):
@@ -174,10 +202,9 @@ def categorize_trace(snap, meta=None, detail=True):
                     cat = "/".join(name.split("/")[:2]) if name.startswith("temporary/") else name.split("/", 1)[0]
                 elif addr[i] in workspaces:
                     cat = "workspace"
-                elif freed[i]:  # temporaries keep their second level: temporary/backward, temporary/optimizer
-                    cat = "/".join(temporary(i).split("/")[:2])
-                else:  # live at the end: a snapshot from elsewhere still has its stack to go by
-                    cat = (name_from_frames(t.frames(i))[0] or "unknown").split("/", 1)[0] if meta is None else "unknown"
+                else:  # temporaries keep their second level: temporary/backward, temporary/optimizer
+                    name = unnamed(i, bool(freed[i])) or "unknown"
+                    cat = "/".join(name.split("/")[:2]) if name.startswith("temporary/") else name.split("/", 1)[0]
                 live[addr[i]] = cat
             elif a in (A["free_requested"], A["free_completed"], A["free"]):
                 # a free of what predates the trace: the viewer draws it with the free's category
@@ -210,16 +237,18 @@ def _viewer_needs_unknown(cats, act):
 
 def _entry_categories(trace, meta, cuts, pair):
     """Category code of every entry: an alloc's from its name (phases' registry and saved
-    tensors, recomputation), else workspace, else temporary when freed in the trace, else
+    tensors, recomputation), else workspace, else by its stack (StackNames: a temporary when
+    freed in the trace; without meta.json the end table's frame rules first), else
     unattributed; a free takes its alloc's (one older than the trace, its name's). Returns (cat,
     event_name, unmatched_free)."""
     act, addr = trace.act, trace.addr
     event_name, freed, unmatched_free = name_events(trace, cuts, (meta or {}).get("compiled_wrappers"))
-    is_alloc = act == A["alloc"]
+    allocs = np.flatnonzero(act == A["alloc"])
     cat = np.full(trace.n, _CODE["unattributed"], dtype=np.int64)
-    cat[is_alloc & freed] = _CODE["temporary"]
+    cat[allocs] = StackNames(trace, meta).codes(allocs, freed[allocs])
     workspaces = trace_workspaces(trace, meta)
-    cat[is_alloc & np.isin(addr, np.fromiter(workspaces, dtype=np.int64))] = _CODE["workspace"]  # before "freed", as ever
+    ws = allocs[np.isin(addr[allocs], np.fromiter(workspaces, dtype=np.int64))]
+    cat[ws] = _CODE["workspace"]
     for i, name in event_name.items():
         cat[i] = _CODE.get(name.split("/", 1)[0], _CODE["unattributed"])
     matched = np.isin(act, FREES) & (pair >= 0)
@@ -246,12 +275,35 @@ def pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device=0):
     """
     act, addr = trace.act, trace.addr
     traced_live = set(addr[(act == A["alloc"]) & (pair < 0)].tolist())
-    unnamed = None if cuts else baseline_name(snap)  # a snapshot from elsewhere: its baseline
-    out = [(_name_at(cuts, b["address"]) or unnamed, b["size"], None)
+    if cuts:
+        def name(b):
+            return _name_at(cuts, b["address"])
+    else:  # a snapshot from elsewhere: the end table's rules (frames, else its baseline)
+        namer = block_namer(snap)
+
+        def name(b):
+            return namer(b)[0] or baseline_name(snap)
+    out = [(name(b), b["size"], None)
            for s in snap.get("segments", []) if s.get("device", 0) == device for b in s["blocks"]
            if b["state"] == "active_allocated" and b["address"] not in traced_live]
     for i in np.flatnonzero(np.isin(act, FREES) & (pair < 0)).tolist():  # named by name_events
         out.append((event_name.get(i), int(block[i]), i))
+    return out
+
+
+def _end_sizes(snap, trace, block, pair, device):
+    """The replayed block sizes, in which each allocation still live at the end has
+    the size of its block in the snapshot's segments: the replay's rounding cannot know a
+    remainder the allocator left unsplit (expandable segments, say), the segments do."""
+    out = block
+    live = np.flatnonzero((trace.act == A["alloc"]) & (pair < 0))
+    if len(live):
+        out = block.copy()  # the replay's own arrays are read-only (cached)
+        end = {b["address"]: b["size"] for s in snap["segments"] if s.get("device", 0) == device
+               for b in s["blocks"] if b["state"] == "active_allocated"}
+        sizes = np.fromiter((end.get(a, -1) for a in trace.addr[live].tolist()), dtype=np.int64, count=len(live))
+        known = sizes >= 0
+        out[live[known]] = sizes[known]
     return out
 
 
@@ -272,15 +324,16 @@ def _per_category(delta, cat, sample):
     return per_cat
 
 
-def _peak_lines(trace, peak_i, pair, block, cat, event_name, pre):
+def _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, meta):
     """{name: bytes} of the allocations live at entry peak_i, largest first (`pre`: those made
     before the trace, see pre_trace_blocks)."""
     is_alloc = trace.act[:peak_i + 1] == A["alloc"]
     live = np.flatnonzero(is_alloc & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
-    lines, temporary = {}, _TemporaryNames(trace)
+    lines, unnamed = {}, StackNames(trace, meta)
+    freed = np.isin(trace.act[np.maximum(pair, 0)], FREES) & (pair >= 0)
     for i in live.tolist():
         key = event_name.get(i) or ("workspace/cublas" if cat[i] == _CODE["workspace"] else
-                                    temporary(i) if cat[i] == _CODE["temporary"] else CATEGORIES[cat[i]])
+                                    unnamed(i, bool(freed[i])) or CATEGORIES[cat[i]])
         lines[key] = lines.get(key, 0) + int(block[i])
     for name, size, freed_at in pre:
         if freed_at is None or freed_at > peak_i:
@@ -317,17 +370,26 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     cpu = bool((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline"))
     # block sizes as memory_allocated() counts them (CPU: no caching allocator, exact bytes)
     block, pair = trace.replayed(cpu)
+    block = _end_sizes(snap, trace, block, pair, device)
     cat, event_name, unmatched_free = _entry_categories(trace, meta, cuts, pair)
     pre = pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device)
-    delta = np.where(act == A["alloc"], block, np.where(np.isin(act, FREES), -block, 0))
+    delta = block.copy()  # +block at an alloc, -block at a free, 0 elsewhere (in place: 1M entries)
+    frees = np.isin(act, FREES)
+    delta[~(frees | (act == A["alloc"]))] = 0
+    np.negative(delta, out=delta, where=frees)
+    del frees
     allocated = np.cumsum(delta)
 
     end_allocated = sum(b["size"] for s in snap["segments"] if s.get("device", 0) == device
                         for b in s["blocks"] if b["state"] == "active_allocated")
     end_reserved = sum(s["total_size"] for s in snap["segments"] if s.get("device", 0) == device)
-    seg = np.where(np.isin(act, (A["segment_alloc"], A["segment_map"])), size,
-                   np.where(np.isin(act, (A["segment_free"], A["segment_unmap"])), -size, 0))
-    reserved = end_reserved - int(seg.sum()) + np.cumsum(seg)
+    # reserved bytes move only at the few segment entries: a running sum over those
+    seg_at = np.flatnonzero(np.isin(act, (A["segment_alloc"], A["segment_map"], A["segment_free"], A["segment_unmap"])))
+    seg_delta = np.where(np.isin(act[seg_at], (A["segment_alloc"], A["segment_map"])), size[seg_at], -size[seg_at])
+    seg_run = np.r_[0, np.cumsum(seg_delta)] + end_reserved - int(seg_delta.sum())
+
+    def reserved_at(i):
+        return int(seg_run[np.searchsorted(seg_at, i, side="right")])
 
     phase_index = {phase: cut for cut, _, phase in cuts}
     start = phase_index.get(start_phase, 0)
@@ -339,7 +401,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
         return {c: int(per_cat[c][j]) for c in CATEGORIES if c in per_cat and per_cat[c][j]}
 
     series = [{"index": int(i), "time_us": trace.time_us(int(i)), "allocated": int(allocated[i]),
-               "reserved": int(reserved[i]), "categories": categories_at(j)} for j, i in enumerate(points)]
+               "reserved": reserved_at(i), "categories": categories_at(j)} for j, i in enumerate(points)]
     peak = {"bytes": -1, "index": None}
     if peak_i is not None:
         peak = {"bytes": int(allocated[peak_i]), "index": peak_i, "time_us": trace.time_us(peak_i),
@@ -358,7 +420,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
             cats[c] = cats.get(c, 0) + v
         point["categories"] = {c: v for c, v in cats.items() if v}
     if peak_i is not None:
-        peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, pre)
+        peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, meta)
         peak["action"] = trace.action(peak_i)
         peak["frames"] = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
                           for f in trace.frames(peak_i)[:4]]

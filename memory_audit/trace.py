@@ -75,6 +75,8 @@ class Trace:
             values = values[rows[0]:rows[0] + len(rows)] if contiguous and len(rows) else values[rows]
             if len(values) and (values == (ABSENT if kind == 1 else -1)).all():
                 continue  # a key only other lists' entries have
+            if kind == 2:  # indexes into a table of distinct values (-1: absent): the narrowest type
+                values = values.astype(_index_dtype(len(table)))
             out[key] = (values, table if kind == 2 else None)
         return cls(out, len(rows))
 
@@ -129,8 +131,9 @@ class Trace:
         if col is None:
             return np.full(self.n, default, dtype=np.int64)
         values, table = col
-        if table is None:
-            return np.where(values == ABSENT, default, values)
+        if table is None:  # the column itself when no entry lacks the key (no copy of 1M entries)
+            absent = values == ABSENT
+            return np.where(absent, default, values) if absent.any() else values
         bad = next((v for v in table if type(v) is not int and v is not None), _MISSING)
         if bad is not _MISSING:
             raise ValueError(f"a trace entry has a non-integer {key!r} ({type(bad).__name__})")
@@ -167,9 +170,11 @@ class Trace:
         return self.value("time_us", i)
 
     def replayed(self, cpu=False):
-        """(block, pair) int64 arrays: see allocator_sim.replay_blocks_py. Cached."""
+        """(block, pair) int64 arrays: see allocator_sim.replay_blocks_py. Cached: the last one
+        asked for (pairing() reads any), one array pair at a time on a million-entry trace."""
         key = bool(cpu)
         if key not in self._replayed:
+            self._replayed.clear()
             act, addr, size = (np.ascontiguousarray(x) for x in (self.act, self.addr, self.size))
             core = fastcore()
             if core is not None:
@@ -199,6 +204,11 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _index_dtype(n):
+    """The narrowest signed integer type that holds -1 .. n - 1."""
+    return np.int8 if n < 2 ** 7 else np.int16 if n < 2 ** 15 else np.int32 if n < 2 ** 31 else np.int64
 
 
 def _encode(values, ident):

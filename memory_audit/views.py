@@ -13,7 +13,7 @@ from .schema import PHASES
 GiB, MiB = 2 ** 30, 2 ** 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLORS = {"weights": "#4c72b0", "buffers": "#8172b3", "grads": "#dd8452", "optimizer": "#55a868",
-          "inputs": "#937860", "activations": "#c44e52", "recomputed": "#e8a33d", "workspace": "#64b5cd", "temporary": "#da8bc3",
+          "inputs": "#937860", "activations": "#c44e52", "recomputed": "#e8a33d", "workspace": "#64b5cd", "user": "#8de5a1", "temporary": "#da8bc3",
           "baseline": "#a1c9f4", "gaps": "#8c8c8c", "cached_free": "#cccccc", "pending_free": "#bbbbbb", "unattributed": "#000000"}
 
 

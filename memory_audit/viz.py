@@ -1,12 +1,16 @@
 """The PyTorch memory viz for a run: its categorized snapshot in the HTML torch writes.
 
 `python -m memory_audit viz RUN` writes RUN/<phase>.html from the step's categorized snapshot:
-torch.cuda._memory_viz's own page (it loads MemoryViz.js from the internet), with our
-categories as the legend and colours. The test suite opens the same HTML in headless Chromium
+the page torch.cuda._memory_viz writes (a module script that loads MemoryViz.js from the internet
+and hands it the pickle as base64), built here without importing torch, with our categories as
+the legend and colours. The test suite opens the same HTML in headless Chromium
 against ../shared's copy of MemoryViz.js and d3 from npm (tests/test_memory_viz.py).
 """
 
+import base64
+import json
 import os
+import pickle
 
 from .loader import find_snapshots, load_meta, load_snapshot
 from .timeline import categorize_trace
@@ -23,12 +27,29 @@ def categorized(path, meta=None, detail=False):
     return plain(snap)
 
 
+# The viewer's entry point: add_local_files([{name, base64}], view) decodes each file as a pickle
+# and opens it in `view`.
+PAGE = """<!DOCTYPE html>
+<html>
+<head>
+</head>
+<body>
+<script type="module">
+import {add_local_files} from "%(url)s"
+add_local_files(%(files)s, %(view)s)
+</script>
+</body>
+"""
+
+
 def html(snap, view=VIEWS[0]):
-    """The page torch's _memory_viz makes for `snap` (its viewer URL is VIEWER_URL)."""
-    from torch.cuda import _memory_viz
+    """The viewer page for `snap` (a plain snapshot dict), as torch's _memory_viz writes it."""
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; one of {', '.join(VIEWS)}")
-    return _memory_viz._format_viz(snap, view, None)
+    data = pickle.dumps(snap, protocol=4)
+    data += b"\x00" * (3 - len(data) % 3)  # the viewer's base64 decoder expects whole 3-byte groups
+    files = json.dumps([{"name": "snapshot.pickle", "base64": base64.b64encode(data).decode("ascii")}])
+    return PAGE % {"url": VIEWER_URL, "files": files, "view": json.dumps(view)}
 
 
 def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False):
