@@ -56,9 +56,11 @@ def name_from_frames(frames, live=True):
     an allocation still `live` that the user's own code made outside all of these, the user
     (by that file:line). The same rules name a block at the snapshot's end and an allocation at
     any moment of its trace (timeline.py), so the peak and the end table agree."""
-    text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames)
     if not frames:
         return None, None
+    if frames[0].get("filename") == "<predicted>":  # a predicted snapshot (shadow.snapshot): its key
+        return frames[0].get("name"), "predicted"
+    text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames)
     if "_init_group" in text and ("adam" in text or "optim" in text):
         return "optimizer/state", "frames:optimizer-init"
     if "optim" in text and ("step" in text or "_single_tensor" in text or "_multi_tensor" in text):

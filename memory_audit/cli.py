@@ -156,7 +156,10 @@ def _allocator(args):
 def cmd_predict(args, extra):
     from .predict import predict_run
     cfg = _overrides(extra)
-    pred = predict_run(cfg, _device(args), gaps_bytes=args.gaps)  # --compile=True: inductor's plan
+    dev = _device(args)
+    pred = predict_run(cfg, dev, gaps_bytes=args.gaps)  # --compile=True: inductor's plan
+    if args.trace:
+        pred["shadow"] = _shadow_trace(pred["config"], dev, args.trace)
     if args.json:
         print(json.dumps(pred, indent=1))
         return
@@ -168,9 +171,30 @@ def cmd_predict(args, extra):
     print("(layers 1.. repeat layer 0's lines; --json lists every line)")
     print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items() if isinstance(v, int)]))
     print(f"peak at: {pred['backward']['peak_at']}")
+    if args.trace:
+        print(f"shadow run: peak {pred['shadow']['peak']:,} B (ledger {t['peak_allocated_bytes']:,} B); "
+              f"wrote its {pred['shadow']['events']:,} events to {args.trace}")
     from . import tensor_parallel
     if tensor_parallel.tp_size(pred["config"]) > 1:
         print(_korthikanti_predicted(pred))
+
+
+def _shadow_trace(cfg, dev, path):
+    """Shadow-run the step (memory_audit/shadow.py) and write it as a snapshot to `path`."""
+    if dev["type"] != "cpu":
+        raise ValueError("--trace: the shadow run predicts CPU steps only so far (--gpu=cpu); "
+                         "its CUDA rules are not written yet")
+    if cfg.get("parallel", "none") != "none" or cfg.get("compile"):
+        raise ValueError("--trace: the shadow run covers one process in eager mode so far "
+                         "(no --parallel, no --compile)")
+    if os.path.exists(path) and not path.endswith(".pickle"):
+        raise ValueError(f"--trace: refusing to overwrite {path}: not a .pickle file")
+    from . import shadow
+    result = shadow.run(cfg)
+    with open(path, "wb") as f:
+        pickle.dump(shadow.snapshot(result), f, protocol=4)
+    return {"peak": result["peak"], "start_bytes": result["start_bytes"], "events": len(result["events"]),
+            "phases": result["phases"], "trace": path}
 
 
 def _korthikanti_predicted(pred):
@@ -347,6 +371,10 @@ def main(argv=None):
         q.add_argument("--headroom", type=float, default=0.02, help="fraction of the card kept free beyond the "
                        "prediction (fit, plan); reserved memory is predicted within -5.0%% to +3.8%% on the H100 rows")
         q.add_argument("--outside", type=int, default=None, help=_outside_help)
+        if name == "predict":
+            q.add_argument("--trace", default=None, metavar="FILE.pickle",
+                           help="also shadow-run the step on fake tensors (CPU, one process, eager) and "
+                                "write it as a snapshot MemoryViz opens")
     r = sub.add_parser("report", help="predicted vs actual for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")

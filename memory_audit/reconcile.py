@@ -202,3 +202,32 @@ def _korthikanti(cfg, rows):
     layer = [r for r in rows if r["phase"] == "step2_before_backward" and r["key"].startswith("activations/h.0.")]
     return tensor_parallel.korthikanti_rows(cfg, {r["key"]: r["predicted"] for r in layer},
                                             {r["key"]: r["actual"] for r in layer})
+
+
+def step_events(run_dir, phase="step2_start"):
+    """[(action, op, bytes)] of an audited step from `phase` on, as the trace recorded it:
+    "alloc" or "free" (memory_allocated() drops at the free request), the op or function that
+    made it (the first frame's name), its bytes."""
+    from .trace import A
+    meta = load_meta(run_dir)
+    files = dict(find_snapshots(run_dir)[0])
+    t = load_snapshot(files["step2_end"])["device_traces"][0]
+    out = []
+    for i in range(meta["phases"][phase]["trace_entries"], t.n):
+        a = int(t.act[i])
+        if a in (A["alloc"], A["free_requested"], A["free"]):
+            frames = t.frames(i)
+            out.append(("alloc" if a == A["alloc"] else "free", frames[0].get("name") if frames else "?",
+                        int(t.size[i])))
+    return out
+
+
+def first_divergence(measured, predicted):
+    """The first place two event sequences part, by action and bytes: {"position", "measured",
+    "predicted"} (an event or None past an end), or None when they agree throughout."""
+    for k in range(max(len(measured), len(predicted))):
+        m = measured[k] if k < len(measured) else None
+        p = predicted[k] if k < len(predicted) else None
+        if m is None or p is None or (m[0], m[2]) != (p[0], p[2]):
+            return {"position": k, "measured": m, "predicted": p}
+    return None

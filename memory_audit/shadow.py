@@ -36,23 +36,41 @@ _WRAPS_SCALAR = frozenset(("eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mu
 
 
 class Tracker:
-    """Allocations and frees of the storages ops return, in order (see module docstring)."""
+    """Allocations and frees of the storages ops return, in order (see module docstring).
+
+    Each allocation has an id; events are [action, id] ("alloc"/"free"; None once a rule drops
+    it), and allocs[id] = [key, nbytes]."""
 
     def __init__(self):
-        self.events = []  # [action, key, nbytes]; a dropped event's action becomes None
-        self.live = {}  # storage id -> [key, nbytes, index of its alloc event]
+        self.events = []
+        self.allocs = {}  # id -> [key, nbytes]
+        self.live = {}  # storage id -> [allocation id, index of its alloc event]
         self.recording = False
-        self.in_backward = False
+        self.phase = "setup"  # forward | backward | optimizer: the key's first level
         self.label = ""  # the module path the forward is in (module hooks set it)
-        self.pending = []  # (key, nbytes) of the wrapped scalars the last op made
+        self.pending = []  # allocation ids of the wrapped scalars the last op made
         self.pending_out = _none  # weakref to that op's output (its grad_fn may save them)
-        self.saved = []  # (StorageWeakRef, key, nbytes) of wrapped scalars an autograd node holds
-        self.accumulate = None  # (out id, first id, second id) of the last backward add
+        self.saved = []  # (StorageWeakRef, allocation id) of real tensors an autograd node holds
+        self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
 
-    def _event(self, action, key, nbytes):
+    def key(self, name):
+        where = f"{self.label}/{name}" if self.label else name
+        return {"forward": "activations/", "backward": "temporary/backward/",
+                "optimizer": "temporary/optimizer/", "inputs": "inputs/"}.get(self.phase, "") + where
+
+    def alloc(self, key, nbytes):
+        """A new allocation; returns (its id, the index of its event or None)."""
+        aid = len(self.allocs)
+        self.allocs[aid] = [key, nbytes]
+        return aid, self._event("alloc", aid)
+
+    def free(self, aid):
+        return self._event("free", aid)
+
+    def _event(self, action, aid):
         if self.recording:
-            self.events.append([action, key, nbytes])
+            self.events.append([action, aid])
             return len(self.events) - 1
         return None
 
@@ -60,14 +78,13 @@ class Tracker:
         sid = storage._cdata
         if sid in self.live:
             return
-        nbytes = storage.nbytes()
-        self.live[sid] = [key, nbytes, self._event("alloc", key, nbytes)]
+        self.live[sid] = list(self.alloc(key, storage.nbytes()))
         weakref.finalize(storage, self._freed, sid)
 
     def _freed(self, sid):
-        key, nbytes, _ = self.live.pop(sid, (None, 0, None))
-        if key is not None:
-            self.freed_at[sid] = self._event("free", key, nbytes)
+        entry = self.live.pop(sid, None)
+        if entry is not None:
+            self.freed_at[sid] = self.free(entry[0])
 
     def before_op(self):
         """Settle what the previous op left: its wrapped scalars are freed unless its autograd
@@ -75,33 +92,34 @@ class Tracker:
         died with it took that operand's memory."""
         for entry in [w for w in self.saved if w[0].expired()]:  # real tensors their holders let go
             self.saved.remove(entry)
-            self._event("free", entry[1], entry[2])
+            self.free(entry[1])
         if self.pending:
             from torch.multiprocessing.reductions import StorageWeakRef
             saved = _saved_scalars(self.pending_out())
-            for key, nbytes in self.pending:
+            for aid in self.pending:
                 if saved:  # a real tensor's storage: watched through a C++ weak reference
-                    self.saved.append((StorageWeakRef(saved.pop(0).untyped_storage()), key, nbytes))
+                    self.saved.append((StorageWeakRef(saved.pop(0).untyped_storage()), aid))
                 else:
-                    self._event("free", key, nbytes)
+                    self.free(aid)
             self.pending, self.pending_out = [], _none
         if self.accumulate is not None:
-            out, first, second = self.accumulate
+            out, first = self.accumulate
             self.accumulate = None
-            if first is not None and first not in self.live and out in self.live:
+            if first not in self.live and out in self.live:
                 self._fold(out, first)
         self.freed_at.clear()
 
     def _fold(self, out, operand):
-        """The add's output lives in `operand`'s memory: drop its alloc and the operand's free."""
-        alloc_at, free_at = self.live[out][2], self.freed_at.get(operand)
+        """The add's output lives in `operand`'s memory: drop its alloc and the operand's free,
+        and the output's later free frees the operand's allocation."""
+        alloc_at, free_at = self.live[out][1], self.freed_at.get(operand)
         if alloc_at is None or free_at is None or free_at < alloc_at:
-            return False
+            return
+        self.live[out][0] = self.events[free_at][1]
         self.events[alloc_at][0] = self.events[free_at][0] = None
-        return True
 
     def live_bytes(self):
-        return sum(n for _, n, _ in self.live.values())
+        return sum(self.allocs[aid][1] for aid, _ in self.live.values())
 
 
 def _scalar_bytes(value):
@@ -132,32 +150,28 @@ def _mode(tracker, device_type):
             if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **(kwargs or {}))
             tracker.before_op()
-            name = func.__name__.split(".")[0]
-            key = f"{tracker.label}/{name}" if tracker.label else name
+            key = tracker.key(func.__name__.split(".")[0])
             scalars = _wrapped_scalars(func, args) if device_type == "cpu" else []
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             casts = []
             for value in scalars:
-                tracker._event("alloc", f"{key}/scalar", _scalar_bytes(value))
-                tracker.pending.append((f"{key}/scalar", _scalar_bytes(value)))
+                tracker.pending.append(tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0])
                 if tensors and tensors[0].dtype != (torch.bool if isinstance(value, bool) else
                                                     torch.int64 if isinstance(value, int) else torch.float64):
-                    nbytes = tensors[0].element_size()
-                    tracker._event("alloc", f"{key}/scalar_cast", nbytes)
-                    casts.append(nbytes)
+                    casts.append(tracker.alloc(f"{key}/scalar_cast", tensors[0].element_size())[0])
             out = func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     tracker.add(t.untyped_storage(), key)
-            for nbytes in casts:
-                tracker._event("free", f"{key}/scalar_cast", nbytes)
+            for aid in casts:
+                tracker.free(aid)
             if scalars and isinstance(out, torch.Tensor):
                 tracker.pending_out = weakref.ref(out)
             first = tensors[0] if len(tensors) == 2 else None
-            if (tracker.in_backward and func is torch.ops.aten.add.Tensor and first is not None
+            if (tracker.phase == "backward" and func is torch.ops.aten.add.Tensor and first is not None
                     and isinstance(out, torch.Tensor) and first.shape == out.shape and first.dtype == out.dtype
                     and first.is_contiguous() and not first._is_view()):
-                tracker.accumulate = (out.untyped_storage()._cdata, first.untyped_storage()._cdata, None)
+                tracker.accumulate = (out.untyped_storage()._cdata, first.untyped_storage()._cdata)
             return out
 
     return _Mode()
@@ -179,9 +193,8 @@ def _rng_states(tracker):
     def get_rng_state():
         state = original()
         tracker.before_op()
-        key = f"{tracker.label}/checkpoint.rng_state" if tracker.label else "checkpoint.rng_state"
-        tracker._event("alloc", key, state.untyped_storage().nbytes())
-        tracker.saved.append((StorageWeakRef(state.untyped_storage()), key, state.untyped_storage().nbytes()))
+        aid, _ = tracker.alloc(tracker.key("checkpoint.rng_state"), state.untyped_storage().nbytes())
+        tracker.saved.append((StorageWeakRef(state.untyped_storage()), aid))
         return state
     torch.get_rng_state = get_rng_state
     try:
@@ -222,40 +235,71 @@ def _module_labels(model, tracker):
     return handles
 
 
+def _names(model, optimizer, held):
+    """{storage id: name} of what the loop holds between steps, named as an audit names it."""
+    import torch
+    out = {}
+
+    def put(t, name):
+        if isinstance(t, torch.Tensor):
+            out.setdefault(t.untyped_storage()._cdata, name)
+    param_name = {}
+    for name, p in model.named_parameters():
+        param_name[id(p)] = name
+        put(p, f"weights/{name}")
+        put(p.grad, f"grads/{name}")
+    for name, b in model.named_buffers():
+        put(b, f"buffers/{name}")
+    for p, state in optimizer.state.items():
+        for k, v in state.items():
+            put(v, f"optimizer/{k}/{param_name.get(id(p), '?')}")
+    for name, t in held.items():
+        put(t, name)
+    return out
+
+
+def _setup(cfg, device_type):
+    """(model, optimizer, get_batch, autocast) at cfg, as train.py builds them."""
+    import torch
+    from model import GPT, GPTConfig
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}))
+    # the values do not change memory; train.py's defaults
+    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), cfg["optimizer_impl"])
+    B, T, V = cfg["batch_size"], cfg["block_size"], cfg["vocab_size"]
+
+    def get_batch():
+        buf = torch.randint(V, (B, T + 1))
+        return (buf[:, :-1].clone(memory_format=torch.contiguous_format),
+                buf[:, 1:].clone(memory_format=torch.contiguous_format))
+    autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    return model, optimizer, get_batch, autocast
+
+
 def run(cfg, device_type="cpu", fake=True):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
-    tensors and return the second: {"events", "start_bytes", "phases", "peak"}. fake=False runs
-    the same on real tensors (a check of the tracker itself)."""
+    tensors and return the second (see _result). fake=False runs the same on real tensors (a
+    check of the tracker itself)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from model import GPT, GPTConfig
-
-    model_keys = GPTConfig.__dataclass_fields__
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
     tracker = Tracker()
     with FakeTensorMode() if fake else contextlib.nullcontext(), _mode(tracker, device_type), _rng_states(tracker):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in model_keys}))
-        # the values do not change memory; train.py's defaults
-        optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), cfg["optimizer_impl"])
+        model, optimizer, get_batch, autocast = _setup(cfg, device_type)
         handles = _module_labels(model, tracker)
-        B, T, V, accum = cfg["batch_size"], cfg["block_size"], cfg["vocab_size"], cfg["gradient_accumulation_steps"]
-
-        def get_batch():
-            buf = torch.randint(V, (B, T + 1))
-            return (buf[:, :-1].clone(memory_format=torch.contiguous_format),
-                    buf[:, 1:].clone(memory_format=torch.contiguous_format))
-        autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+        accum = cfg["gradient_accumulation_steps"]
+        tracker.phase = "inputs"
         X, Y = get_batch()
         loss = None
-        phases, start_bytes = {}, 0
+        phases = {}
         for it in range(2):
             if it == 1:
                 tracker.before_op()
-                start_bytes = tracker.live_bytes()
+                start = _names(model, optimizer, {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
+                pre = [(aid, start.get(sid)) for sid, (aid, _) in tracker.live.items()]
                 tracker.recording = True
-                phases["step2_start"] = 0
             for micro in range(accum):
+                tracker.phase = "forward"
                 with autocast:
                     logits, loss = model(X, Y)
                     loss = loss / accum
@@ -264,36 +308,74 @@ def run(cfg, device_type="cpu", fake=True):
                 if it == 1 and micro == accum - 1:
                     tracker.before_op()
                     phases["step2_before_backward"] = len(tracker.events)
+                tracker.phase = "inputs"
                 X, Y = get_batch()
-                tracker.in_backward = True
+                tracker.phase = "backward"
                 loss.backward()
-                tracker.in_backward = False
                 del logits
+            tracker.phase = "optimizer"
             if cfg["grad_clip"] != 0.0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=cfg["set_to_none"])
         tracker.before_op()
-        phases["step2_end"] = len(tracker.events)
         tracker.recording = False
+        end = _names(model, optimizer, {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
+        for sid, name in end.items():  # what the step made and the loop keeps: grads, new batch, loss
+            if sid in tracker.live:
+                tracker.allocs[tracker.live[sid][0]][0] = name
         for h in handles:
             h.remove()
-    return _result(tracker, start_bytes, phases)
+    return _result(tracker, pre, phases)
 
 
-def _result(tracker, start_bytes, phases):
-    events = []
-    cut = {}
-    for i, (action, key, nbytes) in enumerate(tracker.events):
+def _result(tracker, pre, phases):
+    """{"events": [(action, key, bytes, id)] of the step in order, "pre": [(id, key, bytes)]
+    live when it starts, "start_bytes", "phases": {phase: event position}, "peak"}."""
+    events, cut = [], {"step2_start": 0}
+    for i, (action, aid) in enumerate(tracker.events):
         for phase, at in phases.items():
             if at == i:
                 cut[phase] = len(events)
         if action is not None:
-            events.append((action, key, nbytes))
-    for phase, at in phases.items():
+            key, nbytes = tracker.allocs[aid]
+            events.append((action, key, nbytes, aid))
+    cut["step2_end"] = len(events)
+    for phase in phases:
         cut.setdefault(phase, len(events))
+    pre = [(aid, name or tracker.allocs[aid][0], tracker.allocs[aid][1]) for aid, name in pre]
+    start_bytes = sum(n for _, _, n in pre)
     level = peak = 0
-    for action, _, nbytes in events:
+    for action, _, nbytes, _ in events:
         level += nbytes if action == "alloc" else -nbytes
         peak = max(peak, level)
-    return {"events": events, "start_bytes": start_bytes, "phases": cut, "peak": start_bytes + peak}
+    return {"events": events, "pre": pre, "start_bytes": start_bytes, "phases": cut, "peak": start_bytes + peak}
+
+
+PREDICTED_FRAME = "<predicted>"  # attribute.name_from_frames reads a predicted event's key here
+
+
+def snapshot(result):
+    """The shadow's step as a snapshot (CPU schema: one segment per live allocation, as CPU
+    audits write them) that MemoryViz opens and `attribute`/`viz` name by the events' keys. The
+    trace starts with what is live when the step starts (at time 0), then the step's events;
+    addresses are made up, one range per allocation."""
+    from .cpu_timeline import snapshot_at
+    addr, events, t = {}, [], 0
+    next_addr = 1 << 32
+
+    def place(aid, nbytes):
+        nonlocal next_addr
+        addr[aid] = next_addr
+        next_addr += -(-max(nbytes, 1) // 512) * 512
+        return addr[aid]
+
+    def frames(key):
+        return [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
+    for aid, key, nbytes in result["pre"]:
+        events.append((0, "alloc", place(aid, nbytes), nbytes, frames(key), key.split("/", 1)[0], ""))
+    for action, key, nbytes, aid in result["events"]:
+        t += 1000
+        where = place(aid, nbytes) if action == "alloc" else addr[aid]
+        events.append((t, action, where, nbytes, frames(key), key.split("/", 1)[0], ""))
+    return snapshot_at(events, t)

@@ -95,6 +95,21 @@ GRIDS = ("cpu-small", "cpu-ac", "cpu-long", "cpu-compile-budget", "cpu-parallel"
 COMPILE_BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
+def random_config(rng):
+    """One single-process CPU config drawn with `rng` (random.Random) over cpu-tiny-sized shapes
+    and every knob that changes memory (the space of issue "Predict the step as one trace")."""
+    n_head = rng.randint(1, 4)
+    return dict(n_layer=rng.randint(1, 4), n_head=n_head, n_embd=n_head * rng.choice((16, 32)),
+                vocab_size=rng.choice((97, 512, 1000, 3001)), batch_size=rng.randint(1, 3),
+                block_size=rng.choice((16, 32, 64, 128, 256)), dtype=rng.choice(("float32", "bfloat16")),
+                attention=rng.choice(("manual", "sdpa")), activation=rng.choice(("gelu", "relu")),
+                dropout=rng.choice((0.0, 0.0, 0.1)), bias=rng.choice((False, True)),
+                activation_checkpointing=rng.choice(("none", "none", "full", "selective", "sac")),
+                ac_every=rng.choice((1, 1, 2)), gradient_accumulation_steps=rng.choice((1, 1, 2)),
+                set_to_none=rng.choice((True, False)), keep_logits=rng.choice((True, False)),
+                optimizer_impl=rng.choice(("fused", "foreach", "for")))
+
+
 def _args(cfg):
     return [f"--{k}={v}" for k, v in cfg.items() if k != "nproc"]
 
