@@ -1,6 +1,6 @@
 """Random single-process CPU configs: the measured peak beside the shadow run's and the predictor's.
 
-    python scripts/shadow_check.py [--n=10] [--seed=S] [--jobs=1] [--out=FILE.jsonl]
+    python scripts/shadow_check.py [--n=10] [--seed=S] [--out=FILE.jsonl] [--device=cuda --keep=DIR]
 
 Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed replays one;
 the seed is printed first), audits each with `train.py --audit` on CPU, shadow-runs it
@@ -22,21 +22,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def check(cfg, tmp):
+def check(cfg, tmp, device="cpu", keep=None):
     from memory_audit import shadow
     from memory_audit.predict import DEFAULTS
     from memory_audit.reconcile import first_divergence, step_events
     args = [f"--{k}={v}" for k, v in cfg.items()]
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--audit", "--device=cpu", "--preset=cpu-tiny",
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--device={device}", "--preset=cpu-tiny",
                         f"--audit_dir={tmp}", "--run_name=r", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     if p.returncode:
         return {"config": cfg, "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
     run = os.path.join(tmp, "r")
+    if keep:  # the audited step with its whole trace: what CUDA rules for the shadow are read from
+        import shutil
+        dest = os.path.join(keep, "-".join(f"{k}{v}" for k, v in cfg.items()).replace(".", "p")[:150])
+        shutil.copytree(run, dest, ignore=shutil.ignore_patterns("step2_start*", "step2_before*"))
     with open(os.path.join(run, "report.json")) as f:
         report = json.load(f)
     peak = report["totals"]["peak"]
     full = dict(DEFAULTS, **{k: v for k, v in report["config"].items() if k in DEFAULTS})
+    if device != "cpu":  # the shadow's CUDA rules are not written yet: the audit only
+        return {"config": cfg, "measured": peak["actual"], "shadow": None, "predictor": peak["predicted"]}
     sh = shadow.run(full)
     row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"]}
     if sh["peak"] != peak["actual"]:
@@ -52,6 +58,8 @@ def main():
     p.add_argument("--n", type=int, default=10)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cpu", help="cuda: audit only (and --keep the runs), no shadow yet")
+    p.add_argument("--keep", default=None, help="copy each run's step2_end snapshot, meta and report here")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)
     print(f"seed {seed} (replay: --seed={seed})", flush=True)
@@ -59,16 +67,16 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.n):
-            row = check(random_config(rng), tmp)
+            row = check(random_config(rng), tmp, args.device, args.keep)
             rows.append(row)
             if "error" in row:
                 print(f"{i}: error {row['error']}", flush=True)
                 continue
-            d = lambda v: f"{v - row['measured']:+,}"  # noqa: E731
+            d = lambda v: "-" if v is None else f"{v - row['measured']:+,}"  # noqa: E731
             print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  predictor {d(row['predictor'])}"
                   + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
     ok = [r for r in rows if "error" not in r]
-    print(f"peak exact: shadow {sum(r['shadow'] == r['measured'] for r in ok)}/{len(ok)}, "
+    print(f"peak exact: shadow {sum(r['shadow'] == r['measured'] for r in ok if r['shadow'] is not None)}/{len(ok)}, "
           f"predictor {sum(r['predictor'] == r['measured'] for r in ok)}/{len(ok)} (seed {seed})")
     if args.out:
         with open(args.out, "a") as f:
