@@ -17,7 +17,8 @@ What the dispatcher cannot see is added by rules, each measured on CPU audits (R
   wrapped_scalar      a Python number passed for a Tensor argument (and the Scalar overloads of
                       the arithmetic and comparison ops) is an 8 B CPU tensor (1 B for a bool)
                       made before the op and freed after it unless its autograd node saves it;
-                      a cast of it to the op's dtype lives while the output is made
+                      a cast of it to the op's dtype lives while the output is made; a CPU
+                      _foreach_ op with a Scalar(List) runs that op tensor by tensor
   rng_state           torch.get_rng_state() (checkpointing, per region with dropout) is a real
                       tensor the generator makes: counted when made, freed when let go
 This is a first cut on CPU: the CUDA rules (allocator rounding, cuBLAS workspaces, the SDPA
@@ -126,6 +127,30 @@ def _scalar_bytes(value):
     return 1 if isinstance(value, bool) else 8
 
 
+def _scalar_allocs(tracker, key, value, like):
+    """A wrapped scalar (8 B; 1 B for a bool) and, where the op computes in another dtype than
+    the scalar's (double, int64, bool), its cast to `like`'s dtype: (scalar id, cast id or None)."""
+    import torch
+    scalar = tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0]
+    own = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
+    if like is None or like.dtype == own:
+        return scalar, None
+    return scalar, tracker.alloc(f"{key}/scalar_cast", like.element_size())[0]
+
+
+def _foreach_scalars(func, args):
+    """[(value, tensor)] for each tensor of a _foreach_ op's Scalar or ScalarList overload whose
+    per-tensor op wraps its scalar: on CPU the foreach ops run that op tensor by tensor."""
+    name = func.__name__.split(".")[0]
+    if not name.startswith("_foreach_") or func._overloadname not in ("Scalar", "ScalarList"):
+        return []
+    if name[len("_foreach_"):].rstrip("_") not in _WRAPS_SCALAR or len(args) < 2:
+        return []
+    tensors, values = args[0], args[1]
+    values = values if isinstance(values, (list, tuple)) else [values] * len(tensors)
+    return [(v, t) for v, t in zip(values, tensors) if isinstance(v, (bool, int, float))]
+
+
 def _wrapped_scalars(func, args):
     """[(value, Tensor argument position)] of Python numbers the op gets for Tensor arguments
     (CPU wraps each in a 0-dim tensor), and the comparison ops' Scalar operand."""
@@ -151,19 +176,27 @@ def _mode(tracker, device_type):
                 return func(*args, **(kwargs or {}))
             tracker.before_op()
             key = tracker.key(func.__name__.split(".")[0])
-            scalars = _wrapped_scalars(func, args) if device_type == "cpu" else []
+            cpu = device_type == "cpu"
+            scalars = _wrapped_scalars(func, args) if cpu else []
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            casts = []
+            held = []  # freed once the outputs are made: casts, and a foreach op's last scalar
             for value in scalars:
-                tracker.pending.append(tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0])
-                if tensors and tensors[0].dtype != (torch.bool if isinstance(value, bool) else
-                                                    torch.int64 if isinstance(value, int) else torch.float64):
-                    casts.append(tracker.alloc(f"{key}/scalar_cast", tensors[0].element_size())[0])
+                scalar, cast = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None)
+                tracker.pending.append(scalar)
+                held += [cast] if cast is not None else []
+            per_tensor = _foreach_scalars(func, args) if cpu else []
+            for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
+                ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)) if i is not None]
+                if j < len(per_tensor) - 1:
+                    for aid in ids:
+                        tracker.free(aid)
+                else:
+                    held += ids
             out = func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     tracker.add(t.untyped_storage(), key)
-            for aid in casts:
+            for aid in held:
                 tracker.free(aid)
             if scalars and isinstance(out, torch.Tensor):
                 tracker.pending_out = weakref.ref(out)
