@@ -19,6 +19,8 @@ What the dispatcher cannot see is added by rules, each measured on CPU audits (R
                       made before the op and freed after it unless its autograd node saves it;
                       a cast of it to the op's dtype lives while the output is made; a CPU
                       _foreach_ op with a Scalar(List) runs that op tensor by tensor
+  dtype_cast          a CPU elementwise op on two dtypes (fp32 residual + bf16 branch) copies
+                      the other-dtype operand to the common dtype while the output is made
   rng_state           torch.get_rng_state() (checkpointing, per region with dropout) is a real
                       tensor the generator makes: counted when made, freed when let go
 This is a first cut on CPU: the CUDA rules (allocator rounding, cuBLAS workspaces, the SDPA
@@ -31,7 +33,9 @@ or "free"), the bytes live when the step starts, the phase positions, the peak.
 import contextlib
 import weakref
 
-RULES = ("inplace_accumulate", "wrapped_scalar", "rng_state")
+RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state")
+# elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
+_MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
 _WRAPS_SCALAR = frozenset(("eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "div", "rsub"))
 
@@ -138,6 +142,20 @@ def _scalar_allocs(tracker, key, value, like):
     return scalar, tracker.alloc(f"{key}/scalar_cast", like.element_size())[0]
 
 
+def _mixed_dtype_casts(func, tensors):
+    """[(operand, bytes)] of the copies a CPU elementwise op makes of the operands whose dtype is
+    not the common one (fp32 + bf16 under autocast: the bf16 side cast to fp32) before it runs."""
+    import torch
+    name = func.__name__.split(".")[0].rstrip("_")
+    if name not in _MIXED or func._overloadname != "Tensor" or len(tensors) != 2:
+        return []
+    a, b = tensors
+    if a.dtype == b.dtype or a.dim() == 0 or b.dim() == 0:
+        return []
+    common = torch.result_type(a, b)
+    return [(t, t.numel() * common.itemsize) for t in (a, b) if t.dtype != common]
+
+
 def _foreach_scalars(func, args):
     """[(value, tensor)] for each tensor of a _foreach_ op's Scalar or ScalarList overload whose
     per-tensor op wraps its scalar: on CPU the foreach ops run that op tensor by tensor."""
@@ -184,6 +202,8 @@ def _mode(tracker, device_type):
                 scalar, cast = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None)
                 tracker.pending.append(scalar)
                 held += [cast] if cast is not None else []
+            for t, nbytes in (_mixed_dtype_casts(func, tensors) if cpu else []):
+                held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
             per_tensor = _foreach_scalars(func, args) if cpu else []
             for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
                 ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)) if i is not None]
@@ -291,8 +311,15 @@ def _names(model, optimizer, held):
     return out
 
 
+def _held(X, Y, loss, scaler):
+    """What the loop itself holds between steps, by the names an audit gives it."""
+    return {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss,
+            "optimizer/grad_scaler/scale": getattr(scaler, "_scale", None),
+            "optimizer/grad_scaler/growth_tracker": getattr(scaler, "_growth_tracker", None)}
+
+
 def _setup(cfg, device_type):
-    """(model, optimizer, get_batch, autocast) at cfg, as train.py builds them."""
+    """(model, optimizer, scaler, get_batch, autocast) at cfg, as train.py builds them."""
     import torch
     from model import GPT, GPTConfig
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
@@ -307,7 +334,10 @@ def _setup(cfg, device_type):
         return (buf[:, :-1].clone(memory_format=torch.contiguous_format),
                 buf[:, 1:].clone(memory_format=torch.contiguous_format))
     autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    return model, optimizer, get_batch, autocast
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    # A fake found_inf cannot be read (.item()): the shadow takes the step, as a finite step does.
+    scaler._maybe_opt_step = lambda opt, state, *a, **k: opt.step(*a, **k)
+    return model, optimizer, scaler, get_batch, autocast
 
 
 def run(cfg, device_type="cpu", fake=True):
@@ -318,7 +348,7 @@ def run(cfg, device_type="cpu", fake=True):
     from torch._subclasses.fake_tensor import FakeTensorMode
     tracker = Tracker()
     with FakeTensorMode() if fake else contextlib.nullcontext(), _mode(tracker, device_type), _rng_states(tracker):
-        model, optimizer, get_batch, autocast = _setup(cfg, device_type)
+        model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type)
         handles = _module_labels(model, tracker)
         accum = cfg["gradient_accumulation_steps"]
         tracker.phase = "inputs"
@@ -328,7 +358,7 @@ def run(cfg, device_type="cpu", fake=True):
         for it in range(2):
             if it == 1:
                 tracker.before_op()
-                start = _names(model, optimizer, {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
+                start = _names(model, optimizer, _held(X, Y, loss, scaler))
                 pre = [(aid, start.get(sid)) for sid, (aid, _) in tracker.live.items()]
                 tracker.recording = True
             for micro in range(accum):
@@ -344,16 +374,18 @@ def run(cfg, device_type="cpu", fake=True):
                 tracker.phase = "inputs"
                 X, Y = get_batch()
                 tracker.phase = "backward"
-                loss.backward()
+                scaler.scale(loss).backward()
                 del logits
             tracker.phase = "optimizer"
             if cfg["grad_clip"] != 0.0:
+                scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             optimizer.zero_grad(set_to_none=cfg["set_to_none"])
         tracker.before_op()
         tracker.recording = False
-        end = _names(model, optimizer, {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
+        end = _names(model, optimizer, _held(X, Y, loss, scaler))
         for sid, name in end.items():  # what the step made and the loop keeps: grads, new batch, loss
             if sid in tracker.live:
                 tracker.allocs[tracker.live[sid][0]][0] = name

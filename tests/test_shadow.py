@@ -71,3 +71,20 @@ def test_predicted_trace_is_a_snapshot_named_like_the_audit(tmp_path, cpu_run):
 def test_trace_for_a_gpu_is_one_line():
     p = run_cli("predict", "--gpu=H100", "--preset=cpu-tiny", "--trace=/tmp/never.pickle")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "CPU" in p.stderr
+
+
+@pytest.mark.parametrize("grid", ["cpu-long", "cpu-ac", "cpu-mini-ac"])
+def test_committed_cpu_rows_are_the_shadow_runs(grid):
+    """Every committed single-process CPU row (the ledger's rules were derived from these; the
+    shadow run knows none of them): its measured steady state and peak, to the byte."""
+    from memory_audit import shadow
+    from conftest import ROOT
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "snapshots", "results", f"{grid}.jsonl"))]
+    rows = [r for r in rows if r["status"] == "ok" and "nproc" not in r["config"]
+            and r["resolved_config"].get("parallel", "none") == "none" and not r["resolved_config"].get("compile")]
+    assert rows
+    for row in rows:
+        cfg = dict(DEFAULTS, **{k: v for k, v in row["resolved_config"].items() if k in DEFAULTS})
+        result = shadow.run(cfg)
+        t = row["totals"]
+        assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), row["config"]
