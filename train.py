@@ -193,6 +193,10 @@ if parallel != "none":
     if "tp" in parallel and not tp_size:
         tp_size = world_size
     dp_size = world_size // max(tp_size, 1)  # tp, tp-sp: 1; ddp, fsdp: every rank
+    if "gradient_accumulation_steps" not in _given:  # the default: one micro-step on each rank
+        gradient_accumulation_steps = dp_size
+        if rank == 0:
+            print(f"gradient_accumulation_steps not given: {dp_size} in all, one micro-step per data-parallel rank")
     if gradient_accumulation_steps % dp_size:
         fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the world size {world_size}")
     gradient_accumulation_steps //= dp_size  # each data-parallel rank does its share, as nanoGPT does

@@ -22,7 +22,8 @@ def _torchrun(*args, timeout=240, accumulation=2, ranks=2, **env_extra):
     after training had finished; neither reproduced in 30 reruns) is rerun once, and says so;
     every assertion is made on the run that completed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", **env_extra)
-    cmd = TORCHRUN + [f"--nproc_per_node={ranks}", "train.py", "config/audit_cpu_tiny.py", f"--gradient_accumulation_steps={accumulation}",
+    given = [] if accumulation is None else [f"--gradient_accumulation_steps={accumulation}"]
+    cmd = TORCHRUN + [f"--nproc_per_node={ranks}", "train.py", "config/audit_cpu_tiny.py", *given,
                       "--dist_timeout_s=60", *args]
     for attempt in (1, 2):
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -30,6 +31,17 @@ def _torchrun(*args, timeout=240, accumulation=2, ranks=2, **env_extra):
             return p
         print(f"torchrun attempt {attempt}: a rank died by a signal inside torch; {'rerunning' if attempt == 1 else 'giving up'}")
     return p
+
+
+def test_default_accumulation_under_torchrun_is_one_micro_step_per_rank(tmp_path):
+    """No --gradient_accumulation_steps under torchrun: one micro-step on each rank, said once
+    (nanoGPT's meaning, the total, stays for an explicit value: 3 over 2 ranks still fails)."""
+    p = _torchrun("--audit", f"--audit_dir={tmp_path}", "--run_name=default", accumulation=None)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("gradient_accumulation_steps not given: 2 in all, one micro-step per data-parallel rank") == 1
+    for rank in (0, 1):
+        rec = json.load(open(tmp_path / "default" / f"rank{rank}" / "report.json"))
+        assert rec["config"]["gradient_accumulation_steps"] == 1
 
 
 def test_ddp_audit_per_rank_is_predicted_and_changes_nothing(tmp_path):
