@@ -175,7 +175,7 @@ if "tp" in parallel:
     from memory_audit.tensor_parallel import check as _tp_check
     try:
         _tp_check({"parallel": parallel, "world_size": int(os.environ["WORLD_SIZE"]), "tp_size": tp_size,
-                   "n_head": n_head, "dropout": dropout})
+                   "n_head": n_head, "dropout": dropout, "set_to_none": set_to_none})
     except ValueError as e:
         fail(str(e))
     if compile:

@@ -252,7 +252,8 @@ def test_bad_parallel_input_is_one_line(tmp_path):
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
     for args, says in ((("--gradient_accumulation_steps=3",), "must be a multiple of the world size 2"),
                        (("--parallel=tp", "--n_head=1"), "n_head=1 is not divisible by 2"),
-                       (("--parallel=fsdp+tp", "--tp_size=3"), "tp_size=3 does not divide the world size 2")):
+                       (("--parallel=fsdp+tp", "--tp_size=3"), "tp_size=3 does not divide the world size 2"),
+                       (("--parallel=tp-sp", "--set_to_none=False"), "parallel=tp-sp needs set_to_none=True")):
         p = _torchrun(*args, "--max_iters=1", timeout=120)
         _one_line_per_rank(p, says)
 
