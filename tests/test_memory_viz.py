@@ -135,3 +135,14 @@ def test_foreign_snapshot_in_the_real_viewer(viewer):
     # named from its stacks (the optimizer's state made in step) and its trace (temporaries); the
     # blocks older than the recording the viewer draws as 'unknown' (it reads no category on them)
     _check(open_in_viewer(viewer, viz.html(viz.categorized(path)), "foreign"), ["optimizer", "temporary"])
+
+
+def test_predicted_step_in_the_real_viewer(viewer, tmp_path):
+    """predict --trace's snapshot (the shadow run's step) opens in MemoryViz like a measured one."""
+    from memory_audit.cli import main
+    out = tmp_path / "predicted.pickle"
+    assert main(["predict", "--gpu=cpu", "--preset=cpu-tiny", "--batch_size=2", "--dtype=float32",
+                 f"--trace={out}"]) == 0
+    assert main(["viz", str(out), "--out", str(tmp_path / "predicted.html")]) == 0
+    _check(open_in_viewer(viewer, (tmp_path / "predicted.html").read_text(), "predicted"),
+           ["weights", "optimizer", "activations", "inputs", "temporary"])
