@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ def check(cfg, tmp, device="cpu", keep=None):
     from memory_audit.predict import DEFAULTS
     from memory_audit.reconcile import first_divergence, step_events
     args = [f"--{k}={v}" for k, v in cfg.items()]
+    shutil.rmtree(os.path.join(tmp, "r"), ignore_errors=True)  # what a failed config left
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--device={device}", "--preset=cpu-tiny",
                         f"--audit_dir={tmp}", "--run_name=r", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
@@ -34,7 +36,6 @@ def check(cfg, tmp, device="cpu", keep=None):
         return {"config": cfg, "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
     run = os.path.join(tmp, "r")
     if keep:  # the audited step with its whole trace: what CUDA rules for the shadow are read from
-        import shutil
         dest = os.path.join(keep, "-".join(f"{k}{v}" for k, v in cfg.items()).replace(".", "p")[:150])
         shutil.copytree(run, dest, ignore=shutil.ignore_patterns("step2_start*", "step2_before*"))
     with open(os.path.join(run, "report.json")) as f:
@@ -42,12 +43,12 @@ def check(cfg, tmp, device="cpu", keep=None):
     peak = report["totals"]["peak"]
     full = dict(DEFAULTS, **{k: v for k, v in report["config"].items() if k in DEFAULTS})
     if device != "cpu":  # the shadow's CUDA rules are not written yet: the audit only
+        shutil.rmtree(run, ignore_errors=True)
         return {"config": cfg, "measured": peak["actual"], "shadow": None, "predictor": peak["predicted"]}
     sh = shadow.run(full)
     row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"]}
     if sh["peak"] != peak["actual"]:
         row["first_divergence"] = first_divergence(step_events(run), sh["events"])
-    import shutil
     shutil.rmtree(run, ignore_errors=True)
     return row
 
