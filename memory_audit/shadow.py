@@ -70,13 +70,27 @@ def _setup(cfg, device_type):
     return model, optimizer, scaler, get_batch, autocast
 
 
+class ShadowError(ValueError):
+    """The step could not run on fake tensors; str() names the last op and the reason."""
+
+
 def run(cfg, device_type="cpu", fake=True):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see _result). fake=False runs the same on real tensors (a
-    check of the tracker itself)."""
+    check of the tracker itself). Raises ShadowError (one line) if the step cannot run."""
+    tracker = Tracker()
+    try:
+        return _run(cfg, device_type, fake, tracker)
+    except ValueError:
+        raise
+    except Exception as e:  # an op fake tensors cannot run: no number is better than a wrong one
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ShadowError(f"the shadow run stopped at {tracker.op}: {type(e).__name__}: {reason}") from None
+
+
+def _run(cfg, device_type, fake, tracker):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    tracker = Tracker()
     with FakeTensorMode() if fake else contextlib.nullcontext(), dispatch_mode(tracker, device_type), rng_states(tracker):
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type)
         handles = module_labels(model, tracker)

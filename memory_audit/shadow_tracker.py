@@ -41,6 +41,7 @@ class Tracker:
         self.recording = False
         self.phase = "setup"  # forward | backward | optimizer: the key's first level
         self.label = ""  # the module path the forward is in (module hooks set it)
+        self.op = "no op yet"  # the last op dispatched
         self.pending = []  # allocation ids of the wrapped scalars the last op made
         self.pending_out = _none  # weakref to that op's output (its grad_fn may save them)
         self.saved = []  # (StorageWeakRef, allocation id) of real tensors an autograd node holds
@@ -181,6 +182,7 @@ def dispatch_mode(tracker, device_type):
             if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **(kwargs or {}))
             tracker.before_op()
+            tracker.op = f"{func} in {tracker.label or 'the loop'}"  # named if the step fails here
             key = tracker.key(func.__name__.split(".")[0])
             cpu = device_type == "cpu"
             scalars = _wrapped_scalars(func, args) if cpu else []

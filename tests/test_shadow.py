@@ -88,3 +88,19 @@ def test_committed_cpu_rows_are_the_shadow_runs(grid):
         result = shadow.run(cfg)
         t = row["totals"]
         assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), row["config"]
+
+
+def test_a_step_the_shadow_cannot_run_is_one_line_naming_the_op(monkeypatch, tmp_path, capsys):
+    """An op that fails on fake tensors ends `predict --trace` in one line that names where it
+    stopped; no number is printed."""
+    import torch
+    from memory_audit.cli import main
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot run on fake tensors\nsecond line")
+    monkeypatch.setattr(torch.nn.functional, "gelu", broken)
+    code = main(["predict", "--gpu=cpu", "--preset=cpu-tiny", "--activation=gelu", f"--trace={tmp_path / 'p.pickle'}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "the shadow run stopped at aten." in err and "cannot run on fake tensors" in err
+    assert not (tmp_path / "p.pickle").exists()
