@@ -1,6 +1,7 @@
 """Random single-process CPU configs: the measured peak beside the shadow run's and the predictor's.
 
     python scripts/shadow_check.py [--n=10] [--seed=S] [--out=FILE.jsonl] [--device=cuda --keep=DIR]
+    python scripts/shadow_check.py --rows snapshots/results/cpu-mini-ac.jsonl ...
 
 Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed replays one;
 the seed is printed first), audits each with `train.py --audit` on CPU, shadow-runs it
@@ -53,6 +54,26 @@ def check(cfg, tmp, device="cpu", keep=None):
     return row
 
 
+def committed_rows(paths):
+    """The single-process CPU rows of committed results files: measured beside the shadow's."""
+    from memory_audit import shadow
+    from memory_audit.predict import DEFAULTS
+    exact = total = 0
+    for path in paths:
+        for line in open(path):
+            row = json.loads(line)
+            rc = row.get("resolved_config") or {}
+            if row["status"] != "ok" or "nproc" in row["config"] or rc.get("parallel", "none") != "none" or rc.get("compile"):
+                continue
+            result = shadow.run(dict(DEFAULTS, **{k: v for k, v in rc.items() if k in DEFAULTS}))
+            t = row["totals"]
+            ok = (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"])
+            exact, total = exact + ok, total + 1
+            print(f"{os.path.basename(path)}: measured {t['peak']['actual']:,}  shadow {result['peak'] - t['peak']['actual']:+,}"
+                  f"  {row['config']}", flush=True)
+    print(f"committed rows: shadow steady state and peak exact in {exact}/{total}")
+
+
 def main():
     from memory_audit.sweep import random_config
     p = argparse.ArgumentParser()
@@ -61,7 +82,11 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cpu", help="cuda: audit only (and --keep the runs), no shadow yet")
     p.add_argument("--keep", default=None, help="copy each run's step2_end snapshot, meta and report here")
+    p.add_argument("--rows", nargs="+", default=None, help="instead: re-predict committed results rows "
+                   "(snapshots/results/*.jsonl, single-process CPU ones) with the shadow run")
     args = p.parse_args()
+    if args.rows:
+        return committed_rows(args.rows)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)
     print(f"seed {seed} (replay: --seed={seed})", flush=True)
     rng = random.Random(seed)

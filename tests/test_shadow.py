@@ -73,10 +73,12 @@ def test_trace_for_a_gpu_is_one_line():
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "CPU" in p.stderr
 
 
-@pytest.mark.parametrize("grid", ["cpu-long", "cpu-ac", "cpu-mini-ac"])
+@pytest.mark.parametrize("grid", ["cpu-long", "cpu-ac"])
 def test_committed_cpu_rows_are_the_shadow_runs(grid):
     """Every committed single-process CPU row (the ledger's rules were derived from these; the
-    shadow run knows none of them): its measured steady state and peak, to the byte."""
+    shadow run knows none of them): its measured steady state and peak, to the byte. cpu-mini-ac's
+    16 rows (larger models, 14 s) are left out for CI's time: `python scripts/shadow_check.py --rows
+    snapshots/results/cpu-mini-ac.jsonl` checks them (16 of 16 exact when this test was written)."""
     from memory_audit import shadow
     from conftest import ROOT
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "snapshots", "results", f"{grid}.jsonl"))]
