@@ -47,7 +47,8 @@ def check(cfg, tmp, device="cpu", keep=None):
         shutil.rmtree(run, ignore_errors=True)
         return {"config": cfg, "measured": peak["actual"], "shadow": None, "predictor": peak["predicted"]}
     sh = shadow.run(full)
-    row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"]}
+    row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"],
+           "steady_state_exact": sh["start_bytes"] == report["totals"]["steady_state"]["actual"]}
     if sh["peak"] != peak["actual"]:
         row["first_divergence"] = first_divergence(step_events(run), sh["events"])
     shutil.rmtree(run, ignore_errors=True)
@@ -100,6 +101,7 @@ def main():
                 continue
             d = lambda v: "-" if v is None else f"{v - row['measured']:+,}"  # noqa: E731
             print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  predictor {d(row['predictor'])}"
+                  + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
                   + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
     ok = [r for r in rows if "error" not in r]
     print(f"peak exact: shadow {sum(r['shadow'] == r['measured'] for r in ok if r['shadow'] is not None)}/{len(ok)}, "
