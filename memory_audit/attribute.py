@@ -15,7 +15,7 @@ Whatever no rule names is `unattributed`, listed with its frames, never hidden.
 
 import numpy as np
 
-from .schema import CATEGORIES
+from .schema import CATEGORIES, PREDICTED_FRAME
 from .trace import A, as_trace
 
 # Sizes the cuBLAS workspace takes (CublasHandlePool.cpp): ":4096:2:16:8" = 8,519,680 B by
@@ -52,13 +52,13 @@ def name_from_frames(frames, live=True):
     """Best-effort (name, rule) from a stack, for snapshots without meta.json; the first rule
     that matches wins: optimizer state (_init_group, or made in a step and still live), the
     GradScaler, gradients (zero_grad; made in backward and still live), weights (module
-    construction, _apply/to, load_state_dict, outside any forward), backward, forward (activations, by the forward's file:line), and, for
-    an allocation still `live` that the user's own code made outside all of these, the user
-    (by that file:line). The same rules name a block at the snapshot's end and an allocation at
+    construction, _apply/to, load_state_dict, outside any forward), backward, forward
+    (activations, by the forward's file:line), and, for an allocation still `live` that the
+    user's own code made outside all of these, the user (by that file:line). The same rules name a block at the snapshot's end and an allocation at
     any moment of its trace (timeline.py), so the peak and the end table agree."""
     if not frames:
         return None, None
-    if frames[0].get("filename") == "<predicted>":  # a predicted snapshot (shadow.snapshot): its key
+    if frames[0].get("filename") == PREDICTED_FRAME:  # a predicted snapshot (shadow.snapshot): its key
         return frames[0].get("name"), "predicted"
     text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames)
     if "_init_group" in text and ("adam" in text or "optim" in text):

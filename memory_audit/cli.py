@@ -11,12 +11,10 @@ import sys
 from ast import literal_eval
 
 from .loader import SnapshotError, find_snapshots, load_meta, load_snapshot
-from .text import fmt_bytes, table
+from .text import GiB, fmt_bytes, table
 
 # Only what every command needs is imported here; each command imports its own side when it runs,
 # so reading a snapshot pays for neither the predictor nor torch.
-
-GiB = 2 ** 30
 
 
 # -- attribute --------------------------------------------------------------------------------

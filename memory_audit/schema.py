@@ -63,6 +63,9 @@ PHASES = ("step2_start", "step2_before_backward", "step2_end")
 # copied into the trace entries' user_metadata).
 MARKER_PREFIX = "memory_audit::"
 RECOMPUTE_LABEL = "recompute:"
+# The filename of the one frame each event of a predicted snapshot (shadow.snapshot) carries;
+# the frame's name is the event's ledger key, which attribution reads back.
+PREDICTED_FRAME = "<predicted>"
 
 # Categories an active or cached byte can land in, in the order tables print them.
 # `user`: what a script's own code made outside forward, backward and the optimizer and still

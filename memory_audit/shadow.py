@@ -16,6 +16,7 @@ when it starts, the phase positions, the peak; snapshot() writes them in the sna
 
 import contextlib
 
+from .schema import PREDICTED_FRAME
 from .shadow_tracker import RULES, Tracker, dispatch_mode, module_labels, rng_states  # noqa: F401
 
 def _names(model, optimizer, held):
@@ -161,7 +162,6 @@ def _result(tracker, pre, phases):
     return {"events": events, "pre": pre, "start_bytes": start_bytes, "phases": cut, "peak": start_bytes + peak}
 
 
-PREDICTED_FRAME = "<predicted>"  # attribute.name_from_frames reads a predicted event's key here
 
 
 def snapshot(result):

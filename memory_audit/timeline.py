@@ -240,12 +240,14 @@ def _entry_categories(trace, meta, cuts, pair):
     tensors, recomputation), else workspace, else by its stack (StackNames: a temporary when
     freed in the trace; without meta.json the end table's frame rules first), else
     unattributed; a free takes its alloc's (one older than the trace, its name's). Returns (cat,
-    event_name, unmatched_free)."""
+    event_name, unmatched_free, unnamed): unnamed is the StackNames the codes came from (the
+    peak's lines read the same names)."""
     act, addr = trace.act, trace.addr
     event_name, freed, unmatched_free = name_events(trace, cuts, (meta or {}).get("compiled_wrappers"))
     allocs = np.flatnonzero(act == A["alloc"])
     cat = np.full(trace.n, _CODE["unattributed"], dtype=np.int64)
-    cat[allocs] = StackNames(trace, meta).codes(allocs, freed[allocs])
+    unnamed = StackNames(trace, meta)
+    cat[allocs] = unnamed.codes(allocs, freed[allocs])
     workspaces = trace_workspaces(trace, meta)
     ws = allocs[np.isin(addr[allocs], np.fromiter(workspaces, dtype=np.int64))]
     cat[ws] = _CODE["workspace"]
@@ -253,7 +255,7 @@ def _entry_categories(trace, meta, cuts, pair):
         cat[i] = _CODE.get(name.split("/", 1)[0], _CODE["unattributed"])
     matched = np.isin(act, FREES) & (pair >= 0)
     cat[matched] = cat[pair[matched]]
-    return cat, event_name, unmatched_free
+    return cat, event_name, unmatched_free, unnamed
 
 
 def _name_at(cuts, address, before=None):
@@ -324,13 +326,13 @@ def _per_category(delta, cat, sample):
     return per_cat
 
 
-def _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, meta):
+def _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, unnamed):
     """{name: bytes} of the allocations live at entry peak_i, largest first (`pre`: those made
-    before the trace, see pre_trace_blocks)."""
+    before the trace, see pre_trace_blocks; unnamed: see _entry_categories)."""
     is_alloc = trace.act[:peak_i + 1] == A["alloc"]
     live = np.flatnonzero(is_alloc & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
-    lines, unnamed = {}, StackNames(trace, meta)
-    freed = np.isin(trace.act[np.maximum(pair, 0)], FREES) & (pair >= 0)
+    freed = dict(zip(live.tolist(), ((pair[live] >= 0) & np.isin(trace.act[np.maximum(pair[live], 0)], FREES)).tolist()))
+    lines = {}
     for i in live.tolist():
         key = event_name.get(i) or ("workspace/cublas" if cat[i] == _CODE["workspace"] else
                                     unnamed(i, bool(freed[i])) or CATEGORIES[cat[i]])
@@ -371,7 +373,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     # block sizes as memory_allocated() counts them (CPU: no caching allocator, exact bytes)
     block, pair = trace.replayed(cpu)
     block = _end_sizes(snap, trace, block, pair, device)
-    cat, event_name, unmatched_free = _entry_categories(trace, meta, cuts, pair)
+    cat, event_name, unmatched_free, unnamed = _entry_categories(trace, meta, cuts, pair)
     pre = pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device)
     delta = block.copy()  # +block at an alloc, -block at a free, 0 elsewhere (in place: 1M entries)
     frees = np.isin(act, FREES)
@@ -420,7 +422,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
             cats[c] = cats.get(c, 0) + v
         point["categories"] = {c: v for c, v in cats.items() if v}
     if peak_i is not None:
-        peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, meta)
+        peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, unnamed)
         peak["action"] = trace.action(peak_i)
         peak["frames"] = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
                           for f in trace.frames(peak_i)[:4]]
