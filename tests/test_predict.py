@@ -151,21 +151,32 @@ def _rows(name):
     return [json.loads(l) for l in open(path)]
 
 
-@pytest.mark.parametrize("name, n, tolerance_pct", [("h100.jsonl", 16, 0.5), ("h100-variants.jsonl", 7, 0.5),
-                                                    ("h100-dropout.jsonl", 5, 0.0)])
-def test_committed_h100_rows_repredicted(name, n, tolerance_pct):
+# README ("What is known"): every H100 peak within 0.10% of max_memory_allocated() and every steady
+# state within 0.17% (the allocator's gaps); activations to the byte. These are the claims, asserted.
+@pytest.mark.parametrize("name, n, peak_pct, steady_pct", [("h100.jsonl", 16, 0.10, 0.17),
+                                                           ("h100-variants.jsonl", 7, 0.10, 0.17),
+                                                           ("h100-dropout.jsonl", 5, 0.0, 0.0)])
+def test_committed_h100_rows_repredicted(name, n, peak_pct, steady_pct):
     """The current predictor against the measurements stored from the H100: activations to the
-    byte, the peak within the stated tolerance (exact for the dropout rows), parameters equal
-    to model.py's closed form. Stored diff fields are not read."""
+    byte, as many activation and steady-state lines as were measured, the peak and the steady
+    state within README's bounds (exact for the dropout rows), parameters equal to model.py's
+    closed form. Stored diff fields are not read."""
     import model
-    from memory_audit.sweep import repredict
+    from memory_audit.sweep import repredict, row_prediction
     rows = _rows(name)
     assert len(rows) == n and all(r["status"] == "ok" for r in rows)
     for r in rows:
         assert r["unattributed_bytes"] == 0  # measured: every byte was named on the GPU
         t = repredict(r)
         assert t["activations"]["predicted"] == r["totals"]["activations"]["actual"], r["config"]
-        assert abs(t["peak"]["predicted"] - r["totals"]["peak"]["actual"]) <= tolerance_pct / 100 * t["peak"]["predicted"]
+        assert abs(t["peak"]["diff"]) <= peak_pct / 100 * t["peak"]["predicted"], (r["config"], t["peak"])
+        assert abs(t["steady_state"]["diff"]) <= steady_pct / 100 * t["steady_state"]["predicted"], \
+            (r["config"], t["steady_state"])
+        # these rows predate measured_lines: their per-line bytes are not stored, their line counts are
+        ledger = row_prediction(r)["ledger"]
+        acts = {l["key"] for l in ledger if "step2_before_backward" in l["phases"] and l["key"].startswith("activations/")}
+        steady = {l["key"] for l in ledger if "step2_start" in l["phases"]}
+        assert (len(acts), len(steady)) == (r["activation_lines"], r["steady_lines"]), r["config"]
         shape = dict(model.PRESETS[r["config"]["preset"]], **{k: v for k, v in r["config"].items()
                                                                if k in ("n_layer", "n_embd", "bias")})
         assert r["params"] == model.num_params(**{**dict(vocab_size=50304, block_size=1024), **shape})
