@@ -53,7 +53,7 @@ def timeline_events(prof, markers, keep=(), info=None):
         mp, tree = None, OpTree(prof.profiler.kineto_results)
     if info is not None:
         info["source"] = "memory_profile" if mp is not None else "raw allocations"
-    stacks, marker_times, ranges, unseen, staged = {}, {}, [], [], {}
+    stacks, marker_times, ranges, unseen, staged, rebuilt = {}, {}, [], [], {}, {}
     reads, outputs = {}, set()  # address -> [(start, end, collective) of ops reading it]; functional outputs
     for event in tree.sorted_nodes:
         if event.tag == _EventType.TorchOp:
@@ -74,6 +74,8 @@ def timeline_events(prof, markers, keep=(), info=None):
             kind, end = _collective(event) if grow else (None, None)
             if kind == "staging":
                 staged[(event.extra_fields.ptr, event.start_time_ns)] = end
+            elif kind == "rebuild":
+                rebuilt[(event.extra_fields.ptr, event.start_time_ns)] = end
             elif kind == "functional":
                 outputs.add((event.extra_fields.ptr, event.start_time_ns))
 
@@ -105,6 +107,7 @@ def timeline_events(prof, markers, keep=(), info=None):
     order = lambda e: (e[0], 0 if e[1] == "free" else 1)  # noqa: E731
     events = sorted(events + _unseen_events(unseen, ranges), key=order)
     staged.update(_last_reads(events, reads, outputs))
+    staged.update(_rebuild_broadcasts(events, rebuilt, reads))
     events = sorted(_free_staged(events, staged), key=order) if staged else events
     return events, marker_times
 
@@ -128,18 +131,25 @@ _COLLECTIVES = re.compile(r"<built-in method (_broadcast_coalesced|_verify_param
 
 
 _FUNCTIONAL = re.compile(r"^_c10d_functional\w*::(?!wait_tensor|_wrap)")
+# DDP's Reducer rebuilding its buckets on the first step: it makes the new buckets (kept) and
+# the small int32 tensors it broadcasts the bucket layout in (the bucket count, 4 B, and the
+# indices), which gloo may let go on its own thread once the broadcast is done
+_REBUILD = re.compile(r"<built-in method _rebuild_buckets\b")
 
 
 def _collective(event):
     """What collective an allocation was made in, from its parents: ("staging", the call's end
     time) inside a synchronous c10d call (its staging buffer may be let go on gloo's thread,
-    whose frees the profiler does not record); ("functional", None) for a functional
-    collective's output (tensor parallelism: gloo's work holds it too); else (None, None)."""
+    whose frees the profiler does not record); ("rebuild", the call's end time) inside DDP's
+    bucket rebuild; ("functional", None) for a functional collective's output (tensor
+    parallelism: gloo's work holds it too); else (None, None)."""
     from torch._C._profiler import _EventType
     parent = event.parent
     while parent:
         if parent.tag == _EventType.PyCCall and _COLLECTIVES.match(_name(parent)):
             return "staging", parent.end_time_ns
+        if parent.tag == _EventType.PyCCall and _REBUILD.match(_name(parent)):
+            return "rebuild", parent.end_time_ns
         if parent.tag == _EventType.TorchOp and _FUNCTIONAL.match(_name(parent)):
             return "functional", None
         parent = parent.parent
@@ -190,6 +200,22 @@ def _last_reads(events, reads, outputs):
                 continue
             if last is not None and (last[2] or (addr, t) in outputs or t_next != float("inf") or (addr, t) in passing):
                 out[(addr, t)] = last[1]
+    return out
+
+
+def _rebuild_broadcasts(events, rebuilt, reads):
+    """{(address, alloc time): the rebuild's end} for what DDP's bucket rebuild made and nothing
+    read after it returned (until the address was allocated again): the layout tensors it
+    broadcast, not the buckets (the all-reduces of every later backward read those)."""
+    allocs, addrs = {}, {addr for addr, _ in rebuilt}
+    for t, action, addr, *_ in events:
+        if action == "alloc" and addr in addrs:
+            allocs.setdefault(addr, []).append(t)
+    out = {}
+    for (addr, t), end in rebuilt.items():
+        t_next = min((u for u in allocs.get(addr, ()) if u > t), default=float("inf"))
+        if not any(end < start < t_next for start, *_ in reads.get(addr, ())):
+            out[(addr, t)] = end
     return out
 
 

@@ -202,6 +202,7 @@ def row_for(cfg, status, run_dir, log, wall, plain):
     row["activation_lines_mismatched"] = sorted(r["key"] for r in mismatched(acts))[:20]
     row["steady_lines"] = len(steady)
     row["steady_lines_mismatched"] = sorted(r["key"] for r in mismatched(steady))[:20]
+    row["measured_lines"] = measured_lines(rec)
     row["dump_bytes"] = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir)
                             if f.endswith(".pickle"))
     s2, s3 = row["step_ms"]["audited_step2"], row["step_ms"]["after_recording_step3"]
@@ -307,6 +308,30 @@ def repredict(row):
         out[key] = {"predicted": t[pkey], "actual": actual, "diff": diff,
                     "diff_pct": None if diff is None else round(100.0 * diff / t[pkey], 4)}
     return out
+
+
+MEASURED_PHASES = ("step2_start", "step2_before_backward", "step2_end")
+
+
+def measured_lines(rec):
+    """{phase: {ledger key: measured bytes}}: every measured line of a report but the gaps, so a
+    committed row can be re-predicted line by line, not only on its totals."""
+    out = {p: {} for p in MEASURED_PHASES if p in rec["phases"]}
+    for r in rec["rows"]:
+        if r["phase"] in out and r["key"] != "gaps" and r["actual"] is not None:
+            out[r["phase"]][r["key"]] = r["actual"]
+    return out
+
+
+def repredict_lines(row):
+    """The lines where the current predictor and a row's stored measurement differ (reconcile's
+    rows, gaps left out): [] when every line of every measured phase is exact."""
+    from .reconcile import join, mismatched
+    pred = row_prediction(row)
+    bad = []
+    for phase, lines in row["measured_lines"].items():
+        bad += mismatched(join(pred, phase, lines, {})[0])
+    return bad
 
 
 def _pair(predicted, actual):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,29 @@ sys.path.insert(0, ROOT)
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 FOREIGN = os.path.join(SHARED, "fixtures", "foreign_snapshots")
 EXAMPLES = os.path.join(ROOT, "snapshots", "examples")
+# Under CI=true what a test would otherwise skip for (the shared fixtures, the real viewer and
+# what serves it) must be there: a skip there would hide a check that never ran.
+STRICT = os.environ.get("CI", "").lower() in ("true", "1")
+REQUIRED_UNDER_CI = {
+    "../shared/fixtures/foreign_snapshots": lambda: os.path.isdir(FOREIGN) and bool(os.listdir(FOREIGN)),
+    "../shared/fixtures/pt_snap_cli": lambda: os.path.isdir(os.path.join(SHARED, "fixtures", "pt_snap_cli")),
+    "../shared/vendor/pytorch_memory_viz/MemoryViz.js":
+        lambda: os.path.isfile(os.path.join(SHARED, "vendor", "pytorch_memory_viz", "MemoryViz.js")),
+    "npm": lambda: shutil.which("npm") is not None,
+    "chromium (.ci/run installs Debian's)": lambda: shutil.which("chromium") or shutil.which("chromium-browser"),
+}
+
+
+def pytest_sessionstart(session):
+    if STRICT:
+        missing = [name for name, present in REQUIRED_UNDER_CI.items() if not present()]
+        if missing:
+            raise pytest.UsageError(f"CI=true and missing: {', '.join(missing)} (tests would skip without them)")
+
+
+def skip_or_fail(reason):
+    """Skip off CI; under CI=true a check that cannot run fails instead."""
+    (pytest.fail if STRICT else pytest.skip)(reason)
 
 
 def run_train(*args, cwd=ROOT, timeout=300):
@@ -96,3 +120,21 @@ def assert_repredicted_exactly(rows):
         assert r["status"] == "ok" and r["unattributed_bytes"] == 0, r["config"]
         t = repredict(r)
         assert [t[k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0], (r["config"], t)
+
+
+def assert_books_match_the_pickle(run_dir, phases):
+    """Each phase's attribution against its snapshot read independently (plain pickle, our own
+    files): the categories sum to the segments' bytes, the named lines to the active blocks'
+    bytes but the gaps, cached_free and baseline memory (what `balanced` alone cannot show,
+    since attribute() forces it)."""
+    import pickle
+    for phase, info in phases.items():
+        with open(os.path.join(run_dir, f"{phase}.pickle"), "rb") as f:
+            snap = pickle.load(f)
+        segments = sum(s["total_size"] for s in snap["segments"])
+        active = sum(b["size"] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
+        attr = info["attribution"]
+        assert attr["reserved_bytes"] == segments and attr["allocated_bytes"] == active, phase
+        assert sum(attr["categories"].values()) == segments, (phase, attr["categories"], segments)
+        named = sum(v for k, v in attr["lines"].items() if k.split("/", 1)[0] not in ("gaps", "cached_free", "pending_free"))
+        assert named == active - attr["categories"].get("gaps", 0), (phase, named, active)

@@ -2,6 +2,7 @@
 chooses blocks and segments itself; where it makes the very segments the real allocator made,
 reserved-memory misses lie in the predicted history, not in the rules."""
 
+import json
 import os
 
 import pytest
@@ -109,11 +110,37 @@ def test_reserved_phases_script_agrees_with_the_accuracy_rows():
     rows = [r for f in ("h100.jsonl", "h100-variants.jsonl")
             for r in accuracy_rows(os.path.join(ROOT, "snapshots", "results", f))]
     assert len(printed) == len(rows) == 23
-    for cells, row in zip(printed, rows):
+    for cells, row in zip(printed, rows, strict=True):
         model, measured = (float(x) for x in cells[3].split(" / "))
         assert cells[0] == row["run"].replace("sweep-preset", "")
         assert abs(model * 2**30 - row["reserved_predicted"]) < 0.0005 * 2**30
         assert abs(measured * 2**30 - row["reserved_actual"]) < 0.005 * 2**30
+
+
+def test_reserved_read_from_a_report_is_what_the_allocator_said():
+    """The measured side of the reserved checks above comes from report.md files (the H100 rows
+    carry no meta.json); both readings of a report are checked here against an independent
+    source, the memory_reserved() that the one committed H100 meta.json recorded live:
+    backfill_reserved's end-of-step bytes exactly, reserved_phases' per-phase sums within what
+    the printed digits can lose (half a unit of the last digit per category row)."""
+    import re
+    import sys
+
+    from conftest import EXAMPLES, ROOT
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from backfill_reserved import measured_reserved, report_table
+    from reserved_phases import UNIT, measured
+
+    run = os.path.join(EXAMPLES, "h100-gpt2-reference")
+    live = {k: v["memory_reserved"] for k, v in json.load(open(os.path.join(run, "meta.json")))["phases"].items()}
+    report = os.path.join(run, "report.md")
+    assert measured_reserved(report) == max(live.values()) == 25_904_021_504
+    read = measured(report)
+    text = open(report).read()
+    for phase, value in read.items():
+        cells = [r[2].split() for r in report_table(text, phase) if not r[0].startswith("---")]
+        slack = sum(0.5 * 10 ** -len((re.search(r"\.(\d+)", n) or [0, ""])[1]) * UNIT[u] for n, u in cells)
+        assert abs(value - live[phase]) <= slack, (phase, value, live[phase], slack)
 
 
 @pytest.mark.parametrize("attention, dtype", [("manual", "float16"), ("sdpa", "bfloat16"), ("manual", "float32")])

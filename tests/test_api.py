@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import gpt_steps
+from conftest import assert_books_match_the_pickle, gpt_steps
 from memory_audit import Audit, AuditError
 from memory_audit.reconcile import measure
 
@@ -69,7 +69,7 @@ def test_any_loop_every_byte_named(make, tmp_path):
     for phase, info in m["phases"].items():
         attr = info["attribution"]
         assert attr["unattributed_bytes"] == 0, (phase, attr["unattributed"])
-        assert attr["balanced"]
+    assert_books_match_the_pickle(str(tmp_path / "run"), m["phases"])
     names = [n for n, _ in model.named_parameters()]
     start = m["phases"]["step2_start"]["attribution"]["lines"]
     for n, p in model.named_parameters():  # weights and the optimizer's state, by parameter name
@@ -85,9 +85,11 @@ def test_any_loop_every_byte_named(make, tmp_path):
     peak = m["phases"]["step2_end"]["replay"]["peak"]
     assert not [k for k in peak["lines"] if k.startswith("unattributed")], peak["lines"]
     assert peak["categories"].get("unattributed", 0) == 0
-    grads = [k for k in peak["lines"] if k.startswith("grads/")] + [
-        k for k in m["phases"]["step2_before_backward"]["attribution"]["lines"] if k.startswith("grads/")]
-    assert grads or make is conv_loop  # grads exist at the peak or before backward
+    # every parameter's gradient named as one, all of them at once before the optimizer step,
+    # and nothing else counted as a gradient (both loops: set_to_none, so none at the phases)
+    replayed = m["phases"]["step2_end"]["replay"]
+    assert len(replayed["series"]) == replayed["entries"] - replayed["start_index"] + 1  # every entry of step 2
+    assert max(p["categories"].get("grads", 0) for p in replayed["series"]) == 4 * sum(p.numel() for p in model.parameters())
 
 
 def test_without_the_loss_the_graph_is_found_from_what_was_saved(tmp_path):

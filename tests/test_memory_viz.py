@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, skip_or_fail
 from memory_audit import viz
 
 VENDOR = os.path.join(ROOT, "..", "shared", "vendor", "pytorch_memory_viz")
@@ -61,7 +61,7 @@ def viewer(tmp_path_factory):
     p = subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", "d3@5", "esbuild@0.24"],
                        cwd=build, capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
-        pytest.skip(f"npm could not install d3@5 and esbuild: {p.stderr.strip()[-300:]}")
+        skip_or_fail(f"npm could not install d3@5 and esbuild: {p.stderr.strip()[-300:]}")
     subprocess.run([str(build / "node_modules" / ".bin" / "esbuild"), "entry.js", "--bundle", "--format=esm",
                     f"--outfile={root / 'd3.bundle.js'}"], cwd=build, check=True, capture_output=True, timeout=120)
     shutil.copy(os.path.join(VENDOR, "MemoryViz.js"), root / "MemoryViz.js")
@@ -103,9 +103,8 @@ def open_in_viewer(viewer, page_html, name, shot=False):
 def _check(probe, categories):
     assert probe["errors"] == [], probe["errors"]
     assert probe["drawn"] > 50  # the plot, its axes and legend were drawn
-    legend = set(probe["texts"])
-    missing = [c for c in categories if c not in legend]
-    assert not missing, (missing, sorted(legend)[:40])
+    counts = {c: probe["texts"].count(c) for c in categories}
+    assert all(n == 1 for n in counts.values()), (counts, sorted(set(probe["texts"]))[:40])  # one legend entry each
 
 
 def test_fresh_cpu_audit_in_the_real_viewer(viewer, cpu_run):
@@ -113,8 +112,6 @@ def test_fresh_cpu_audit_in_the_real_viewer(viewer, cpu_run):
                                     json.load(open(os.path.join(cpu_run, "meta.json")))))
     probe = open_in_viewer(viewer, page, "cpu", shot=True)
     _check(probe, ["weights", "optimizer", "activations", "inputs", "temporary", "grads"])
-    assert len(set(probe["texts"]) & {"weights", "buffers", "grads", "optimizer", "inputs", "activations",
-                                      "recomputed", "workspace", "temporary", "unknown"}) <= 10  # one colour each
     assert os.path.getsize(probe["screenshot"]) > 20000
     shutil.copy(probe["screenshot"], os.path.join(cpu_run, "memory_viz.png"))  # to look at
 

@@ -229,7 +229,7 @@ def test_attention_moments_of_the_end_blocks_are_those_of_every_block(monkeypatc
     monkeypatch.setattr(backward, "attention_blocks", lambda L, every: list(range(L - 1, -1, -1)))
     every = [predict(c, dev) for dev in (device_facts("cpu"), device_facts(gpu="H100")) for c in configs]
     at = set()
-    for e, a in zip(ends, every):
+    for e, a in zip(ends, every, strict=True):
         assert e["backward"]["peak_at"] == a["backward"]["peak_at"]
         assert e["totals"]["peak_allocated_bytes"] == a["totals"]["peak_allocated_bytes"]
         assert [l for l in e["ledger"] if "peak" in l["phases"]] == [l for l in a["ledger"] if "peak" in l["phases"]]
