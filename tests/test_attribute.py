@@ -131,3 +131,5 @@ def test_stored_report_refreshes_to_the_same_reconciliation(run_dir):
     # and against the measurement, which the refresh keeps: every line exact
     from memory_audit.reconcile import mismatched
     assert mismatched(refreshed["rows"]) == []
+    totals = {k: refreshed["totals"][k]["diff"] for k in ("steady_state", "activations", "peak", "reserved")}
+    assert totals == dict.fromkeys(totals, 0), totals  # the peak and reserved too, as README says
