@@ -164,13 +164,15 @@ def _tied_bytes(params):
     return sum(4 * _numel(sh) for n, sh in params if n == "transformer.wte.weight")
 
 
-def backward_end(s, cfg, params, acts):
+def backward_end(s, cfg, params, acts, grads=None):
     """Changes from the before-backward ledger at the last node of backward, the token
     embedding's: its weight gradient (4*V*d) has just been made while the tied lm_head's, which
     arrived first, waits in the engine's input buffer; every other gradient exists, and every
     saved tensor is gone but the logits the loop holds. With checkpointing at small batches
-    this beats the start of backward (the gradients outweigh what is saved)."""
-    fresh = "step2_before_backward" not in grad_phases(cfg)
+    this beats the start of backward (the gradients outweigh what is saved). grads: what a
+    strategy has made of the other gradients by then, instead of every one of them whole
+    (FSDP2: fsdp.during("wte"))."""
+    fresh = "step2_before_backward" not in grad_phases(cfg) and grads is None
     tied = _tied_bytes(params)
     out = [_released(s, l)
            for l in acts if l["key"] != "activations/lm_head/output"]
@@ -179,6 +181,7 @@ def backward_end(s, cfg, params, acts):
     if fresh:
         out.append(_delta(s, "grads/all_but_wte", sum(4 * _numel(sh) for n, sh in params) - tied, "4*numel",
                           "every gradient but the tied weight's"))
+    out += grads or []
     out.append(_delta(s, "temporary/lm_head_grad", tied, "4*V*d", "tied wte/lm_head gradient, waiting for wte's"))
     out.append(_delta(s, "temporary/wte/grad_weight", tied, "4*V*d", "embedding backward's weight gradient"))
     return out + [_delta(s, "temporary/wte/grad_output", 4 * s["Ne"], "4*B*T*d", "gradient into the embedding (fp32)")]
@@ -361,11 +364,13 @@ def peak_lines(s, cfg, params, acts, recomputed, start, during=lambda moment: []
         extra = during(("entry", b))
         if extra:
             candidates.append((f"backward of h.{b} begins", block_entry(s, cfg, params, acts, b) + extra))
-    if cfg["parallel"] in ("none", "ddp", "tp", "tp-sp"):  # FSDP2 reduce-scatters as it goes
-        end = backward_end(s, cfg, params, acts)
+    if cfg["parallel"] in ("none", "ddp", "tp", "tp-sp", "fsdp"):
+        # FSDP2: the blocks reduce-scattered as they went; the root's gradients are whole
+        root = (unsharded, during("wte")) if cfg["parallel"] == "fsdp" else (params, None)
+        end = backward_end(s, cfg, root[0], acts, root[1])
         candidates.append(("backward of wte", end))
         if not s["autocast"] or s["tp"] > 1:
-            candidates.append(("tied gradients summed", end + tied_sum(s, params)))
+            candidates.append(("tied gradients summed", end + tied_sum(s, root[0])))
     for b in sorted(recomputed, reverse=True):
         # selective: the MLP's c_proj backward runs before the attention core is recomputed
         redo = {"new": [], "freed": []} if block_mode(cfg, b) == "selective" else recomputed[b]

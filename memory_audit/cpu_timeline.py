@@ -29,7 +29,7 @@ def _name(event):
         return "<undecodable>"
 
 
-def timeline_events(prof, markers, keep=(), info=None):
+def timeline_events(prof, markers, keep=(), info=None, alive=()):
     """Allocation events of a finished profile and the times of the named markers.
 
     Returns (events, marker_times): events is a time-ordered list of
@@ -38,7 +38,10 @@ def timeline_events(prof, markers, keep=(), info=None):
     addresses: weights made before an Audit was); marker_times maps
     marker -> t_ns. user_metadata is "recompute:<module>" for an allocation made inside a
     labelled recomputation (as CUDA's allocator records it), else "". info: a dict that gets
-    "source": "memory_profile" or "raw allocations" (the road taken, below).
+    "source": "memory_profile" or "raw allocations" (the road taken, below). alive: addresses the
+    recorder named at the last phase (a tensor there was alive then): no free is inferred for
+    the last allocation at one of them (FSDP2's gradient shards kept with set_to_none=False live
+    in their unit's reduce-scatter output, which the rules below would otherwise let go).
     """
     from torch._C._profiler import _EventType
     from torch.profiler._memory_profiler import Action, OpTree, TensorKey
@@ -108,6 +111,7 @@ def timeline_events(prof, markers, keep=(), info=None):
     events = sorted(events + _unseen_events(unseen, ranges), key=order)
     staged.update(_last_reads(events, reads, outputs))
     staged.update(_rebuild_broadcasts(events, rebuilt, reads))
+    staged = {k: v for k, v in staged.items() if k[0] not in alive or _allocated_again(events, *k)}
     events = sorted(_free_staged(events, staged), key=order) if staged else events
     return events, marker_times
 
@@ -232,6 +236,10 @@ def _unseen_events(unseen, ranges):
         elif ptr in live:
             out.append((t, "free", ptr, live.pop(ptr), frames, None, ""))
     return out
+
+
+def _allocated_again(events, addr, t):
+    return any(e[1] == "alloc" and e[2] == addr and e[0] > t for e in events)
 
 
 def _free_staged(events, staged):

@@ -35,6 +35,34 @@ def local_shape(shape, t):
     return shape if t <= 1 else [-(-shape[0] // t)] + list(shape[1:])
 
 
+def own_shape(shape, cfg):
+    """The rows of a parameter this rank owns, unpadded: FSDP2's local tensor (a narrow of the
+    padded shard), which the optimizer's state follows (zeros_like). The last ranks may own
+    fewer rows than the padded ceil(dim0 / t), or none."""
+    t = shards(cfg)
+    if t <= 1:
+        return shape
+    rows = -(-shape[0] // t)
+    i = cfg.get("rank", 0) // tp_size(cfg)  # this rank's place along the mesh's dp dimension
+    return [max(0, min(rows, shape[0] - i * rows))] + list(shape[1:])
+
+
+def unit(name):
+    """The fully_shard unit a parameter belongs to: its block, or the root."""
+    return ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else "root"
+
+
+def kept_grad_lines(s, cfg, params, phases):
+    """Gradient shards kept across steps (set_to_none=False): FSDP2 made each as a view into its
+    unit's reduce-scatter output the first time and accumulates into it since, so one buffer per
+    unit holds them, padded: grads/<unit>/shards. params: (name, padded local shape)."""
+    units = {}
+    for name, sh in params:
+        units[unit(name)] = units.get(unit(name), 0) + numel(sh)
+    return [line(s, f"grads/{u}/shards", 4 * n, "float32", [n], "4*(padded shards of the unit)", phases,
+                 "the unit's first reduce-scatter output; the shards are views into it") for u, n in units.items()]
+
+
 def sharded_grad_phases(cfg, phases):
     """The phases a rank's gradient shards (p.grad) are allocated in: before the last micro-step's
     backward, FSDP2 has reduce-scattered nothing yet, so with set_to_none they do not exist."""
@@ -49,9 +77,10 @@ def unsharded(s, cfg, params):
     last one's backward). params: (name, shape) as FSDP2 shards them (tensor-parallel local)."""
     if not shards(cfg):
         return []
-    bb = ("step2_before_backward",)
-    out = [line(s, f"weights/{n}/unsharded", 4 * numel(sh), "float32", sh, "4*numel (unsharded)",
-                bb, "the root keeps its parameters unsharded after the forward")
+    bb, t = ("step2_before_backward",), shards(cfg)
+    out = [line(s, f"weights/{n}/unsharded", 4 * t * numel(local_shape(sh, t)), "float32", sh,
+                "4*t*(padded shard)", bb, "the root keeps its parameters unsharded after the forward, "
+                "views into its all-gather output (t padded shards)")
            for n, sh in params if not n.startswith("transformer.h.")]
     if cfg["gradient_accumulation_steps"] > 1:
         out += [line(s, f"grads/{n}/unsharded", 4 * numel(sh), "float32", sh, "4*numel (unsharded)", bb,
@@ -114,6 +143,8 @@ def during(s, cfg, params, moment):
         return []
     if moment == "forward end":
         return [_gathered(s, params, cfg["n_layer"] - 1, t, "kept by FSDP2's all-gather state")]
+    if moment == "wte":
+        return _at_backward_end(s, cfg, params, t)
     b = moment[1] if isinstance(moment, tuple) else moment
     out = [_gathered(s, params, b, t, "this block's parameters, unsharded")]
     if b > 0:
@@ -122,6 +153,28 @@ def during(s, cfg, params, moment):
         out.append(line(s, f"temporary/gloo_all_gather/h.{b - 1}", 4 * _block_numel(params, b - 1, t), "float32", [],
                         "4*t*(padded shards of the block)", PEAK, "gloo's staging copy, while the prefetch runs"))
     return out + _reduced(s, cfg, params, b, t) + _root_grads(s, cfg, params, t)
+
+
+def _at_backward_end(s, cfg, params, t):
+    """The gradients as the token embedding's backward runs (the root's last node): every block
+    reduce-scattered (with set_to_none its shards new, one buffer a unit; accumulated whole ones
+    freed), block 0's reduce-scatter input kept until the next one (the root's, after this), the
+    root's other gradients whole (new, unless accumulated whole already). params: (name, shape)
+    as FSDP2 shards them."""
+    acc, fresh, out = cfg["gradient_accumulation_steps"] > 1, cfg.get("set_to_none", True), []
+    for j in range(cfg["n_layer"]):
+        mine = [(numel(sh), numel(local_shape(sh, t))) for n, sh in params if n.startswith(f"transformer.h.{j}.")]
+        change = 4 * (fresh * sum(p for _, p in mine) - acc * sum(w for w, _ in mine))
+        out.append(line(s, f"grads/h.{j}/reduce_scattered", change, "float32", [], "4*(shards*set_to_none - whole*accumulated)",
+                        PEAK, "its shards made, its whole gradients (accumulated) freed"))
+    n0 = _block_numel(params, 0, t)
+    out.append(line(s, "temporary/fsdp_reduce_scatter/h.0", 4 * n0, "float32", [n0], "4*t*(padded shards of the block)",
+                    PEAK, "block 0's reduce-scatter input, kept until the root's"))
+    if not acc:
+        root = [(n, sh) for n, sh in params if not n.startswith("transformer.h.") and n != "transformer.wte.weight"]
+        out += [line(s, f"grads/{n}/whole", 4 * numel(sh), "float32", sh, "4*numel", PEAK,
+                     "the root's gradients stay whole until its reduce-scatter") for n, sh in root]
+    return out
 
 
 def backward_all_gather(s, cfg, params):

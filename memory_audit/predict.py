@@ -45,7 +45,7 @@ DEFAULTS = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=5
                 dropout=0.0, batch_size=12, gradient_accumulation_steps=1, dtype="float16",
                 attention="manual", activation="gelu", optimizer_impl="fused", set_to_none=True,
                 keep_logits=True, grad_clip=1.0, activation_checkpointing="none", ac_every=1,
-                sac_save_ops="", parallel="none", world_size=1, tp_size=0, ddp_bucket_view=False)
+                sac_save_ops="", parallel="none", world_size=1, tp_size=0, ddp_bucket_view=False, rank=0)
 
 
 def gpu_name(name):
@@ -145,11 +145,15 @@ def _validate(cfg):
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {cfg['parallel']!r}")
     if not isinstance(cfg["world_size"], int) or isinstance(cfg["world_size"], bool) or cfg["world_size"] < 1:
         raise ValueError(f"world_size must be a positive integer, got {cfg['world_size']!r}")
+    if not isinstance(cfg["rank"], int) or isinstance(cfg["rank"], bool) or not 0 <= cfg["rank"] < cfg["world_size"]:
+        raise ValueError(f"rank must be an integer from 0 to world_size - 1 = {cfg['world_size'] - 1}, got {cfg['rank']!r}")
     tp.check(cfg)
 
 
-def steady_lines(s, cfg, dev, params):
-    """Weights, buffers, grads, optimizer state, the batch, the loss and the cuBLAS workspaces."""
+def steady_lines(s, cfg, dev, params, owned=None):
+    """Weights, buffers, grads, optimizer state, the batch, the loss and the cuBLAS workspaces.
+    params: (name, shape) as this rank holds them (FSDP2: padded shards); owned: the rows it
+    owns (FSDP2: unpadded, which the optimizer's state follows), else params."""
     dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
     out = [line(s, f"weights/{n}", 4 * _numel(sh), "float32", sh, "4*" + "*".join(map(str, sh)), PHASES)
            for n, sh in params]
@@ -161,14 +165,17 @@ def steady_lines(s, cfg, dev, params):
         out += [line(s, f"buffers/transformer.h.{i}.attn.bias", 4 * T * T, "float32", [1, 1, T, T],
                      "4*T^2 (causal mask)", PHASES) for i in range(L)]
     grads_at = fsdp.sharded_grad_phases(cfg, grad_phases(cfg))
-    if grads_at and not (cfg["parallel"] == "ddp" and cfg["ddp_bucket_view"]):  # else views into the buckets
+    if grads_at and fsdp.shards(cfg) and cfg.get("set_to_none", True) is False:  # views into reduce-scatter outputs
+        out += fsdp.kept_grad_lines(s, cfg, params, grads_at)
+    elif grads_at and not (cfg["parallel"] == "ddp" and cfg["ddp_bucket_view"]):  # else views into the buckets
         out += [line(s, f"grads/{n}", 4 * _numel(sh), "float32", sh, "4*numel", grads_at) for n, sh in params]
     if cfg["parallel"] == "ddp":  # the Reducer's flat fp32 buckets: a copy of every gradient
         out += [line(s, "grads/ddp_buckets", 4 * n, "float32", [n], f"4*{n} (DDP gradient bucket {i})", PHASES,
                      "DDP averages the gradients in these; they live as long as the DDP module")
                 for i, n in enumerate(ddp_bucket_numels(params))]
     for state in ("exp_avg", "exp_avg_sq"):
-        out += [line(s, f"optimizer/{state}/{n}", 4 * _numel(sh), "float32", sh, "4*numel", PHASES) for n, sh in params]
+        out += [line(s, f"optimizer/{state}/{n}", 4 * _numel(sh), "float32", sh, "4*numel", PHASES)
+                for n, sh in (owned or params) if _numel(sh)]
     if dt == "cpu" or cfg["optimizer_impl"] == "fused":  # where AdamW keeps its `step` tensors
         out += [line(s, f"optimizer/step/{n}", 4, "float32", [], "4 (0-dim step count)", PHASES,
                      "fused AdamW keeps `step` on the device" if dt == "cuda" else "") for n, _ in params]
@@ -229,7 +236,8 @@ def predict(config=None, device=None, gaps_bytes=None):
     start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, tp_local)
     peak, backward = peak_lines(s, cfg, params, acts, recomputed, start, lambda m: fsdp.during(s, cfg, tp_local, m),
                                 tp_local)
-    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
+    owned = [(n, fsdp.own_shape(sh, cfg)) for n, sh in tp_local]  # FSDP2: the unpadded rows this rank owns
+    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params, owned) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
     totals = _totals(ledger, params, dev, gaps_bytes, cfg)
     totals["recompute_flops"] = recompute_flops(s, cfg)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]

@@ -27,7 +27,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .schema import MARKER_PREFIX, META_SCHEMA_VERSION, RECOMPUTE_LABEL
+from .schema import MARKER_PREFIX, META_SCHEMA_VERSION, PHASES, RECOMPUTE_LABEL
 
 MEMORY_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
                    "CUBLASLT_WORKSPACE_SIZE", "PYTORCH_NO_CUDA_MEMORY_CACHING")
@@ -58,14 +58,21 @@ def _tensor_entry(name, t):
             "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
 
 
-def _fsdp_params(model):
-    """FSDP2's (fully_shard) per-parameter records of this model, [] without FSDP2."""
+def _fsdp_units(model):
+    """FSDP2's (fully_shard) units of this model: [(unit name, its per-parameter records)], the
+    root unit named "root"; [] without FSDP2."""
     out = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
         group = getattr(state, "_fsdp_param_group", None)
-        out += list(getattr(group, "fsdp_params", ()) or ())
+        if group is not None:
+            out.append((name or "root", list(getattr(group, "fsdp_params", ()) or ())))
     return out
+
+
+def _fsdp_params(model):
+    """FSDP2's per-parameter records of this model, [] without FSDP2."""
+    return [fp for _, fps in _fsdp_units(model) for fp in fps]
 
 
 def named_tensors(model, optimizer=None, scaler=None, tensors=None):
@@ -96,11 +103,18 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
         for held in (g, getattr(fp, "unsharded_accumulated_grad", None)):
             if held is not None and fp.sharded_param in names:
                 yield f"grads/{names[fp.sharded_param]}/unsharded", held
+    shared = set()
+    for unit, fps in _fsdp_units(model):  # gradient shards kept across steps (set_to_none=False)
+        for fp in fps:  # are views into their unit's first reduce-scatter output: one buffer a unit
+            g = fp.sharded_param.grad
+            if g is not None and _is_view_into_more(g) and _local(g).untyped_storage().data_ptr() not in shared:
+                shared.add(_local(g).untyped_storage().data_ptr())
+                yield f"grads/{unit}/shards", g
     for p, name in names.items():
         g = p.grad
-        # a gradient that is a view into a larger buffer (DDP's gradient_as_bucket_view) is not an
-        # allocation of its own: the buffer is named by its maker (grads/ddp_buckets)
-        if g is not None and _local(g).untyped_storage().nbytes() <= _local(g).numel() * g.element_size():
+        # a gradient that is a view into a larger buffer (DDP's gradient_as_bucket_view, FSDP2's
+        # kept shards above) is not an allocation of its own
+        if g is not None and not _is_view_into_more(g):
             yield f"grads/{name}", g
     if optimizer is not None:
         for p, state in optimizer.state.items():
@@ -113,6 +127,10 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
     for name, t in (tensors or {}).items():
         if torch.is_tensor(t):
             yield name, t
+
+
+def _is_view_into_more(t):
+    return _local(t).untyped_storage().nbytes() > _local(t).numel() * t.element_size()
 
 
 def distributed_info(model):
@@ -330,7 +348,7 @@ def saved_tensor_ledger(model, out, device):
         roots = [loss.grad_fn] if loss is not None else []
         roots += [r().grad_fn for r in weak if r() is not None]
         savers, tensor_info = _graph_savers(roots, windows)
-        _name_unpacked(first_seen, savers, tensor_info, seq_log)
+        _name_unpacked(first_seen, savers, tensor_info, seq_log, impls)
         out.extend(_saved_records(first_seen, savers, device, checkpointed=bool(windows), short=short))
 
     try:
@@ -352,17 +370,19 @@ def _tensors_in(output):
     return [t for t in output if torch.is_tensor(t)] if isinstance(output, (list, tuple)) else []
 
 
-def _name_unpacked(first_seen, savers, tensor_info, seq_log):
+def _name_unpacked(first_seen, savers, tensor_info, seq_log, impls=None):
     """Wrapped Python scalars (x * 0.125) are saved without calling pack hooks: give each the
     module that was running when its node was made (nodes are numbered in forward order, and the
-    module hooks logged the sequence number where each module began and ended)."""
+    module hooks logged the sequence number where each module began and ended). A record the
+    pack hook made at the same address for another storage (freed since, the scalar made there
+    after) is stale: the scalar replaces it."""
     starts = [seq for seq, _ in seq_log]
     for ptr, found in savers.items():
-        if ptr in first_seen:
+        if ptr in first_seen and (impls is None or impls.get(ptr) == tensor_info[ptr]["impl"]):
             continue
         at = bisect.bisect_right(starts, min(found)[0]) - 1
         first_seen[ptr] = {"module": seq_log[at][1] if at >= 0 else None, "inferred_module": True,
-                           **tensor_info[ptr]}
+                           **{k: v for k, v in tensor_info[ptr].items() if k != "impl"}}
 
 
 def _saved_records(first_seen, savers, device, checkpointed, short=_short_module):
@@ -424,7 +444,8 @@ def _graph_savers(roots, skip=()):
                     ptr = st.data_ptr()
                     savers.setdefault(ptr, []).append((node._sequence_nr(), node.name(), attr))
                     info.setdefault(ptr, {"data_ptr": ptr, "nbytes": st.nbytes(), "device": str(t.device),
-                                          "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)})
+                                          "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+                                          "impl": st._cdata})
         todo.extend(fn for fn, _ in node.next_functions)
     return savers, info
 
@@ -605,7 +626,10 @@ class AuditRecording:
     def _write_cpu_snapshots(self):
         from .cpu_timeline import timeline_events, snapshot_at
         road = {}
-        events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses(), road)
+        end = self.phases.get(PHASES[-1], {})
+        alive = {r["data_ptr"] for r in end.get("registry", []) + end.get("held", [])}
+        events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses(), road,
+                                               alive)
         self.cpu_timeline = road.get("source")
         if self.compiled_wrappers:
             from .cpu_timeline import name_compiled

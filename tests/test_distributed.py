@@ -205,6 +205,40 @@ def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
     assert "DeviceMesh: dp 2." in side and "| 1 | dp 1 |" in side
 
 
+FSDP_UNEVEN = {  # issue #27's random configs: dims that do not split over 2 ranks
+    "kept": ["--set_to_none=False", "--n_layer=4", "--n_head=3", "--n_embd=24", "--block_size=16",
+             "--vocab_size=3001", "--batch_size=1", "--attention=manual", "--bias=True", "--optimizer_impl=fused"],
+    "odd": ["--n_layer=3", "--n_head=3", "--n_embd=15", "--block_size=16", "--vocab_size=3001", "--batch_size=1",
+            "--activation_checkpointing=sac", "--ac_every=2"],
+}
+
+
+def test_fsdp2_with_dimensions_that_do_not_split_evenly(tmp_path):
+    """FSDP2 where a vocabulary of 3,001 rows (and, in "odd", every width: n_embd 15) does not
+    split over 2 ranks: each rank's own bytes, every line, 0 unattributed and the peak exact.
+    The root's unsharded weights are views into t padded shards (3,002 rows); the optimizer's
+    state follows the rows a rank owns (1,501 on rank 0, 1,500 on rank 1); gradients kept with
+    set_to_none=False live in their unit's reduce-scatter output (grads/<unit>/shards); the
+    peak is the tied embedding's gradients summed, the root's gradients whole."""
+    runs = {}
+    for name, args in FSDP_UNEVEN.items():
+        p = _torchrun("--parallel=fsdp", *args, "--audit", f"--audit_dir={tmp_path}", f"--run_name={name}",
+                      accumulation=4 if name == "kept" else 2)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        recs = runs[name] = [json.load(open(tmp_path / name / f"rank{r}" / "report.json")) for r in (0, 1)]
+        for rec in recs:
+            off = [(r["phase"], r["key"], r["predicted"], r["actual"]) for r in mismatched(rec["rows"])]
+            assert rec["unattributed_bytes"] == 0 and off == [], (name, rec["config"]["rank"], off[:6])
+            assert {k: rec["totals"][k]["diff"] for k in ("steady_state", "activations", "peak")} == \
+                dict.fromkeys(("steady_state", "activations", "peak"), 0), (name, rec["totals"])
+        d = 24 if name == "kept" else 15
+        assert [_line(r, "optimizer/exp_avg/transformer.wte.weight", "step2_start") for r in recs] == [4 * 1501 * d, 4 * 1500 * d]
+        assert _line(recs[1], "weights/transformer.wte.weight/unsharded") == 4 * 3002 * d
+    units = [r["key"] for r in runs["kept"][0]["rows"] if r["phase"] == "step2_start" and r["key"].endswith("/shards")]
+    assert units == ["grads/root/shards"] + [f"grads/transformer.h.{b}/shards" for b in range(4)], units
+    assert all(r["cost"]["peak_at"] == "tied gradients summed" for r in runs["kept"])
+
+
 def test_fsdp_across_tensor_parallel_groups_on_a_2d_mesh(tmp_path):
     """parallel=fsdp+tp-sp on 4 gloo ranks, a (dp 2, tp 2) DeviceMesh: tensor and sequence
     parallelism within each pair of ranks, FSDP2 across the pairs. The same losses as FSDP2 over

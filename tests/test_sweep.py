@@ -1,8 +1,9 @@
 """The cpu-small grid: every row fully attributed and every activation line predicted exactly."""
 
 import json
+import os
 
-from conftest import assert_repredicted_exactly, committed_rows, run_cli
+from conftest import ROOT, assert_repredicted_exactly, committed_rows, run_cli
 from memory_audit.sweep import accuracy_table, grid
 
 
@@ -60,9 +61,18 @@ def test_cpu_ac_grid(tmp_path):
 
 def test_committed_cpu_ac_rows_are_predicted_to_the_byte():
     """All 20 cpu-ac rows as measured (snapshots/results/cpu-ac.jsonl), re-predicted by the current
-    predictor: steady state, activations and peak to the byte, 0 unattributed."""
+    predictor: every line, steady state, activations and peak to the byte, 0 unattributed."""
     rows = committed_rows("cpu-ac.jsonl")
     assert [r["config"] for r in rows] == grid("cpu-ac")
+    assert_repredicted_exactly(rows)
+
+
+def test_committed_cpu_mini_ac_rows_are_predicted_to_the_byte():
+    """The 16 cpu-mini rows (7.2M parameters, every checkpointing mode; about 11 minutes to
+    measure, so never live here), re-predicted line by line."""
+    import json
+    rows = committed_rows("cpu-mini-ac.jsonl")
+    assert [r["config"] for r in rows] == json.load(open(os.path.join(ROOT, "scripts", "cpu_mini_ac.json")))
     assert_repredicted_exactly(rows)
 
 
