@@ -320,7 +320,10 @@ def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
             for l in acts if _block_of(l["key"]) == b and _spent(l, b, spent, at)]
     out += [_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"])
             for l in redo["new"] if _held(l["key"], b, at)]
-    if "step2_before_backward" not in grad_phases(cfg):
+    # fresh gradients; FSDP2's are whole inside a block's backward and new whatever set_to_none
+    # says (the kept ones are shards), unless earlier micro-steps accumulated them whole
+    fsdp_fresh = str(cfg["parallel"]).startswith("fsdp") and cfg["gradient_accumulation_steps"] == 1
+    if "step2_before_backward" not in grad_phases(cfg) or fsdp_fresh:
         done = tuple(f"transformer.h.{b}.{m}." for m in ("mlp", "ln_2", "attn.c_proj"))
         out.append(_delta(s, f"grads/h.{b}.after_attention_core", _param_grads(s, own or params, done), "4*numel",
                           f"h.{b}'s mlp, ln_2 and attn.c_proj"))

@@ -259,11 +259,14 @@ def cmd_report(args):
     from .report import totals_table, write_report
     if not os.path.isdir(args.run_dir):
         raise SnapshotError(f"{args.run_dir}: not a run directory")
-    rec = write_report(args.run_dir)
+    rec = write_report(args.run_dir, trace=args.trace)
     if args.json:
         print(json.dumps(rec["totals"], indent=1))
     else:
         print(totals_table(rec))
+        if args.trace:
+            from .report import trace_section
+            print("\n".join(trace_section(rec["trace"])[2:]).strip())
         print(f"wrote {os.path.join(args.run_dir, 'report.md')} and report.json")
 
 
@@ -376,6 +379,8 @@ def main(argv=None):
     r = sub.add_parser("report", help="predicted vs actual for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
+    r.add_argument("--trace", action="store_true", help="also shadow-run the step (CPU, one process, eager; "
+                   "imports torch) and name the first event where it and the measured trace part")
     df = sub.add_parser("diff", help="two audits (or an audit and a `predict --json` file) line by line")
     df.add_argument("a", help="run directory or prediction JSON (the baseline)")
     df.add_argument("b", help="run directory or prediction JSON (with the lever)")

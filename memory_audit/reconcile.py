@@ -205,9 +205,9 @@ def _korthikanti(cfg, rows):
 
 
 def step_events(run_dir, phase="step2_start"):
-    """[(action, op, bytes)] of an audited step from `phase` on, as the trace recorded it:
-    "alloc" or "free" (memory_allocated() drops at the free request), the op or function that
-    made it (the first frame's name), its bytes."""
+    """[(action, op, bytes, trace entry)] of an audited step from `phase` on, as the trace
+    recorded it: "alloc" or "free" (memory_allocated() drops at the free request), the op or
+    function that made it (the first frame's name), its bytes, its index in the trace."""
     from .trace import A
     meta = load_meta(run_dir)
     files = dict(find_snapshots(run_dir)[0])
@@ -218,8 +218,30 @@ def step_events(run_dir, phase="step2_start"):
         if a in (A["alloc"], A["free_requested"], A["free"]):
             frames = t.frames(i)
             out.append(("alloc" if a == A["alloc"] else "free", frames[0].get("name") if frames else "?",
-                        int(t.size[i])))
+                        int(t.size[i]), i))
     return out
+
+
+SHADOW_SCOPE = "the shadow run covers CPU runs of train.py's GPT in one process, eager"
+
+
+def against_shadow(run_dir, rec):
+    """The audited step beside the shadow run's (issue #26): both as one ordered list of
+    allocations and frees, their peaks and the first event where they part. Runs the shadow
+    (imports torch); {"error": one line} where it cannot run."""
+    from .predict import DEFAULTS
+    from .shadow import ShadowError, run
+    c = rec["config"]
+    if rec["device"].get("type") != "cpu" or c.get("world_size", 1) > 1 or c.get("compile"):
+        return {"error": SHADOW_SCOPE}
+    try:
+        sh = run(dict(DEFAULTS, **{k: v for k, v in c.items() if k in DEFAULTS}))
+    except ShadowError as e:
+        return {"error": str(e)}
+    measured = step_events(run_dir)
+    return {"measured_events": len(measured), "predicted_events": len(sh["events"]),
+            "measured_peak": rec["totals"]["peak"]["actual"], "predicted_peak": sh["peak"],
+            "first_divergence": first_divergence(measured, sh["events"])}
 
 
 def first_divergence(measured, predicted):

@@ -58,12 +58,34 @@ def markdown(rec, top=25):
                       fmt_bytes(v["actual_peak"])) for k, v in rec["other_formulas"].items()]), ""]
     if rec.get("korthikanti_per_layer"):
         lines += korthikanti_section(rec)
+    if rec.get("trace"):
+        lines += trace_section(rec["trace"])
     pk = rec["peak"]
     if pk.get("lines"):
         lines += ["## Live at the peak", "", f"At trace entry {pk.get('index')} ({pk.get('action')}), "
                   f"{fmt_bytes(pk.get('bytes'))}:", "",
                   table(("allocation", "bytes"), [(k, f"{v:,}") for k, v in list(pk["lines"].items())[:10]]), ""]
     return "\n".join(lines)
+
+
+def _event(e):
+    return "-" if e is None else f"{e[0]} {e[2]:,} B, {e[1]}"
+
+
+def trace_section(tr):
+    """Markdown: the audited step against the shadow run's, event by event."""
+    lines = ["## The step as one trace: measured against the shadow run", ""]
+    if "error" in tr:
+        return lines + [f"Not compared: {tr['error']}.", ""]
+    lines.append(f"{tr['measured_events']:,} events measured, {tr['predicted_events']:,} predicted; peak "
+                 f"{tr['measured_peak']:,} B measured, {tr['predicted_peak']:,} B shadow-run.")
+    d = tr["first_divergence"]
+    if d is None:
+        return lines + ["", "They agree event by event: every allocation and free, in order, to the byte.", ""]
+    m = d["measured"]
+    where = f" (trace entry {m[3]:,})" if m is not None and len(m) > 3 else ""
+    return lines + ["", f"First divergence at event {d['position']:,}{where}:", "",
+                    table(("side", "event"), [("measured", _event(m)), ("predicted", _event(d["predicted"]))]), ""]
 
 
 def korthikanti_section(rec):
@@ -125,12 +147,16 @@ def measured_markdown(rec, top=15):
     return "\n".join(lines)
 
 
-def write_report(run_dir):
+def write_report(run_dir, trace=False):
     """Reconcile a run and write report.json and report.md into it. Returns the reconciliation
-    (a run of another model than train.py's GPT: what was measured, see `measured`)."""
+    (a run of another model than train.py's GPT: what was measured, see `measured`). trace:
+    also the step against the shadow run's, event by event (runs it: imports torch)."""
     meta = load_meta(run_dir)
     gpt = meta is None or "n_layer" in (meta.get("config") or {})
     rec = reconcile(run_dir) if gpt else measured(run_dir)
+    if trace:
+        from .reconcile import SHADOW_SCOPE, against_shadow
+        rec["trace"] = against_shadow(run_dir, rec) if gpt else {"error": SHADOW_SCOPE}
     with open(os.path.join(run_dir, "report.json"), "w") as f:
         json.dump(rec, f, indent=1)
     with open(os.path.join(run_dir, "report.md"), "w") as f:

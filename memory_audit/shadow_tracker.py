@@ -15,17 +15,23 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       the other-dtype operand to the common dtype while the output is made
   rng_state           torch.get_rng_state() (checkpointing, per region with dropout) is a real
                       tensor the generator makes: counted when made, freed when let go
+  layer_norm_buffer   CPU LayerNorm's backward reduces dgamma/dbeta through a buffer of
+                      2 x threads x N elements of X's dtype, made after its outputs and freed
+                      before it returns (torch.get_num_threads() of the predicting process: the
+                      audit's own when both run on one machine)
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
 import contextlib
+import math
 import weakref
 
-RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state")
+RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
-_WRAPS_SCALAR = frozenset(("eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "div", "rsub"))
+_COMPARISONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge"))
+_WRAPS_SCALAR = _COMPARISONS | frozenset(("add", "sub", "mul", "div", "rsub"))
 
 
 class Tracker:
@@ -120,11 +126,13 @@ def _scalar_bytes(value):
     return 1 if isinstance(value, bool) else 8
 
 
-def _scalar_allocs(tracker, key, value, like):
+def _scalar_allocs(tracker, key, value, like, exists=False):
     """A wrapped scalar (8 B; 1 B for a bool) and, where the op computes in another dtype than
-    the scalar's (double, int64, bool), its cast to `like`'s dtype: (scalar id, cast id or None)."""
+    the scalar's (double, int64, bool), its cast to `like`'s dtype: (scalar id, cast id or None).
+    exists: the scalar is a tensor already (a backward formula reading the wrapped scalar its
+    node saved, measured for div): only the cast is new (scalar id None)."""
     import torch
-    scalar = tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0]
+    scalar = None if exists else tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0]
     own = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
     if like is None or like.dtype == own:
         return scalar, None
@@ -159,8 +167,10 @@ def _foreach_scalars(func, args):
 
 
 def _wrapped_scalars(func, args):
-    """[(value, Tensor argument position)] of Python numbers the op gets for Tensor arguments
-    (CPU wraps each in a 0-dim tensor), and the comparison ops' Scalar operand."""
+    """([values], local): the Python numbers the op gets for Tensor arguments (CPU wraps each in
+    a 0-dim tensor that the op's autograd node may keep), or, local=True, the Scalar operand of
+    a Scalar overload, which the op wraps itself and lets go as it returns (measured on CPU:
+    `mask == 0` frees the scalar before its cast, dropout's `div_` after)."""
     out = []
     schema = func._schema.arguments
     for i, a in enumerate(args[:len(schema)]):
@@ -168,8 +178,8 @@ def _wrapped_scalars(func, args):
             out.append(a)
     name, overload = func.__name__.split(".")[0].rstrip("_"), func._overloadname
     if not out and overload == "Scalar" and name in _WRAPS_SCALAR:
-        out = [a for a in args[1:2] if isinstance(a, (bool, int, float))]
-    return out
+        return [a for a in args[1:2] if isinstance(a, (bool, int, float))], True
+    return out, False
 
 
 def dispatch_mode(tracker, device_type):
@@ -185,13 +195,23 @@ def dispatch_mode(tracker, device_type):
             tracker.op = f"{func} in {tracker.label or 'the loop'}"  # named if the step fails here
             key = tracker.key(func.__name__.split(".")[0])
             cpu = device_type == "cpu"
-            scalars = _wrapped_scalars(func, args) if cpu else []
+            scalars, local = _wrapped_scalars(func, args) if cpu else ([], False)
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             held = []  # freed once the outputs are made: casts, and a foreach op's last scalar
+            # a backward formula (grad mode off: not a checkpoint's recomputation) reads the
+            # wrapped scalar its node saved: a 0-dim tensor already
+            saved_scalar = tracker.phase == "backward" and not torch.is_grad_enabled() and not local
             for value in scalars:
-                scalar, cast = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None)
-                tracker.pending.append(scalar)
+                scalar, cast = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar)
+                if scalar is None:
+                    pass
+                elif not local:
+                    tracker.pending.append(scalar)
                 held += [cast] if cast is not None else []
+                if local:  # comparisons let the scalar go before its cast, arithmetic after
+                    held.insert(0 if func.__name__.split(".")[0] in _COMPARISONS else len(held), scalar)
+            if local:
+                scalars = []  # nothing for the output's autograd node to keep
             for t, nbytes in (_mixed_dtype_casts(func, tensors) if cpu else []):
                 held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
             per_tensor = _foreach_scalars(func, args) if cpu else []
@@ -206,6 +226,9 @@ def dispatch_mode(tracker, device_type):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     tracker.add(t.untyped_storage(), key)
+            if cpu and func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
+                x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
+                held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
             for aid in held:
                 tracker.free(aid)
             if scalars and isinstance(out, torch.Tensor):
