@@ -59,6 +59,8 @@ class Audit:
         self._output_hook = None
         self._graphs = self._compile_ctx = None  # compiled: the partitioner's saved values
         self._loop = {}  # name -> weak reference: the model's last output and loss, as the loop holds them
+        self._inputs = {}  # name -> weak reference: what the step was fed (the model's arguments, the loss's targets)
+        self._returned_at = -1  # the autograd sequence number of the model output's node
         self.recording = AuditRecording(out_dir, device, config or {}, max_entries=max_entries, defer_cpu=compiled)
         self.recording.__enter__()
         if model is not None:
@@ -91,7 +93,7 @@ class Audit:
             self._compile_ctx.enter_context(capture(self._graphs, getattr(model, "audit_prefix", ""),
                                                     wrappers=self.recording.compiled_wrappers))
         else:
-            self._output_hook = model.register_forward_hook(self._note_output)
+            self._output_hook = model.register_forward_hook(self._note_output, with_kwargs=True)
         self.recording.distributed = distributed_info(model)
         config = self.recording.config
         config.setdefault("model_class", type(model).__name__)
@@ -148,6 +150,8 @@ class Audit:
             raise AuditError("Audit.before_backward() called outside `with audit.step(...)`")
         if torch.is_tensor(loss):
             self._loop["temporary/loop/loss"] = weakref.ref(loss)
+            if self.state != "done" and self._graphs is None:
+                self._note_loss_inputs(loss)
         if self.state != "recording":
             return
         _, label, saved = self._ledger
@@ -179,21 +183,40 @@ class Audit:
 
     # -- internals
     def _current_tensors(self):
-        t = self._tensors() if callable(self._tensors) else self._tensors
-        return dict(t or {})
+        t = dict((self._tensors() if callable(self._tensors) else self._tensors) or {})
+        named = {_storage_ptr(v) for v in t.values() if torch.is_tensor(v)}
+        for name, r in self._inputs.items():  # found without help; what the loop names comes first
+            v = r()
+            if v is not None and _storage_ptr(v) not in named:
+                named.add(_storage_ptr(v))
+                t.setdefault(name, v)
+        return t
 
     def _live_tensors(self):
         """Every tensor a phase would name now (registry, the loop's tensors)."""
         named = named_tensors(self.model, self.optimizer, self.scaler, self._current_tensors())
         return [t for _, t in named] + [r() for r in self._loop.values() if r() is not None]
 
-    def _note_output(self, module, args, output):
+    def _note_output(self, module, args, kwargs, output):
         if torch._C._current_autograd_node() is None:  # a forward, not a checkpoint's recompute
             tensors = _tensors_in(output)
             for k in [k for k in self._loop if k.startswith("temporary/loop/output")]:
                 del self._loop[k]
             for i, t in enumerate(tensors):
                 self._loop["temporary/loop/output" + (f"{i}" if len(tensors) > 1 else "")] = weakref.ref(t)
+            self._inputs = {k: r for k, r in self._inputs.items() if not k.startswith("inputs/model.")}
+            for name, t in _arguments(module, args, kwargs):  # what the model's forward receives
+                self._inputs[f"inputs/model.{name}"] = weakref.ref(t)
+            # autograd numbers nodes as they are made: the loss's come after these
+            self._returned_at = max((t.grad_fn._sequence_nr() for t in tensors if t.grad_fn is not None), default=-1)
+
+    def _note_loss_inputs(self, loss):
+        """What the loss was computed from outside the model without needing a gradient (the
+        targets): the tensors the loss's own autograd nodes saved, up to the model's output,
+        that no op made (no grad_fn) and that need no gradient."""
+        self._inputs = {k: r for k, r in self._inputs.items() if not k.startswith("inputs/loop/")}
+        for name, t in _loss_inputs(loss.grad_fn, self._returned_at):
+            self._inputs.setdefault(f"inputs/loop/{name}", weakref.ref(t))
 
     def _phase(self, name, dump=True):
         held = {k: r() for k, r in self._loop.items() if r() is not None}
@@ -246,6 +269,40 @@ class Audit:
         if self.state == "done" and self._compile_ctx is not None:
             self._compile_ctx.close()
             self._compile_ctx = None
+
+
+def _storage_ptr(t):
+    from .recorder import _local
+    return _local(t).untyped_storage().data_ptr()
+
+
+def _arguments(module, args, kwargs):
+    """(parameter name, tensor) of a forward call's tensor arguments: x for forward(self, x),
+    arg<i> where the signature does not say."""
+    import inspect
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
+    return [(k, v) for k, v in bound.items() if torch.is_tensor(v)]
+
+
+def _loss_inputs(root, returned_at, limit=64):
+    """(op.attr, tensor) of leaf tensors that need no gradient, saved by the autograd nodes made
+    after the model returned (sequence number above `returned_at`: the loss's; at most `limit`)."""
+    from .recorder import _op_name, _saved_values
+    out, seen, todo = [], set(), [root]
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen or node._sequence_nr() <= returned_at:
+            continue
+        seen.add(node)
+        for attr, value in _saved_values(node, False):
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if torch.is_tensor(t) and t.grad_fn is None and not t.requires_grad and t.dim() > 0:
+                    out.append((_op_name(node.name(), attr), t))
+        todo.extend(fn for fn, _ in node.next_functions)
+    return out
 
 
 def _model_device(model):

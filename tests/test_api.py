@@ -103,7 +103,9 @@ def test_without_the_loss_the_graph_is_found_from_what_was_saved(tmp_path):
         opt.zero_grad()
     m = measure(str(tmp_path / "run"))
     lines = m["phases"]["step2_before_backward"]["attribution"]["lines"]
-    assert any(k.startswith("activations/conv1/convolution") for k in lines), sorted(lines)
+    # bn1 saved conv1's output, named by the op; conv1 saved the batch, an input (what the model received)
+    assert any(k.startswith("activations/bn1/native_batch_norm") for k in lines), sorted(lines)
+    assert lines["inputs/model.x"] == x.numel() * 4
     assert any(k.startswith("activations/loop/") for k in lines), sorted(lines)  # the loss, outside the model
 
 
@@ -163,3 +165,33 @@ def test_replay_names_blocks_older_than_the_trace():
     assert rp["peak"]["lines"] == {"activations/fc/addmm.self": 2048, "weights/w": 1024, "grads/w": 512}
     assert rp["peak"]["categories"] == {"weights": 1024, "grads": 512, "activations": 2048}
     assert rp["series"][-1]["categories"] == {"weights": 1024, "activations": 2048}  # the old grad is gone
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["batch-made-once", "batch-made-in-the-step"])
+def test_a_loop_is_named_without_help(tmp_path, inside):
+    """The loop as README writes it, no `tensors=`: the batch made before the Audit (or in each
+    step) is named in every phase as what the model's forward received (inputs/model.x) and what
+    the loss took beside the model's output (inputs/loop/nll_loss.target), the previous step's
+    batch and loss at the start as the loop still holds them; 0 unattributed everywhere."""
+    model, opt, x, y = conv_loop()
+    audit = Audit(model, opt, out_dir=str(tmp_path / "run"))
+    losses = []
+    for step in range(3):
+        with audit.step(step):
+            if inside:
+                x, y = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
+            loss = nn.functional.cross_entropy(model(x), y)
+            audit.before_backward(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    m = measure(str(tmp_path / "run"))
+    for phase, info in m["phases"].items():
+        attr = info["attribution"]
+        assert attr["unattributed_bytes"] == 0, (phase, attr["unattributed"])
+        assert attr["lines"]["inputs/model.x"] == x.numel() * 4, phase
+        assert attr["lines"]["inputs/loop/nll_loss.target"] == y.numel() * 8, phase
+    peak = m["phases"]["step2_end"]["replay"]["peak"]
+    assert peak["categories"].get("unattributed", 0) == 0
+    assert_books_match_the_pickle(str(tmp_path / "run"), m["phases"])
