@@ -111,8 +111,7 @@ def timeline_events(prof, markers, keep=(), info=None, alive=()):
     events = sorted(events + _unseen_events(unseen, ranges), key=order)
     staged.update(_last_reads(events, reads, outputs))
     staged.update(_rebuild_broadcasts(events, rebuilt, reads))
-    staged = {k: v for k, v in staged.items() if k[0] not in alive or _allocated_again(events, *k)}
-    events = sorted(_free_staged(events, staged), key=order) if staged else events
+    events = sorted(_free_staged(events, staged, alive), key=order) if staged else events
     return events, marker_times
 
 
@@ -238,15 +237,12 @@ def _unseen_events(unseen, ranges):
     return out
 
 
-def _allocated_again(events, addr, t):
-    return any(e[1] == "alloc" and e[2] == addr and e[0] > t for e in events)
-
-
-def _free_staged(events, staged):
+def _free_staged(events, staged, alive=()):
     """An allocation whose free this thread never saw (gloo let it go on its own thread) is freed
     at the time `staged` gives: a synchronous collective's staging buffer when the call returned,
     a functional collective's output after its last read. staged: {(address, alloc time): time}.
-    An allocation is unfreed when it is live at the end or its address is allocated again first."""
+    An allocation is unfreed when it is live at the end or its address is allocated again first;
+    one live at the end at an address in `alive` (named at the last phase) stays."""
     live, unfreed = {}, []
     for t, action, addr, size, *_ in events:
         if action == "alloc":
@@ -257,7 +253,8 @@ def _free_staged(events, staged):
             live.pop(addr, None)
     unfreed += [(addr, t, size, float("inf")) for addr, (t, size) in live.items()]
     return events + [(min(staged[(addr, t)], t_next), "free", addr, size, [], None, "")
-                     for addr, t, size, t_next in unfreed if (addr, t) in staged]
+                     for addr, t, size, t_next in unfreed
+                     if (addr, t) in staged and not (t_next == float("inf") and addr in alive)]
 
 
 def name_compiled(events, wrappers):

@@ -203,9 +203,7 @@ def dispatch_mode(tracker, device_type):
             saved_scalar = tracker.phase == "backward" and not torch.is_grad_enabled() and not local
             for value in scalars:
                 scalar, cast = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar)
-                if scalar is None:
-                    pass
-                elif not local:
+                if scalar is not None and not local:
                     tracker.pending.append(scalar)
                 held += [cast] if cast is not None else []
                 if local:  # comparisons let the scalar go before its cast, arithmetic after
