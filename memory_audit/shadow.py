@@ -16,6 +16,7 @@ when it starts, the phase positions, the peak; snapshot() writes them in the sna
 
 import contextlib
 
+from . import shadow_cuda
 from .schema import PREDICTED_FRAME
 from .shadow_tracker import RULES, Tracker, dispatch_mode, module_labels, rng_states  # noqa: F401
 
@@ -61,11 +62,19 @@ def _setup(cfg, device_type):
     B, T, V = cfg["batch_size"], cfg["block_size"], cfg["vocab_size"]
 
     def get_batch():
+        if device_type == "cuda":  # made on the CPU, copied to the GPU: only the copies count
+            return shadow_cuda.batch(B, T)
         buf = torch.randint(V, (B, T + 1))
         return (buf[:, :-1].clone(memory_format=torch.contiguous_format),
                 buf[:, 1:].clone(memory_format=torch.contiguous_format))
-    autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    if dtype == torch.float32:
+        autocast = contextlib.nullcontext()
+    elif device_type == "cuda":  # torch.autocast("cuda") is off without a GPU: its policy, applied here
+        autocast = shadow_cuda.autocast(dtype)
+    else:
+        autocast = torch.autocast(device_type, dtype=dtype)
+    # the fake tensors are CPU ones whatever device they stand for
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     # A fake found_inf cannot be read (.item()): the shadow takes the step, as a finite step does.
     scaler._maybe_opt_step = lambda opt, state, *a, **k: opt.step(*a, **k)
     return model, optimizer, scaler, get_batch, autocast
@@ -75,13 +84,14 @@ class ShadowError(ValueError):
     """The step could not run on fake tensors; str() names the last op and the reason."""
 
 
-def run(cfg, device_type="cpu", fake=True):
+def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see _result). fake=False runs the same on real tensors (a
     check of the tracker itself). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
+    tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
     try:
-        return _run(cfg, device_type, fake, tracker)
+        return _run(cfg, device_type, fake, tracker, sdpa_backend)
     except ValueError:
         raise
     except Exception as e:  # an op fake tensors cannot run: no number is better than a wrong one
@@ -89,13 +99,17 @@ def run(cfg, device_type="cpu", fake=True):
         raise ShadowError(f"the shadow run stopped at {tracker.op}: {type(e).__name__}: {reason}") from None
 
 
-def _run(cfg, device_type, fake, tracker):
+def _run(cfg, device_type, fake, tracker, sdpa_backend):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode() if fake else contextlib.nullcontext(), dispatch_mode(tracker, device_type), rng_states(tracker):
+    cuda = shadow_cuda.kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
+    with FakeTensorMode() if fake else contextlib.nullcontext(), dispatch_mode(tracker, device_type), rng_states(tracker), cuda:
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type)
         handles = module_labels(model, tracker)
         accum = cfg["gradient_accumulation_steps"]
+        if device_type == "cuda":  # the whole history, for the allocator's model: from model.to(device) on
+            tracker.recording = True
+            shadow_cuda.to_device(model, tracker)
         tracker.phase = "inputs"
         X, Y = get_batch()
         loss = None
@@ -106,6 +120,7 @@ def _run(cfg, device_type, fake, tracker):
                 start = _names(model, optimizer, _held(X, Y, loss, scaler))
                 pre = [(aid, start.get(sid)) for sid, (aid, _) in tracker.live.items()]
                 tracker.recording = True
+                phases["step2_start"] = len(tracker.events)
             for micro in range(accum):
                 tracker.phase = "forward"
                 with autocast:
@@ -126,6 +141,9 @@ def _run(cfg, device_type, fake, tracker):
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
             scaler.step(optimizer)
+            if device_type == "cuda" and it == 0:
+                for t in shadow_cuda.host_tensors(optimizer, cfg["optimizer_impl"]):
+                    tracker.forget(t.untyped_storage())
             scaler.update()
             optimizer.zero_grad(set_to_none=cfg["set_to_none"])
         tracker.before_op()
@@ -140,9 +158,10 @@ def _run(cfg, device_type, fake, tracker):
 
 
 def _result(tracker, pre, phases):
-    """{"events": [(action, key, bytes, id)] of the step in order, "pre": [(id, key, bytes)]
-    live when it starts, "start_bytes", "phases": {phase: event position}, "peak"}."""
-    events, cut = [], {"step2_start": 0}
+    """{"events": [(action, key, bytes, id)] of the step in order, "history": the same before it
+    (a CUDA shadow records from model.to(device) on; empty on CPU), "pre": [(id, key, bytes)]
+    live when it starts, "start_bytes", "phases": {phase: position in events}, "peak"}."""
+    events, cut = [], {}
     for i, (action, aid) in enumerate(tracker.events):
         for phase, at in phases.items():
             if at == i:
@@ -153,15 +172,19 @@ def _result(tracker, pre, phases):
     cut["step2_end"] = len(events)
     for phase in phases:
         cut.setdefault(phase, len(events))
-    pre = [(aid, name or tracker.allocs[aid][0], tracker.allocs[aid][1]) for aid, name in pre]
+    begin = cut.pop("step2_start")
+    history, events = events[:begin], events[begin:]
+    cut = {phase: at - begin for phase, at in cut.items()}
+    cut["step2_start"] = 0
+    names = {aid: name for aid, name in pre}
+    pre = [(aid, names.get(aid) or tracker.allocs[aid][0], tracker.allocs[aid][1]) for aid, _ in pre]
     start_bytes = sum(n for _, _, n in pre)
     level = peak = 0
     for action, _, nbytes, _ in events:
         level += nbytes if action == "alloc" else -nbytes
         peak = max(peak, level)
-    return {"events": events, "pre": pre, "start_bytes": start_bytes, "phases": cut, "peak": start_bytes + peak}
-
-
+    return {"events": events, "history": history, "pre": pre, "start_bytes": start_bytes, "phases": cut,
+            "peak": start_bytes + peak}
 
 
 def snapshot(result):
@@ -188,3 +211,22 @@ def snapshot(result):
         where = place(aid, nbytes) if action == "alloc" else addr[aid]
         events.append((t, action, where, nbytes, frames(key), key.split("/", 1)[0], ""))
     return snapshot_at(events, t)
+
+
+def replayed(cfg, device):
+    """The shadow run of `cfg` on `device` (predict.device_facts' dict) counted as the device
+    counts it: {"steady_state", "before_backward", "peak", "end", "reserved"} of step 2, plus
+    "result" (run()'s). On CUDA every request goes through the caching allocator's model from
+    model.to(device) on (shadow_cuda.replay); a CPU step is its own bytes (reserved: None)."""
+    if device["type"] != "cuda":
+        result = run(cfg)
+        level, out = result["start_bytes"], {}
+        marks = {at: phase for phase, at in result["phases"].items()}
+        for i, (action, _, nbytes, _) in enumerate(result["events"] + [(None, None, 0, None)]):
+            if i in marks:
+                out[marks[i]] = level
+            level += nbytes if action == "alloc" else -nbytes if action == "free" else 0
+        return {"steady_state": result["start_bytes"], "before_backward": out.get("step2_before_backward"),
+                "peak": result["peak"], "end": out["step2_end"], "reserved": None, "result": result}
+    result = run(cfg, "cuda", sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
+    return dict(shadow_cuda.replay(result, device.get("expandable_segments", False)), result=result)

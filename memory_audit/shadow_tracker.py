@@ -26,6 +26,8 @@ import contextlib
 import math
 import weakref
 
+from . import shadow_cuda
+
 RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
@@ -53,6 +55,7 @@ class Tracker:
         self.saved = []  # (StorageWeakRef, allocation id) of real tensors an autograd node holds
         self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
+        self.workspace_bytes = 0  # a cuBLAS workspace per thread (the shadow of a CUDA step)
 
     def key(self, name):
         where = f"{self.label}/{name}" if self.label else name
@@ -74,12 +77,33 @@ class Tracker:
             return len(self.events) - 1
         return None
 
-    def add(self, storage, key):
+    def add(self, storage, key, nbytes=None):
+        """A storage an op returned: an allocation of its bytes (or `nbytes`, what it stands
+        for on the device) the first time it is seen."""
         sid = storage._cdata
         if sid in self.live:
             return
-        self.live[sid] = list(self.alloc(key, storage.nbytes()))
+        self.live[sid] = list(self.alloc(key, storage.nbytes() if nbytes is None else nbytes))
         weakref.finalize(storage, self._freed, sid)
+
+    def adopt(self, storage):
+        """Record now the allocation of a storage made while not recording (model.to(device)
+        copies the weights made on the host, in its own order)."""
+        entry = self.live.get(storage._cdata)
+        if entry is not None and entry[1] is None:
+            entry[1] = self._event("alloc", entry[0])
+
+    def forget(self, storage):
+        """A storage that is host memory on the device the shadow stands for: its alloc is
+        dropped and its free never recorded."""
+        entry = self.live.pop(storage._cdata, None)
+        if entry is not None and entry[1] is not None:
+            self.events[entry[1]][0] = None
+
+    def hold(self, name, key, nbytes):
+        """An allocation that no op returns and nothing frees (a cuBLAS workspace), once."""
+        if name not in self.live:
+            self.live[name] = list(self.alloc(key, nbytes))
 
     def _freed(self, sid):
         entry = self.live.pop(sid, None)
@@ -220,10 +244,17 @@ def dispatch_mode(tracker, device_type):
                         tracker.free(aid)
                 else:
                     held += ids
+            if not cpu:  # what a CUDA kernel allocates before its outputs (shadow_cuda)
+                held += [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
             out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    tracker.add(t.untyped_storage(), key)
+            leaves = [(t, None) for t in tree_leaves(out) if isinstance(t, torch.Tensor)] if cpu else shadow_cuda.outputs(func, out)
+            for t, nbytes in leaves:
+                tracker.add(t.untyped_storage(), key, nbytes)
+            if not cpu:  # ... and after them, freed first; a thread's first GEMM makes its cuBLAS workspace
+                held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
+                if tracker.workspace_bytes and func.__name__.split(".")[0] in shadow_cuda.GEMMS:
+                    thread = "backward" if tracker.phase == "backward" else "main"
+                    tracker.hold(("cublas", thread), f"workspace/cublas_{thread}", tracker.workspace_bytes)
             if cpu and func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
                 x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
                 held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])

@@ -1,0 +1,267 @@
+"""What a CUDA step does that a CPU shadow run must be told: autocast's CUDA policy, CUDA's kernel
+choices and the allocations made inside CUDA kernels (issue #26).
+
+The shadow runs on fake CPU tensors that stand for the GPU's: on the CPU build autograd's engine
+cannot run a fake CUDA tensor's backward, and torch.autocast("cuda") turns itself off without a
+GPU. So the casts CUDA autocast would make are made here, at the Python function level, in the
+order the C++ wrappers make them, and the few places where a CUDA kernel allocates what no
+dispatcher sees are added as rules. Each rule was read from the committed tiny CUDA audits
+(snapshots/examples/cuda-tiny-*, H100, torch 2.11), event by event:
+  autocast_casts     linear/matmul/bmm/mm/addmm/baddbmm/SDPA run in the low dtype, their
+                     floating inputs cast right to left (C++ evaluates the wrapper's cast
+                     arguments that way); an fp32 leaf parameter's cast is cached until the
+                     autocast region ends. layer_norm and nll_loss run in fp32 (their inputs
+                     cast); F.softmax/F.log_softmax called by the model compute in fp32 (fp16 in:
+                     one fp32 output, CUDA's half-to-float kernel; bf16 in: a cast first);
+                     cross_entropy's own log_softmax stays in the logits' dtype (measured:
+                     log_softmax.result fp16, nll_loss.self fp32)
+  foreach_norm_buffer  CUDA's _foreach_norm writes per-chunk partial norms to a buffer of
+                     4 B x tensors x (the largest tensor's chunks of 65,536 elements), made
+                     before its outputs and freed before it returns
+  softmax_backward_buffer  the backward of the half-to-float softmax (fp32 grad, fp16 input)
+                     makes an fp32 buffer of grad's size after its fp16 output, freed first
+The inputs: train.py makes the batch on the CPU and copies it to the GPU; only the copies (x,
+then y) are device memory. Wrapped scalars are CPU tensors on a CUDA run: no device memory.
+Plain Python until a shadow run starts: torch is imported inside the functions.
+"""
+
+import contextlib
+
+from .allocator_sim import round_size
+
+RULES = ("autocast_casts", "foreach_norm_buffer", "softmax_backward_buffer")
+_LOW = ("linear", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "baddbmm",
+        "scaled_dot_product_attention")
+_FP32 = ("layer_norm", "nll_loss")
+GEMMS = frozenset(("mm", "addmm", "bmm", "baddbmm"))  # the aten ops that reach cuBLAS
+_SOFTMAX = ("softmax", "log_softmax")
+_FOREACH_CHUNK = 65536
+# made and freed by cuDNN's attention kernels after their outputs, one H100 config measured (B 4, 2 heads,
+# T 64, head 32, bf16): 256 B in forward; 67,840 B in backward, read as an fp32 copy of q
+# (65,536) + the logsumexp (2,048) + the same 256. How either scales, no committed trace can tell.
+_CUDNN_ATTENTION_BUFFER = 256  # elements per chunk of multi_tensor_apply's kernels
+
+
+class autocast:  # noqa: N801 (used as torch.autocast is)
+    """CUDA autocast's policy for the ops model.py calls, applied to fake CPU tensors; a context
+    manager entered once per forward, as train.py enters torch.autocast."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.cache = {}  # id(fp32 leaf parameter) -> (parameter, its low-precision copy)
+        self.mode = None
+
+    def cast(self, t, to):
+        import torch
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == to:
+            return t
+        if to != torch.float32 and t.is_leaf and t.requires_grad and t.dtype == torch.float32:
+            if id(t) not in self.cache:
+                self.cache[id(t)] = (t, t.to(to))
+            return self.cache[id(t)][1]
+        return t.to(to)
+
+    def cast_all(self, args, kwargs, to):
+        """Right to left, as the C++ wrapper's arguments are evaluated: kwargs, then args."""
+        kw = {k: self.cast(v, to) for k, v in reversed(list(kwargs.items()))}
+        args = [self.cast(a, to) for a in reversed(args)][::-1]
+        return args, dict(reversed(list(kw.items())))
+
+    def __enter__(self):
+        import torch
+        from torch.overrides import TorchFunctionMode
+        outer = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(func, "__name__", "")
+                if name in _LOW:
+                    args, kwargs = outer.cast_all(args, kwargs, outer.dtype)
+                elif name in _FP32:
+                    args, kwargs = outer.cast_all(args, kwargs, torch.float32)
+                elif name in _SOFTMAX and kwargs.get("dtype") is None and len(args) < 4:
+                    return _softmax_fp32(name, args, kwargs)
+                elif name == "cross_entropy":
+                    return _cross_entropy(*args, **kwargs)
+                return func(*args, **kwargs)
+        self.mode = _Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        self.mode = None
+        self.cache.clear()  # the region ends: its weight casts go
+        return False
+
+
+def _softmax_fp32(name, args, kwargs):
+    """F.softmax/F.log_softmax under CUDA autocast: computed in fp32. CUDA's kernel reads fp16
+    and writes fp32 in one step; other dtypes are cast first (aten's softmax with dtype=float)."""
+    import torch
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    op = torch._softmax if name == "softmax" else torch._log_softmax
+    if x.dtype == torch.float16:
+        return op(x, dim, True)
+    return op(x.to(torch.float32), dim, False)
+
+
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                   reduction="mean", label_smoothing=0.0):
+    """cross_entropy as CUDA autocast runs it: log_softmax in the logits' dtype, nll_loss in fp32."""
+    import torch
+    import torch.nn.functional as F
+    if weight is not None or label_smoothing or size_average is not None or reduce is not None:
+        raise ValueError("the shadow's CUDA cross_entropy covers weight=None, label_smoothing=0 only")
+    lsm = torch.log_softmax(input, 1)
+    return F.nll_loss(lsm.to(torch.float32), target, ignore_index=ignore_index, reduction=reduction)
+
+
+def before_outputs(func, args):
+    """[bytes] a CUDA kernel allocates before its outputs and frees before it returns."""
+    import torch
+    if func is torch.ops.aten._foreach_norm.Scalar:  # per-chunk partial norms, one group
+        chunks = max((-(-t.numel() // _FOREACH_CHUNK) for t in args[0]), default=0)
+        return [4 * len(args[0]) * chunks]
+    return []
+
+
+def after_outputs(func, args):
+    """[bytes] a CUDA kernel allocates after its outputs and frees (first) before it returns."""
+    import torch
+    if func is torch.ops.aten._scaled_dot_product_cudnn_attention.default:
+        return [_CUDNN_ATTENTION_BUFFER]
+    if func is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
+        q, lse = args[1], args[5]  # grad_out, query, key, value, out, logsumexp, ...
+        return [4 * q.numel() + lse.numel() * lse.element_size() + _CUDNN_ATTENTION_BUFFER]
+    if func is torch.ops.aten._softmax_backward_data.default:
+        grad, _, _, input_dtype = args
+        if grad.dtype != input_dtype:  # the half-to-float softmax's backward: an fp32 copy of grad
+            return [grad.numel() * grad.element_size()]
+    return []
+
+
+@contextlib.contextmanager
+def kernels(sdpa_backend):
+    """CUDA's choices where they differ from the CPU's, for the fake CPU tensors: clip_grad_norm_
+    takes its foreach path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, and SDPA
+    in fp16/bf16 runs the kernel the device picks (cuDNN's on an H100 with torch 2.11), and
+    dropout runs CUDA's fused kernel."""
+    import torch
+    from torch.nn.utils import clip_grad
+    from torch.overrides import TorchFunctionMode
+
+    class _Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                return _sdpa(sdpa_backend, *args, **(kwargs or {}))
+            if func is torch.nn.functional.dropout:
+                return _dropout(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+    saved = clip_grad._has_foreach_support, clip_grad._device_has_foreach_support
+    clip_grad._has_foreach_support = lambda tensors, device: True
+    clip_grad._device_has_foreach_support = lambda device: True
+    try:
+        with _Mode():
+            yield
+    finally:
+        clip_grad._has_foreach_support, clip_grad._device_has_foreach_support = saved
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    """CUDA's fused dropout (aten native_dropout: the output and a bool mask) where the CPU
+    multiplies by a mask of the input's dtype."""
+    import torch
+    if not training or p == 0.0 or p == 1.0 or inplace or input.numel() == 0:
+        return torch.nn.functional.dropout(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
+
+
+def _sdpa(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The kernel CUDA's SDPA picks without a mask: cuDNN's for fp16/bf16 on an H100 (torch 2.11),
+    efficient attention for fp32 (the fused kernels take no fp32). Flash (older GPUs) has no
+    measured trace yet: refused, not guessed."""
+    import torch
+    low = q.dtype in (torch.float16, torch.bfloat16)
+    if attn_mask is not None or enable_gqa or (low and backend != "cudnn"):
+        dt = str(q.dtype).replace("torch.", "")
+        raise ValueError(f"the shadow's CUDA SDPA covers cuDNN's kernel (fp16/bf16) and efficient attention "
+                         f"(fp32), without a mask; this call ({dt}, {backend}) takes a kernel no committed "
+                         f"trace has measured")
+    if low:
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal, False,
+                                                                 scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
+                                                                 scale=scale)[0]
+
+
+def outputs(func, out):
+    """[(tensor, bytes)] of an op's outputs in the order CUDA allocates them: the
+    cuDNN attention kernel makes its philox seed and offset (8 B each) first, then the output
+    and logsumexp; efficient attention's seed and offset stay on the CPU."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+    if func is torch.ops.aten._scaled_dot_product_cudnn_attention.default:
+        o, lse, seed, offset = out[0], out[1], out[6], out[7]
+        return [(seed, 8), (offset, 8), (o, None), (lse, None)]
+    if func is torch.ops.aten._scaled_dot_product_efficient_attention.default:
+        o, lse = out[0], out[1]  # its philox seed and offset are CPU tensors; lse's T is padded to 32
+        B, nh, T = lse.shape
+        return [(o, None), (lse, 4 * B * nh * (-(-T // 32) * 32))]
+    return [(t, None) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()]
+
+
+def to_device(model, tracker):
+    """model.to(device): each parameter and buffer copied to the GPU in Module._apply's order
+    (a module's children first, then its parameters, then its buffers; a tied weight once)."""
+    def visit(module):
+        for child in module.children():
+            visit(child)
+        for t in list(module._parameters.values()) + list(module._buffers.values()):
+            if t is not None:
+                tracker.adopt(t.untyped_storage())
+    visit(model)
+
+
+def host_tensors(optimizer, impl):
+    """What stays in host memory on a CUDA run: the foreach and for-loop AdamW's `step` counts
+    (fused AdamW keeps them on the device)."""
+    if impl == "fused":
+        return []
+    return [st["step"] for st in optimizer.state.values() if "step" in st]
+
+
+def replay(result, expandable=False):
+    """The shadow's whole CUDA history through the caching allocator's model (gap_sim): block
+    sizes with the rounding and the unsplit remainders, segments. Returns plain numbers of step
+    2: {"steady_state", "peak", "end", "before_backward", "reserved"} (allocated bytes as
+    memory_allocated() counts them; reserved = the segments made by the step's end)."""
+    from .gap_sim import CachingAllocatorModel
+    model, placed, level = CachingAllocatorModel(expandable), {}, 0
+    events = result["history"] + result["events"]
+    start = len(result["history"])
+    cut = {start + at: phase for phase, at in result["phases"].items()}
+    out = {}
+    for i, (action, _, nbytes, aid) in enumerate(events + [(None, None, 0, None)]):
+        if i in cut:
+            out[cut[i]] = level
+        if i >= start:
+            out["peak"] = max(out.get("peak", 0), level)
+        if action == "alloc":
+            addr, extra = model.alloc(nbytes)
+            placed[aid] = (addr, round_size(nbytes) + extra)
+            level += placed[aid][1]
+        elif action == "free":
+            addr, block = placed.pop(aid)
+            model.release(addr)
+            level -= block
+    return {"steady_state": out["step2_start"], "before_backward": out.get("step2_before_backward"),
+            "end": out["step2_end"], "peak": out["peak"], "reserved": model.reserved}
+
+
+def batch(B, T):
+    """The device copies of train.py's CUDA batch: x, then y (int64)."""
+    import torch
+    return torch.empty(B, T, dtype=torch.long), torch.empty(B, T, dtype=torch.long)

@@ -1,0 +1,84 @@
+"""The shadow run of a CUDA step, checked on CPU against what GPUs measured (issue #26): the two
+committed tiny CUDA audits event by event from the process's start, and the H100 rows on their
+steady state, peak and reserved memory. The CUDA rules (memory_audit/shadow_cuda.py) were read
+from the tiny audits; the H100 rows (GPT-2 small to xl) are out of their sample."""
+
+import json
+import os
+
+import pytest
+
+from conftest import EXAMPLES, ROOT
+from memory_audit.predict import DEFAULTS
+
+TINY = ("cuda-tiny-fp16-manual", "cuda-tiny-bf16-sdpa")
+
+
+def _device(name="NVIDIA H100 80GB HBM3"):
+    from memory_audit.reconcile import device_from_meta
+    return device_from_meta({"device": {"type": "cuda", "name": name}})
+
+
+def _trace_from_start(run):
+    """[(action, "", bytes, entry)] of every alloc and free the audit's trace holds."""
+    from memory_audit.loader import find_snapshots, load_snapshot
+    from memory_audit.trace import A
+    t = load_snapshot(dict(find_snapshots(run)[0])["step2_end"])["device_traces"][0]
+    acts = {A["alloc"]: "alloc", A["free_requested"]: "free", A["free"]: "free"}
+    return [(acts[int(t.act[i])], "", int(t.size[i]), i) for i in range(t.n) if int(t.act[i]) in acts]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
+    """Every allocation and free of the audited process, from model.to(device) to the end of step
+    2 (827 and 675 events), in order with the bytes asked for; replayed through the allocator's
+    model, the steady state, peak and reserved memory of step 2 to the byte; and every tensor
+    live at step 2's start by the name and bytes the audit's registry gives it."""
+    from memory_audit import shadow
+    from memory_audit.loader import load_meta
+    from memory_audit.reconcile import first_divergence
+    run = os.path.join(EXAMPLES, name)
+    meta = load_meta(run)
+    cfg = dict(DEFAULTS, **{k: v for k, v in meta["config"].items() if k in DEFAULTS})
+    r = shadow.replayed(cfg, _device())
+    predicted = r["result"]["history"] + r["result"]["events"]
+    measured = _trace_from_start(run)
+    assert len(predicted) == len(measured) and first_divergence(measured, predicted) is None
+    start, end = meta["phases"]["step2_start"], meta["phases"]["step2_end"]
+    assert r["steady_state"] == start["memory_allocated"] and r["end"] == end["memory_allocated"]
+    assert r["peak"] == end["max_memory_allocated"] and r["reserved"] == end["memory_reserved"]
+    named = {e["name"]: e["nbytes"] for e in start["registry"]}
+    live = {key: n for _, key, n in r["result"]["pre"] if key in named}
+    assert live == named
+
+
+def _h100_rows():
+    from model import PRESETS
+    out = []
+    for f in ("h100.jsonl", "h100-variants.jsonl", "h100-dropout.jsonl"):
+        for line in open(os.path.join(ROOT, "snapshots", "results", f)):
+            row = json.loads(line)
+            cfg = dict(row["config"])
+            cfg.update({k: v for k, v in PRESETS[cfg.pop("preset")].items() if k not in row["config"]})
+            out.append((dict(DEFAULTS, **{k: v for k, v in cfg.items() if k in DEFAULTS}), row))
+    return out
+
+
+@pytest.mark.parametrize("part", range(4))
+def test_h100_rows_from_the_shadow_run(part):
+    """The 28 committed H100 rows (a quarter per test, for xdist), none of which the CUDA rules
+    came from: reserved memory within 0.02% on every row that recorded it (to the byte on 22 of
+    23 when this test was written; the candidate-moment ledger misses by up to 4.69%), the
+    steady state within 0.04% and the peak within 0.025% (to the byte on 13 of 28; the ledger
+    within 0.0995%). What the rows cannot tell apart is in scripts/GPU_RUNS.md."""
+    from memory_audit import shadow
+    rows = _h100_rows()
+    assert len(rows) == 28
+    for cfg, row in rows[part::4]:
+        r = shadow.replayed(cfg, _device(row["device"]))
+        t = row["totals"]
+        steady, peak = t["steady_state"]["actual"], t["peak"]["actual"]
+        assert abs(r["steady_state"] - steady) <= 4e-4 * steady, (row["config"], r["steady_state"] - steady)
+        assert abs(r["peak"] - peak) <= 2.5e-4 * peak, (row["config"], r["peak"] - peak)
+        if row.get("reserved_actual") is not None:
+            assert abs(r["reserved"] - row["reserved_actual"]) <= 2e-4 * row["reserved_actual"], row["config"]
