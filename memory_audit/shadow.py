@@ -103,7 +103,8 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     cuda = shadow_cuda.kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
-    with FakeTensorMode() if fake else contextlib.nullcontext(), dispatch_mode(tracker, device_type), rng_states(tracker), cuda:
+    base = FakeTensorMode() if fake and device_type != "cuda" else shadow_cuda.meta() if fake else contextlib.nullcontext()
+    with base, dispatch_mode(tracker, device_type), rng_states(tracker), cuda:
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type)
         handles = module_labels(model, tracker)
         accum = cfg["gradient_accumulation_steps"]
