@@ -104,7 +104,9 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     from torch._subclasses.fake_tensor import FakeTensorMode
     cuda = shadow_cuda.kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
     base = FakeTensorMode() if fake and device_type != "cuda" else shadow_cuda.meta() if fake else contextlib.nullcontext()
-    with base, dispatch_mode(tracker, device_type), rng_states(tracker), cuda:
+    # the CPU generator's state checkpointing saves is host memory on a CUDA run
+    rng = rng_states(tracker) if device_type == "cpu" else contextlib.nullcontext()
+    with base, dispatch_mode(tracker, device_type), rng, cuda:
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type)
         handles = module_labels(model, tracker)
         accum = cfg["gradient_accumulation_steps"]
@@ -230,4 +232,5 @@ def replayed(cfg, device):
         return {"steady_state": result["start_bytes"], "before_backward": out.get("step2_before_backward"),
                 "peak": result["peak"], "end": out["step2_end"], "reserved": None, "result": result}
     result = run(cfg, "cuda", sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
-    return dict(shadow_cuda.replay(result, device.get("expandable_segments", False)), result=result)
+    from .shadow_allocator import replay
+    return dict(replay(result, device.get("expandable_segments", False)), result=result)

@@ -27,7 +27,6 @@ Plain Python until a shadow run starts: torch is imported inside the functions.
 
 import contextlib
 
-from .allocator_sim import round_size
 
 RULES = ("autocast_casts", "foreach_norm_buffer", "softmax_backward_buffer")
 _LOW = ("linear", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "baddbmm",
@@ -40,6 +39,9 @@ _FOREACH_CHUNK = 65536
 # T 64, head 32, bf16): 256 B in forward; 67,840 B in backward, read as an fp32 copy of q
 # (65,536) + the logsumexp (2,048) + the same 256. How either scales, no committed trace can tell.
 _CUDNN_ATTENTION_BUFFER = 256  # elements per chunk of multi_tensor_apply's kernels
+
+
+_ACTIVE = []  # the autocast emulations entered and not left (a checkpoint's forward reads it)
 
 
 class autocast:  # noqa: N801 (used as torch.autocast is)
@@ -87,9 +89,11 @@ class autocast:  # noqa: N801 (used as torch.autocast is)
                 return func(*args, **kwargs)
         self.mode = _Mode()
         self.mode.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc):
+        _ACTIVE.remove(self)
         self.mode.__exit__(*exc)
         self.mode = None
         self.cache.clear()  # the region ends: its weight casts go
@@ -160,14 +164,39 @@ def kernels(sdpa_backend):
             if func is torch.nn.functional.dropout:
                 return _dropout(*args, **(kwargs or {}))
             return func(*args, **(kwargs or {}))
-    saved = clip_grad._has_foreach_support, clip_grad._device_has_foreach_support
+    import model
+    mode = _Mode()
+    saved = clip_grad._has_foreach_support, clip_grad._device_has_foreach_support, model.run_checkpointed
     clip_grad._has_foreach_support = lambda tensors, device: True
     clip_grad._device_has_foreach_support = lambda device: True
+    model.run_checkpointed = _checkpointed(saved[2], mode)
     try:
-        with _Mode():
+        with mode:
             yield
     finally:
-        clip_grad._has_foreach_support, clip_grad._device_has_foreach_support = saved
+        clip_grad._has_foreach_support, clip_grad._device_has_foreach_support, model.run_checkpointed = saved
+
+
+def _checkpointed(run_checkpointed, mode):
+    """model.run_checkpointed whose recomputation runs under the same emulations as its forward:
+    torch.utils.checkpoint recomputes with no torch-function mode active (where CUDA autocast
+    itself would be restored), so the kernels mode and, if the forward was under autocast, a
+    new region of it are entered around the recomputed function."""
+    def run(module, fn, *args):
+        cast = _ACTIVE[-1] if _ACTIVE else None
+
+        def again(*a):
+            if mode in _function_modes():  # the forward itself: the modes are on
+                return fn(*a)
+            with mode, cast if cast is not None else contextlib.nullcontext():
+                return fn(*a)
+        return run_checkpointed(module, again, *args)
+    return run
+
+
+def _function_modes():
+    from torch.overrides import _get_current_function_mode_stack
+    return _get_current_function_mode_stack()
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
@@ -231,34 +260,6 @@ def host_tensors(optimizer, impl):
     if impl == "fused":
         return []
     return [st["step"] for st in optimizer.state.values() if "step" in st]
-
-
-def replay(result, expandable=False):
-    """The shadow's whole CUDA history through the caching allocator's model (gap_sim): block
-    sizes with the rounding and the unsplit remainders, segments. Returns plain numbers of step
-    2: {"steady_state", "peak", "end", "before_backward", "reserved"} (allocated bytes as
-    memory_allocated() counts them; reserved = the segments made by the step's end)."""
-    from .gap_sim import CachingAllocatorModel
-    model, placed, level = CachingAllocatorModel(expandable), {}, 0
-    events = result["history"] + result["events"]
-    start = len(result["history"])
-    cut = {start + at: phase for phase, at in result["phases"].items()}
-    out = {}
-    for i, (action, _, nbytes, aid) in enumerate(events + [(None, None, 0, None)]):
-        if i in cut:
-            out[cut[i]] = level
-        if i >= start:
-            out["peak"] = max(out.get("peak", 0), level)
-        if action == "alloc":
-            addr, extra = model.alloc(nbytes)
-            placed[aid] = (addr, round_size(nbytes) + extra)
-            level += placed[aid][1]
-        elif action == "free":
-            addr, block = placed.pop(aid)
-            model.release(addr)
-            level -= block
-    return {"steady_state": out["step2_start"], "before_backward": out.get("step2_before_backward"),
-            "end": out["step2_end"], "peak": out["peak"], "reserved": model.reserved}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,94 @@
+"""The shadow's CUDA history played through the caching allocator's model (gap_sim): what
+memory_allocated() and memory_reserved() would count, and the predicted step as a CUDA snapshot.
+
+The shadow run (shadow.py) gives every request of the process in order, from model.to(device)
+on; gap_sim.CachingAllocatorModel chooses the blocks and the segments as the allocator does
+(rounding, best fit, the split rule, merging on free). The snapshot it writes has the schema a
+real CUDA snapshot has (segments with their blocks, a trace with segment_alloc, alloc,
+free_requested and free_completed), so `attribute`, `viz` and MemoryViz read it as they read a
+measurement; each event's one frame names its ledger key (schema.PREDICTED_FRAME).
+"""
+
+from .allocator_sim import round_size
+from .schema import PREDICTED_FRAME
+
+
+def play(result, expandable=False):
+    """Yields (position, action, key, bytes asked, block bytes, address, new segment or None)
+    for every event of the shadow's history and step; a new segment is (start, bytes)."""
+    from .gap_sim import CachingAllocatorModel
+    model, placed = CachingAllocatorModel(expandable), {}
+    for i, (action, key, nbytes, aid) in enumerate(result["history"] + result["events"]):
+        if action == "alloc":
+            before = model.reserved
+            addr, extra = model.alloc(nbytes)
+            placed[aid] = (addr, round_size(nbytes) + extra)
+            grown = model.reserved - before
+            seg = (model.segment_of[addr], grown) if grown else None
+            yield i, action, key, nbytes, placed[aid][1], addr, seg
+        else:
+            addr, block = placed.pop(aid)
+            model.release(addr)
+            yield i, action, key, nbytes, block, addr, None
+
+
+def replay(result, expandable=False):
+    """Plain numbers of step 2: {"steady_state", "before_backward", "end", "peak" (allocated
+    bytes as memory_allocated() counts them), "reserved" (the segments made by the end)}."""
+    start = len(result["history"])
+    cut = {start + at: phase for phase, at in result["phases"].items()}
+    out, level, reserved = {}, 0, 0
+    for i, action, _, _, block, _, seg in play(result, expandable):
+        if i in cut:
+            out[cut[i]] = level
+        if i >= start:
+            out["peak"] = max(out.get("peak", 0), level)
+        level += block if action == "alloc" else -block
+        reserved += seg[1] if seg else 0
+    total = start + len(result["events"])
+    out.setdefault(cut.get(total, "step2_end"), level)
+    out["peak"] = max(out.get("peak", 0), level)
+    return {"steady_state": out["step2_start"], "before_backward": out.get("step2_before_backward"),
+            "end": out["step2_end"], "peak": out["peak"], "reserved": reserved}
+
+
+def snapshot(result, expandable=False):
+    """The predicted process as a CUDA snapshot: the trace of every request (one microsecond
+    apart), and the segments as they stand at step 2's end with their blocks."""
+    trace, live, segments = [], {}, {}
+    for i, action, key, nbytes, block, addr, seg in play(result, expandable):
+        frames = [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
+        if seg:
+            trace.append({"action": "segment_map" if expandable else "segment_alloc", "addr": seg[0],
+                          "size": seg[1], "stream": 0, "frames": frames, "time_us": i})
+            segments[seg[0]] = segments.get(seg[0], 0) + seg[1]
+        if action == "alloc":
+            live[addr] = (block, nbytes, frames)
+            trace.append({"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "frames": frames,
+                          "time_us": i, "category": key.split("/", 1)[0]})
+        else:
+            live.pop(addr)
+            for a in ("free_requested", "free_completed"):
+                trace.append({"action": a, "addr": addr, "size": nbytes, "stream": 0, "frames": frames,
+                              "time_us": i})
+    return {"segments": [_segment(start, size, live, expandable) for start, size in sorted(segments.items())],
+            "device_traces": [trace], "allocator_settings": {"expandable_segments": expandable}}
+
+
+def _segment(start, size, live, expandable):
+    """A segment dict: its live blocks, and the free space between them as inactive blocks."""
+    blocks, at = [], start
+    for addr in sorted(a for a in live if start <= a < start + size):
+        block, nbytes, frames = live[addr]
+        if addr > at:
+            blocks.append({"address": at, "size": addr - at, "requested_size": 0, "state": "inactive"})
+        blocks.append({"address": addr, "size": block, "requested_size": nbytes, "state": "active_allocated",
+                       "frames": frames})
+        at = addr + block
+    if at < start + size:
+        blocks.append({"address": at, "size": start + size - at, "requested_size": 0, "state": "inactive"})
+    used = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+    return {"device": 0, "address": start, "total_size": size, "allocated_size": used, "active_size": used,
+            "requested_size": sum(b["requested_size"] for b in blocks), "stream": 0,
+            "segment_type": "small" if size == 2 << 20 else "large", "segment_pool_id": [0, 0],
+            "is_expandable": expandable, "frames": [], "blocks": blocks}
