@@ -170,29 +170,35 @@ def cmd_predict(args, extra):
     print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items() if isinstance(v, int)]))
     print(f"peak at: {pred['backward']['peak_at']}")
     if args.trace:
-        print(f"shadow run: peak {pred['shadow']['peak']:,} B (ledger {t['peak_allocated_bytes']:,} B); "
-              f"wrote its {pred['shadow']['events']:,} events to {args.trace}")
+        sh = pred["shadow"]
+        reserved = "" if sh["reserved"] is None else \
+            f", reserved {sh['reserved']:,} B (ledger {t['reserved_peak_bytes']:,} B)"
+        print(f"shadow run: peak {sh['peak']:,} B (ledger {t['peak_allocated_bytes']:,} B){reserved}; "
+              f"wrote its {sh['events']:,} events of step 2 to {args.trace}")
     from . import tensor_parallel
     if tensor_parallel.tp_size(pred["config"]) > 1:
         print(_korthikanti_predicted(pred))
 
 
 def _shadow_trace(cfg, dev, path):
-    """Shadow-run the step (memory_audit/shadow.py) and write it as a snapshot to `path`."""
-    if dev["type"] != "cpu":
-        raise ValueError("--trace: the shadow run predicts CPU steps only so far (--gpu=cpu); "
-                         "its CUDA rules are not written yet")
+    """Shadow-run the step (memory_audit/shadow.py), count it as the device would and write the
+    predicted process as a snapshot to `path`."""
     if cfg.get("parallel", "none") != "none" or cfg.get("compile"):
         raise ValueError("--trace: the shadow run covers one process in eager mode so far "
                          "(no --parallel, no --compile)")
     if os.path.exists(path) and not path.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {path}: not a .pickle file")
     from . import shadow
-    result = shadow.run(cfg)
+    r = shadow.replayed(cfg, dev)
+    if dev["type"] == "cuda":
+        from .shadow_allocator import snapshot
+        snap = snapshot(r["result"], dev.get("expandable_segments", False))
+    else:
+        snap = shadow.snapshot(r["result"])
     with open(path, "wb") as f:
-        pickle.dump(shadow.snapshot(result), f, protocol=4)
-    return {"peak": result["peak"], "start_bytes": result["start_bytes"], "events": len(result["events"]),
-            "phases": result["phases"], "trace": path}
+        pickle.dump(snap, f, protocol=4)
+    return {"peak": r["peak"], "start_bytes": r["steady_state"], "reserved": r["reserved"],
+            "events": len(r["result"]["events"]), "phases": r["result"]["phases"], "trace": path}
 
 
 def _korthikanti_predicted(pred):
@@ -374,8 +380,8 @@ def main(argv=None):
         q.add_argument("--outside", type=int, default=None, help=_outside_help)
         if name == "predict":
             q.add_argument("--trace", default=None, metavar="FILE.pickle",
-                           help="also shadow-run the step on fake tensors (CPU, one process, eager) and "
-                                "write it as a snapshot MemoryViz opens")
+                           help="also shadow-run the step on fake tensors (one process, eager; on a GPU "
+                                "through the caching allocator's model) and write it as a snapshot MemoryViz opens")
     r = sub.add_parser("report", help="predicted vs actual for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")

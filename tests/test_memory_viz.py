@@ -134,12 +134,14 @@ def test_foreign_snapshot_in_the_real_viewer(viewer):
     _check(open_in_viewer(viewer, viz.html(viz.categorized(path)), "foreign"), ["optimizer", "temporary"])
 
 
-def test_predicted_step_in_the_real_viewer(viewer, tmp_path):
-    """predict --trace's snapshot (the shadow run's step) opens in MemoryViz like a measured one."""
+@pytest.mark.parametrize("gpu, dtype", [("cpu", "float32"), ("H100", "float16")])
+def test_predicted_step_in_the_real_viewer(viewer, tmp_path, gpu, dtype):
+    """predict --trace's snapshot (the shadow run's step; on a GPU the whole process through the
+    allocator's model, segments included) opens in MemoryViz like a measured one."""
     from memory_audit.cli import main
     out = tmp_path / "predicted.pickle"
-    assert main(["predict", "--gpu=cpu", "--preset=cpu-tiny", "--batch_size=2", "--dtype=float32",
+    assert main(["predict", f"--gpu={gpu}", "--preset=cpu-tiny", "--batch_size=2", f"--dtype={dtype}",
                  f"--trace={out}"]) == 0
     assert main(["viz", str(out), "--out", str(tmp_path / "predicted.html")]) == 0
-    _check(open_in_viewer(viewer, (tmp_path / "predicted.html").read_text(), "predicted"),
-           ["weights", "optimizer", "activations", "inputs", "temporary"])
+    _check(open_in_viewer(viewer, (tmp_path / "predicted.html").read_text(), f"predicted-{gpu}"),
+           ["weights", "optimizer", "activations", "inputs", "temporary"] + (["workspace"] if gpu != "cpu" else []))

@@ -68,9 +68,13 @@ def test_predicted_trace_is_a_snapshot_named_like_the_audit(tmp_path, cpu_run):
     assert predicted["peak_in_trace"]["categories"] == measured["peak_in_trace"]["categories"]
 
 
-def test_trace_for_a_gpu_is_one_line():
-    p = run_cli("predict", "--gpu=H100", "--preset=cpu-tiny", "--trace=/tmp/never.pickle")
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "CPU" in p.stderr
+def test_trace_with_a_kernel_no_trace_measured_is_one_line(tmp_path):
+    """An A100 picks the flash kernel for bf16 SDPA; no committed trace has measured it, so the
+    shadow refuses in one line instead of guessing."""
+    out = tmp_path / "never.pickle"
+    p = run_cli("predict", "--gpu=A100", "--preset=cpu-tiny", "--dtype=bfloat16", "--attention=sdpa", f"--trace={out}")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no committed trace has measured" in p.stderr
+    assert p.stdout == "" and not out.exists()
 
 
 @pytest.mark.parametrize("grid", ["cpu-long", "cpu-ac"])

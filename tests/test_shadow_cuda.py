@@ -82,3 +82,24 @@ def test_h100_rows_from_the_shadow_run(part):
         assert abs(r["peak"] - peak) <= 2.5e-4 * peak, (row["config"], r["peak"] - peak)
         if row.get("reserved_actual") is not None:
             assert abs(r["reserved"] - row["reserved_actual"]) <= 2e-4 * row["reserved_actual"], row["config"]
+
+
+def test_predicted_cuda_trace_reads_like_the_audit(tmp_path):
+    """`predict --gpu=H100 --trace` at the tiny fp16 audit's config writes the predicted process
+    as a CUDA snapshot; `attribute` replays it with the measurement's code: its peak, the bytes
+    of every category at that peak and the reserved memory equal the audit's own."""
+    from conftest import run_cli
+    from memory_audit.loader import load_meta
+    run = os.path.join(EXAMPLES, TINY[0])
+    c = load_meta(run)["config"]
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "dtype", "attention", "bias",
+            "dropout", "optimizer_impl", "grad_clip", "set_to_none", "keep_logits", "activation")
+    out = tmp_path / "predicted.pickle"
+    p = run_cli("predict", "--gpu=H100", f"--trace={out}", "--json", *[f"--{k}={c[k]}" for k in keys])
+    assert p.returncode == 0, p.stderr[-2000:]
+    measured = json.loads(run_cli("attribute", run, "--json").stdout)["step2_end"]["devices"]["0"]
+    predicted = next(iter(json.loads(run_cli("attribute", str(out), "--json").stdout).values()))["devices"]["0"]
+    assert predicted["unattributed_bytes"] == 0
+    assert predicted["peak_in_trace"]["bytes"] == measured["peak_in_trace"]["bytes"] == 72315904
+    assert predicted["peak_in_trace"]["categories"] == measured["peak_in_trace"]["categories"]
+    assert predicted["reserved_bytes"] == measured["reserved_bytes"] == json.loads(p.stdout)["shadow"]["reserved"]
