@@ -222,26 +222,30 @@ def step_events(run_dir, phase="step2_start"):
     return out
 
 
-SHADOW_SCOPE = "the shadow run covers CPU runs of train.py's GPT in one process, eager"
+SHADOW_SCOPE = "the shadow run covers train.py's GPT in one process, eager"
 
 
 def against_shadow(run_dir, rec):
     """The audited step beside the shadow run's (issue #26): both as one ordered list of
-    allocations and frees, their peaks and the first event where they part. Runs the shadow
-    (imports torch); {"error": one line} where it cannot run."""
+    allocations and frees, their peaks (on CUDA as the allocator's model counts them) and the
+    first event where they part. Runs the shadow (imports torch); {"error": one line} where it
+    cannot run."""
     from .predict import DEFAULTS
-    from .shadow import ShadowError, run
+    from .shadow import ShadowError, replayed
     c = rec["config"]
-    if rec["device"].get("type") != "cpu" or c.get("world_size", 1) > 1 or c.get("compile"):
+    if c.get("world_size", 1) > 1 or c.get("parallel", "none") != "none" or c.get("compile"):
         return {"error": SHADOW_SCOPE}
+    dev = device_from_meta({"device": rec["device"], "torch_version": rec.get("torch_version", ""),
+                            "env": rec.get("env")})
     try:
-        sh = run(dict(DEFAULTS, **{k: v for k, v in c.items() if k in DEFAULTS}))
-    except ShadowError as e:
+        sh = replayed(dict(DEFAULTS, **{k: v for k, v in c.items() if k in DEFAULTS}), dev)
+    except (ShadowError, ValueError) as e:
         return {"error": str(e)}
     measured = step_events(run_dir)
-    return {"measured_events": len(measured), "predicted_events": len(sh["events"]),
+    events = sh["result"]["events"]
+    return {"measured_events": len(measured), "predicted_events": len(events),
             "measured_peak": rec["totals"]["peak"]["actual"], "predicted_peak": sh["peak"],
-            "first_divergence": first_divergence(measured, sh["events"])}
+            "first_divergence": first_divergence(measured, events)}
 
 
 def first_divergence(measured, predicted):

@@ -103,3 +103,20 @@ def test_predicted_cuda_trace_reads_like_the_audit(tmp_path):
     assert predicted["peak_in_trace"]["bytes"] == measured["peak_in_trace"]["bytes"] == 72315904
     assert predicted["peak_in_trace"]["categories"] == measured["peak_in_trace"]["categories"]
     assert predicted["reserved_bytes"] == measured["reserved_bytes"] == json.loads(p.stdout)["shadow"]["reserved"]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_report_trace_on_a_cuda_audit(tmp_path, name):
+    """`report RUN --trace` on a committed CUDA audit: step 2 against the shadow's, event by
+    event, with no divergence, and the peaks equal (the shadow's through the allocator's model)."""
+    import shutil
+
+    from conftest import run_cli
+    run = tmp_path / name
+    shutil.copytree(os.path.join(EXAMPLES, name), run)
+    p = run_cli("report", str(run), "--trace")
+    assert p.returncode == 0, p.stderr[-2000:]
+    tr = json.load(open(run / "report.json"))["trace"]
+    assert tr["first_divergence"] is None and tr["measured_events"] == tr["predicted_events"] > 300
+    assert tr["measured_peak"] == tr["predicted_peak"]
+    assert "They agree event by event" in p.stdout
