@@ -1,0 +1,46 @@
+"""The committed H100 rows against the shadow run of their CUDA step and the ledger predictor.
+
+    python scripts/shadow_h100.py
+
+For each row of snapshots/results/h100*.jsonl: measured minus predicted peak and reserved
+memory (memory_allocated()'s peak and memory_reserved() of step 2), for the shadow run replayed
+through the allocator's model (memory_audit/shadow.py, shadow_allocator.py) and for the ledger
+predictor (predict.py with its candidate moments and gap_sim). Prints the markdown table the
+README shows. Each row is a shadow run on meta tensors (0.1-3 s).
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main():
+    from memory_audit import shadow
+    from memory_audit.sweep import row_prediction
+    from model import PRESETS
+    from memory_audit.predict import DEFAULTS
+    from memory_audit.reconcile import device_from_meta
+    print("| row | peak measured | shadow: peak diff | ledger: peak diff | shadow: reserved diff | ledger: reserved diff |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in ("h100.jsonl", "h100-variants.jsonl", "h100-dropout.jsonl"):
+        for line in open(os.path.join(ROOT, "snapshots", "results", name)):
+            row = json.loads(line)
+            cfg = dict(row["config"])
+            cfg.update({k: v for k, v in PRESETS[cfg.pop("preset")].items() if k not in row["config"]})
+            cfg = dict(DEFAULTS, **{k: v for k, v in cfg.items() if k in DEFAULTS})
+            r = shadow.replayed(cfg, device_from_meta({"device": {"type": "cuda", "name": row["device"]}}))
+            led = row_prediction(row)["totals"]
+            peak, res = row["totals"]["peak"]["actual"], row.get("reserved_actual")
+            label = ", ".join(f"{k}={v}" for k, v in row["config"].items())
+
+            def diff(actual, predicted):
+                return "-" if actual is None else f"{actual - predicted:+,} B ({100 * (actual - predicted) / actual:+.4f}%)"
+            print(f"| {label} | {peak:,} B | {diff(peak, r['peak'])} | {diff(peak, led['peak_allocated_bytes'])} | "
+                  f"{diff(res, r['reserved'])} | {diff(res, led['reserved_peak_bytes'])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
