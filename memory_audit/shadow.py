@@ -234,3 +234,64 @@ def replayed(cfg, device):
     result = run(cfg, "cuda", sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
     from .shadow_allocator import replay
     return dict(replay(result, device.get("expandable_segments", False)), result=result)
+
+
+def run_loop(make, step, inputs=("inputs/x", "inputs/y"), audited=1):
+    """The shadow run of any loop (issue #28; a first cut, CPU): `make()` builds (model,
+    optimizer, *batch) and is called on fake CPU tensors, the batch named by `inputs`;
+    `step(model, optimizer, *batch)` is one training step (forward, loss, backward, optimizer
+    step, zero_grad) and returns {ledger key: tensor} of what the loop keeps until the next step
+    (its loss, its output). Steps 0..audited run; step `audited` is recorded, as Audit(step=...)
+    records it, its before-backward moment at its last `.backward()`. Returns run()'s dict;
+    raises ShadowError (one line, naming the op) for a step fake tensors cannot run. Not yet:
+    the CPU kernels' own buffers outside the GPT's ops (oneDNN convolution, BatchNorm, LSTM)."""
+    tracker = Tracker()
+    try:
+        return _run_loop(make, step, inputs, audited, tracker)
+    except ValueError:
+        raise
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ShadowError(f"the shadow run stopped at {tracker.op}: {type(e).__name__}: {reason}") from None
+
+
+def _run_loop(make, step, inputs, audited, tracker):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    phases, original = {}, torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):  # the last one in the audited step: before backward
+        if tracker.recording:
+            tracker.before_op()
+            phases["step2_before_backward"] = len(tracker.events)
+        tracker.phase = "backward"
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            tracker.phase = "optimizer"
+    with FakeTensorMode(), dispatch_mode(tracker, "cpu"), rng_states(tracker):
+        model, optimizer, *batch = make()
+        handles = module_labels(model, tracker, root=type(model).__name__.lower())
+        held, kept = dict(zip(inputs, batch)), {}
+        torch.Tensor.backward = backward
+        try:
+            for it in range(audited + 1):
+                if it == audited:
+                    tracker.before_op()
+                    start = _names(model, optimizer, dict(held, **kept))
+                    pre = [(aid, start.get(sid)) for sid, (aid, _) in tracker.live.items()]
+                    tracker.recording = True
+                    phases["step2_start"] = len(tracker.events)
+                tracker.phase = "forward"
+                kept = step(model, optimizer, *batch)
+                kept = {"temporary/loop/loss": kept} if isinstance(kept, torch.Tensor) else dict(kept or {})
+            tracker.before_op()
+            tracker.recording = False
+        finally:
+            torch.Tensor.backward = original
+            for h in handles:
+                h.remove()
+        for sid, name in _names(model, optimizer, dict(held, **kept)).items():
+            if sid in tracker.live:
+                tracker.allocs[tracker.live[sid][0]][0] = name
+    return _result(tracker, pre, phases)

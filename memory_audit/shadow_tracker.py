@@ -315,13 +315,14 @@ def _saved_scalars(out):
     return found
 
 
-def module_labels(model, tracker):
-    """Forward pre/post hooks that keep tracker.label at the innermost module path."""
+def module_labels(model, tracker, root="gpt"):
+    """Forward pre/post hooks that keep tracker.label at the innermost module path (`root` for
+    the model's own forward)."""
     stack, handles = [], []
     for name, mod in model.named_modules():
         def pre(_m, _a, name=name):
             stack.append(tracker.label)
-            tracker.label = name or "gpt"
+            tracker.label = name or root
 
         def post(_m, _a, _o):
             tracker.label = stack.pop() if stack else ""
