@@ -106,6 +106,7 @@ class Tracker:
             self.live[name] = list(self.alloc(key, nbytes))
 
     def _freed(self, sid):
+        self._settle_saved()  # a real tensor let go before this storage died is freed first
         entry = self.live.pop(sid, None)
         if entry is not None:
             self.freed_at[sid] = self.free(entry[0])
@@ -114,9 +115,7 @@ class Tracker:
         """Settle what the previous op left: its wrapped scalars are freed unless its autograd
         node saved them (then with the node's saved tensors), and a backward add whose operand
         died with it took that operand's memory."""
-        for entry in [w for w in self.saved if w[0].expired()]:  # real tensors their holders let go
-            self.saved.remove(entry)
-            self.free(entry[1])
+        self._settle_saved()
         if self.pending:
             from torch.multiprocessing.reductions import StorageWeakRef
             saved = _saved_scalars(self.pending_out())
@@ -132,6 +131,12 @@ class Tracker:
             if first not in self.live and out in self.live:
                 self._fold(out, first)
         self.freed_at.clear()
+
+    def _settle_saved(self):
+        """Free the real tensors (wrapped scalars a node saved, RNG states) their holders let go."""
+        for entry in [w for w in self.saved if w[0].expired()]:
+            self.saved.remove(entry)
+            self.free(entry[1])
 
     def _fold(self, out, operand):
         """The add's output lives in `operand`'s memory: drop its alloc and the operand's free,
@@ -225,11 +230,13 @@ def dispatch_mode(tracker, device_type):
             # a backward formula (grad mode off: not a checkpoint's recomputation) reads the
             # wrapped scalar its node saved: a 0-dim tensor already
             saved_scalar = tracker.phase == "backward" and not torch.is_grad_enabled() and not local
+            # no autograd node will be made: the wrapped scalar goes as the op returns, after its cast
+            graphless = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             for value in scalars:
                 scalar, cast = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar)
-                if scalar is not None and not local:
-                    tracker.pending.append(scalar)
                 held += [cast] if cast is not None else []
+                if scalar is not None and not local:
+                    held.append(scalar) if graphless else tracker.pending.append(scalar)
                 if local:  # comparisons let the scalar go before its cast, arithmetic after
                     held.insert(0 if func.__name__.split(".")[0] in _COMPARISONS else len(held), scalar)
             if local:

@@ -52,8 +52,10 @@ def check(cfg, tmp, device="cpu", keep=None):
                 "predictor": peak["predicted"]}
     row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"],
            "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"]}
-    if sh["peak"] != peak["actual"] or not row["steady_state_exact"]:
-        row["first_divergence"] = first_divergence(step_events(run), sh["result"]["events"])
+    divergence = first_divergence(step_events(run), sh["result"]["events"])
+    row["events_agree"] = divergence is None  # every allocation and free of step 2, in order
+    if divergence is not None:
+        row["first_divergence"] = divergence
     shutil.rmtree(run, ignore_errors=True)
     return row
 
@@ -108,7 +110,8 @@ def main():
                   + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
     ok = [r for r in rows if "error" not in r]
     print(f"peak exact: shadow {sum(r['shadow'] == r['measured'] for r in ok if r['shadow'] is not None)}/{len(ok)}, "
-          f"predictor {sum(r['predictor'] == r['measured'] for r in ok)}/{len(ok)} (seed {seed})")
+          f"predictor {sum(r['predictor'] == r['measured'] for r in ok)}/{len(ok)}; step 2 event by event: shadow "
+          f"{sum(r.get('events_agree', False) for r in ok)}/{len(ok)} (seed {seed})")
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:

@@ -114,7 +114,7 @@ def test_a_step_the_shadow_cannot_run_is_one_line_naming_the_op(monkeypatch, tmp
 
 def test_report_trace_names_the_first_event_where_the_step_and_the_shadow_part(tmp_path, cpu_run, monkeypatch):
     """`report --trace`: the audited step and the shadow run's, event by event. On cpu-tiny (fp32,
-    manual attention) they agree on every allocation and free but the clip's last few; with a
+    manual attention) they agree on every allocation and free, in order (388 events); with a
     wrong rule (LayerNorm's backward buffer sized for one thread more than the audit had) the
     first divergence is that buffer, at LayerNorm's backward, with both sizes."""
     import shutil
@@ -129,13 +129,12 @@ def test_report_trace_names_the_first_event_where_the_step_and_the_shadow_part(t
     rec = json.load(open(run / "report.json"))
     tr = rec["trace"]
     assert tr["measured_events"] == tr["predicted_events"] and tr["measured_peak"] == tr["predicted_peak"]
-    first = tr["first_divergence"]["position"]
-    assert first > 0.75 * tr["measured_events"], tr  # past forward and backward: in the optimizer's clip
-    assert "First divergence at event" in open(run / "report.md").read()
+    assert tr["first_divergence"] is None, tr
+    assert "They agree event by event" in open(run / "report.md").read()
     threads = torch.get_num_threads()  # the audit's, on this machine
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
     wrong = against_shadow(str(run), rec)["first_divergence"]
-    assert wrong["position"] < first
+    assert wrong is not None and wrong["position"] < tr["measured_events"]
     measured, predicted = wrong["measured"], wrong["predicted"]
     assert measured[:3] == ("alloc", "aten::resize_", 2 * threads * 64 * 4)
     assert predicted[0] == "alloc" and predicted[1].endswith("native_layer_norm_backward/buffer")
