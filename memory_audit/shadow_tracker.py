@@ -19,6 +19,8 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       2 x threads x N elements of X's dtype, made after its outputs and freed
                       before it returns (torch.get_num_threads() of the predicting process: the
                       audit's own when both run on one machine)
+  flash_cpu_buffers   CPU flash attention's per-thread work buffers (_flash_cpu_buffers), made
+                      after its outputs and freed in reverse before it returns
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -28,7 +30,7 @@ import weakref
 
 from . import shadow_cuda
 
-RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer")
+RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
@@ -182,6 +184,28 @@ def _mixed_dtype_casts(func, tensors):
     return [(t, t.numel() * common.itemsize) for t in (a, b) if t.dtype != common]
 
 
+def _flash_cpu_buffers(func, args):
+    """[bytes] CPU flash attention allocates after its outputs, in order (FlashAttentionKernel.cpp,
+    no mask): per thread, forward an accumulate-type buffer of qS*kvS + 2*qS + qS*head and, for
+    bf16/fp16, qS*kvS of the input's type; backward 2*qS*kvS of each, then the calling thread's
+    row sums (qS; the other threads' are made where the CPU profiler does not see them). qS is
+    32, 64 from T=192, 256 from T=768; kvS is min(T, 512)."""
+    import torch
+    ops = torch.ops.aten
+    forward = func is ops._scaled_dot_product_flash_attention_for_cpu.default
+    if not forward and func is not ops._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        return []
+    q = args[0] if forward else args[1]
+    T, head = q.shape[2], q.shape[3]
+    qs = min(T, 256 if T >= 768 else 64 if T >= 192 else 32)
+    kvs, threads, low = min(T, 512), torch.get_num_threads(), q.dtype in (torch.bfloat16, torch.float16)
+    if forward:
+        out = [4 * threads * (qs * kvs + 2 * qs + qs * head)]
+        return out + ([threads * qs * kvs * q.element_size()] if low else [])
+    out = [4 * threads * 2 * qs * kvs] + ([threads * 2 * qs * kvs * q.element_size()] if low else [])
+    return out + [4 * qs]
+
+
 def _foreach_scalars(func, args):
     """[(value, tensor)] for each tensor of a _foreach_ op's Scalar or ScalarList overload whose
     per-tensor op wraps its scalar: on CPU the foreach ops run that op tensor by tensor."""
@@ -262,6 +286,8 @@ def dispatch_mode(tracker, device_type):
                 if tracker.workspace_bytes and func.__name__.split(".")[0] in shadow_cuda.GEMMS:
                     thread = "backward" if tracker.phase == "backward" else "main"
                     tracker.hold(("cublas", thread), f"workspace/cublas_{thread}", tracker.workspace_bytes)
+            if cpu:  # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse
+                held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
             if cpu and func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
                 x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
                 held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
