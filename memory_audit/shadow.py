@@ -1,17 +1,18 @@
 """The shadow run: train.py's step on fake tensors, every allocation and free in autograd's order.
 
 model.py's GPT, the loss, autograd's backward (checkpointing's recomputation included), the
-GradScaler, the gradient clipping and the AdamW step run at the target config on FakeTensorMode
-tensors: shapes and dtypes, no memory, any size, under shadow_tracker's dispatch mode, which
-records each new storage and its free. The order and the lifetimes are PyTorch's own; nothing
-here knows which op saves what. What the dispatcher cannot see is added by the rules in
-shadow_tracker.RULES, each measured on CPU audits.
+GradScaler, the gradient clipping and the AdamW step run at the target config on tensors with
+shapes, dtypes and storage sizes but no memory (FakeTensorMode for a CPU step, meta tensors for
+a CUDA one), under shadow_tracker's dispatch mode, which records each new storage and its free.
+The order and the lifetimes are PyTorch's own; nothing here knows which op saves what. What the
+dispatcher cannot see is added by rules: shadow_tracker.RULES (measured on CPU audits) and, for
+a GPU, shadow_cuda.RULES (read from the tiny CUDA audits); a CUDA step's whole process is then
+played through the caching allocator's model (shadow_allocator). One process, eager; torchrun
+and torch.compile are not in it. run_loop() shadow-runs any model's loop (a first cut, CPU).
 
-This is a first cut on CPU, one process, eager: the CUDA rules (allocator rounding, cuBLAS
-workspaces, the SDPA kernels' outputs, fused Adam's temporaries) and torchrun are not in it yet.
-
-run() returns plain data: the step's events [(action, key, bytes, id)] in order, what is live
-when it starts, the phase positions, the peak; snapshot() writes them in the snapshot schema.
+run() returns plain data: the step's events [(action, key, bytes, id)] in order (and on CUDA the
+history before it), what is live when it starts, the phase positions, the peak; replayed()
+counts them as the device would; snapshot() writes a CPU step in the snapshot schema.
 """
 
 import contextlib

@@ -1,12 +1,11 @@
 """What a CUDA step does that a CPU shadow run must be told: autocast's CUDA policy, CUDA's kernel
 choices and the allocations made inside CUDA kernels (issue #26).
 
-The shadow runs on fake CPU tensors that stand for the GPU's: on the CPU build autograd's engine
-cannot run a fake CUDA tensor's backward, and torch.autocast("cuda") turns itself off without a
-GPU. So the casts CUDA autocast would make are made here, at the Python function level, in the
-order the C++ wrappers make them, and the few places where a CUDA kernel allocates what no
-dispatcher sees are added as rules. Each rule was read from the committed tiny CUDA audits
-(snapshots/examples/cuda-tiny-*, H100, torch 2.11), event by event:
+The shadow of a CUDA step runs on meta tensors that stand for the GPU's (meta(): shapes, dtypes
+and storage sizes, C++ kernels, no memory): on the CPU build autograd's engine cannot run a fake
+CUDA tensor's backward, and torch.autocast("cuda") turns itself off without a GPU. So what CUDA
+does differently is added here, each rule read from the committed tiny CUDA audits
+(snapshots/examples/cuda-tiny-*, H100, torch 2.11) event by event:
   autocast_casts     linear/matmul/bmm/mm/addmm/baddbmm/SDPA run in the low dtype, their
                      floating inputs cast right to left (C++ evaluates the wrapper's cast
                      arguments that way); an fp32 leaf parameter's cast is cached until the
@@ -15,38 +14,48 @@ dispatcher sees are added as rules. Each rule was read from the committed tiny C
                      one fp32 output, CUDA's half-to-float kernel; bf16 in: a cast first);
                      cross_entropy's own log_softmax stays in the logits' dtype (measured:
                      log_softmax.result fp16, nll_loss.self fp32)
+  kernel_choices     clip_grad_norm_'s foreach path; SDPA through cuDNN's attention (fp16/bf16 on
+                     an H100: philox seed and offset, 8 B each, made before its output) or
+                     efficient attention (fp32: logsumexp padded to 32, seed and offset on the
+                     host); dropout through the fused kernel (a bool mask)
   foreach_norm_buffer  CUDA's _foreach_norm writes per-chunk partial norms to a buffer of
                      4 B x tensors x (the largest tensor's chunks of 65,536 elements), made
                      before its outputs and freed before it returns
   softmax_backward_buffer  the backward of the half-to-float softmax (fp32 grad, fp16 input)
                      makes an fp32 buffer of grad's size after its fp16 output, freed first
-The inputs: train.py makes the batch on the CPU and copies it to the GPU; only the copies (x,
-then y) are device memory. Wrapped scalars are CPU tensors on a CUDA run: no device memory.
-Plain Python until a shadow run starts: torch is imported inside the functions.
+  cudnn_attention_buffers  256 B after cuDNN attention's forward outputs; after its backward's,
+                     an fp32 copy of q + the logsumexp + 256 B (one shape measured)
+  cublas_workspace   each thread's first GEMM makes its workspace (shadow_tracker), after the
+                     GEMM's output
+The inputs: train.py makes the batch on the host and copies it to the GPU; only the copies (x,
+then y) are device memory. Wrapped scalars, RNG states and the foreach/for AdamW's `step` are
+host tensors on a CUDA run: no device memory. Checkpointing's recomputation runs under the same
+rules (_checkpointed). Plain Python until a shadow run starts: torch is imported inside.
 """
 
 import contextlib
 
 
-RULES = ("autocast_casts", "foreach_norm_buffer", "softmax_backward_buffer")
+RULES = ("autocast_casts", "kernel_choices", "foreach_norm_buffer", "softmax_backward_buffer",
+         "cudnn_attention_buffers", "cublas_workspace")
 _LOW = ("linear", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "baddbmm",
         "scaled_dot_product_attention")
 _FP32 = ("layer_norm", "nll_loss")
 GEMMS = frozenset(("mm", "addmm", "bmm", "baddbmm"))  # the aten ops that reach cuBLAS
 _SOFTMAX = ("softmax", "log_softmax")
-_FOREACH_CHUNK = 65536
-# made and freed by cuDNN's attention kernels after their outputs, one H100 config measured (B 4, 2 heads,
-# T 64, head 32, bf16): 256 B in forward; 67,840 B in backward, read as an fp32 copy of q
-# (65,536) + the logsumexp (2,048) + the same 256. How either scales, no committed trace can tell.
-_CUDNN_ATTENTION_BUFFER = 256  # elements per chunk of multi_tensor_apply's kernels
+_FOREACH_CHUNK = 65536  # elements per chunk of multi_tensor_apply's kernels
+# made and freed by cuDNN's attention kernels after their outputs, one H100 config measured (B 4,
+# 2 heads, T 64, head 32, bf16): 256 B in forward; 67,840 B in backward, read as an fp32 copy of
+# q (65,536) + the logsumexp (2,048) + the same 256. How either scales, no committed trace tells.
+_CUDNN_ATTENTION_BUFFER = 256
 
 
 _ACTIVE = []  # the autocast emulations entered and not left (a checkpoint's forward reads it)
 
 
 class autocast:  # noqa: N801 (used as torch.autocast is)
-    """CUDA autocast's policy for the ops model.py calls, applied to fake CPU tensors; a context
-    manager entered once per forward, as train.py enters torch.autocast."""
+    """CUDA autocast's policy for the ops model.py calls, applied to the meta tensors that stand
+    for the GPU's; a context manager entered once per forward, as train.py enters torch.autocast."""
 
     def __init__(self, dtype):
         self.dtype = dtype
@@ -149,7 +158,7 @@ def after_outputs(func, args):
 
 @contextlib.contextmanager
 def kernels(sdpa_backend):
-    """CUDA's choices where they differ from the CPU's, for the fake CPU tensors: clip_grad_norm_
+    """CUDA's choices where they differ from the CPU's, for the meta tensors: clip_grad_norm_
     takes its foreach path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, and SDPA
     in fp16/bf16 runs the kernel the device picks (cuDNN's on an H100 with torch 2.11), and
     dropout runs CUDA's fused kernel."""
