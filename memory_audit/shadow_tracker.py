@@ -260,7 +260,7 @@ def dispatch_mode(tracker, device_type):
                 scalar, cast = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar)
                 held += [cast] if cast is not None else []
                 if scalar is not None and not local:
-                    held.append(scalar) if graphless else tracker.pending.append(scalar)
+                    (held if graphless else tracker.pending).append(scalar)
                 if local:  # comparisons let the scalar go before its cast, arithmetic after
                     held.insert(0 if func.__name__.split(".")[0] in _COMPARISONS else len(held), scalar)
             if local:
