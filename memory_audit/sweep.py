@@ -275,9 +275,9 @@ def _results_file(row):
     return os.path.join(ROOT, "snapshots", "results", f"{tag}.jsonl")
 
 
-def row_prediction(row):
-    """predict_run() of the config a results row ran (its preset expanded), on its device."""
-    from .predict import predict_run
+def row_config(row):
+    """(config, device) of a results row: the config train.py ran (its preset expanded, or the
+    resolved config the row keeps) and the device facts of the machine it names."""
     from .reconcile import device_from_meta
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
@@ -289,7 +289,14 @@ def row_prediction(row):
         cfg.update({k: v for k, v in PRESETS.get(cfg.pop("preset", None), {}).items() if k not in row["config"]})
     name = row.get("device") or "cpu"
     device = {"type": "cpu"} if name == "cpu" else {"type": "cuda", "name": name}
-    return predict_run(cfg, device_from_meta({"device": device}), plan=row.get("inductor_plan"))
+    return cfg, device_from_meta({"device": device})
+
+
+def row_prediction(row):
+    """predict_run() of the config a results row ran (its preset expanded), on its device."""
+    from .predict import predict_run
+    cfg, device = row_config(row)
+    return predict_run(cfg, device, plan=row.get("inductor_plan"))
 
 
 def repredict(row):

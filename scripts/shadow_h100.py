@@ -19,19 +19,15 @@ sys.path.insert(0, ROOT)
 
 def main():
     from memory_audit import shadow
-    from memory_audit.sweep import row_prediction
-    from model import PRESETS
     from memory_audit.predict import DEFAULTS
-    from memory_audit.reconcile import device_from_meta
+    from memory_audit.sweep import row_config, row_prediction
     print("| row | peak measured | shadow: peak diff | ledger: peak diff | shadow: reserved diff | ledger: reserved diff |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in ("h100.jsonl", "h100-variants.jsonl", "h100-dropout.jsonl"):
         for line in open(os.path.join(ROOT, "snapshots", "results", name)):
             row = json.loads(line)
-            cfg = dict(row["config"])
-            cfg.update({k: v for k, v in PRESETS[cfg.pop("preset")].items() if k not in row["config"]})
-            cfg = dict(DEFAULTS, **{k: v for k, v in cfg.items() if k in DEFAULTS})
-            r = shadow.replayed(cfg, device_from_meta({"device": {"type": "cuda", "name": row["device"]}}))
+            cfg, device = row_config(row)
+            r = shadow.replayed(dict(DEFAULTS, **{k: v for k, v in cfg.items() if k in DEFAULTS}), device)
             led = row_prediction(row)["totals"]
             peak, res = row["totals"]["peak"]["actual"], row.get("reserved_actual")
             label = ", ".join(f"{k}={v}" for k, v in row["config"].items())

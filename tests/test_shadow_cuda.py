@@ -14,7 +14,7 @@ from memory_audit.predict import DEFAULTS
 TINY = ("cuda-tiny-fp16-manual", "cuda-tiny-bf16-sdpa")
 
 
-def _device(name="NVIDIA H100 80GB HBM3"):
+def _device(name="NVIDIA H100 80GB HBM3"):  # the tiny audits' GPU
     from memory_audit.reconcile import device_from_meta
     return device_from_meta({"device": {"type": "cuda", "name": name}})
 
@@ -53,14 +53,13 @@ def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
 
 
 def _h100_rows():
-    from model import PRESETS
+    from memory_audit.sweep import row_config
     out = []
     for f in ("h100.jsonl", "h100-variants.jsonl", "h100-dropout.jsonl"):
         for line in open(os.path.join(ROOT, "snapshots", "results", f)):
             row = json.loads(line)
-            cfg = dict(row["config"])
-            cfg.update({k: v for k, v in PRESETS[cfg.pop("preset")].items() if k not in row["config"]})
-            out.append((dict(DEFAULTS, **{k: v for k, v in cfg.items() if k in DEFAULTS}), row))
+            cfg, device = row_config(row)
+            out.append((dict(DEFAULTS, **{k: v for k, v in cfg.items() if k in DEFAULTS}), device, row))
     return out
 
 
@@ -74,8 +73,8 @@ def test_h100_rows_from_the_shadow_run(part):
     from memory_audit import shadow
     rows = _h100_rows()
     assert len(rows) == 28
-    for cfg, row in rows[part::4]:
-        r = shadow.replayed(cfg, _device(row["device"]))
+    for cfg, device, row in rows[part::4]:
+        r = shadow.replayed(cfg, device)
         t = row["totals"]
         steady, peak = t["steady_state"]["actual"], t["peak"]["actual"]
         assert abs(r["steady_state"] - steady) <= 4e-4 * steady, (row["config"], r["steady_state"] - steady)
