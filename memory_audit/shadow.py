@@ -74,7 +74,7 @@ def _setup(cfg, device_type):
         autocast = shadow_cuda.autocast(dtype)
     else:
         autocast = torch.autocast(device_type, dtype=dtype)
-    # the fake tensors are CPU ones whatever device they stand for
+    # CPU or meta tensors whatever device they stand for: the CPU scaler drives them as train.py's
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     # A fake found_inf cannot be read (.item()): the shadow takes the step, as a finite step does.
     scaler._maybe_opt_step = lambda opt, state, *a, **k: opt.step(*a, **k)
@@ -91,11 +91,17 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     check of the tracker itself). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
+    return _one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
+
+
+def _one_line(tracker, fn, *args):
+    """fn(*args), an exception other than ValueError becoming one ShadowError line that names
+    the op where the step stopped: no number is better than a wrong one."""
     try:
-        return _run(cfg, device_type, fake, tracker, sdpa_backend)
+        return fn(*args)
     except ValueError:
         raise
-    except Exception as e:  # an op fake tensors cannot run: no number is better than a wrong one
+    except Exception as e:  # an op fake tensors cannot run
         reason = (str(e).strip().splitlines() or [""])[0][:200]
         raise ShadowError(f"the shadow run stopped at {tracker.op}: {type(e).__name__}: {reason}") from None
 
@@ -104,7 +110,10 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     cuda = shadow_cuda.kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
-    base = FakeTensorMode() if fake and device_type != "cuda" else shadow_cuda.meta() if fake else contextlib.nullcontext()
+    if not fake:
+        base = contextlib.nullcontext()
+    else:  # meta tensors for a CUDA step: C++ kernels, several times faster than FakeTensorMode
+        base = shadow_cuda.meta() if device_type == "cuda" else FakeTensorMode()
     # the CPU generator's state checkpointing saves is host memory on a CUDA run
     rng = rng_states(tracker) if device_type == "cpu" else contextlib.nullcontext()
     with base, dispatch_mode(tracker, device_type), rng, cuda:
@@ -120,11 +129,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
         phases = {}
         for it in range(2):
             if it == 1:
-                tracker.before_op()
-                start = _names(model, optimizer, _held(X, Y, loss, scaler))
-                pre = [(aid, start.get(sid)) for sid, (aid, _) in tracker.live.items()]
-                tracker.recording = True
-                phases["step2_start"] = len(tracker.events)
+                pre = _begin(tracker, _names(model, optimizer, _held(X, Y, loss, scaler)), phases)
             for micro in range(accum):
                 tracker.phase = "forward"
                 with autocast:
@@ -150,15 +155,30 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                     tracker.forget(t.untyped_storage())
             scaler.update()
             optimizer.zero_grad(set_to_none=cfg["set_to_none"])
-        tracker.before_op()
-        tracker.recording = False
-        end = _names(model, optimizer, _held(X, Y, loss, scaler))
-        for sid, name in end.items():  # what the step made and the loop keeps: grads, new batch, loss
-            if sid in tracker.live:
-                tracker.allocs[tracker.live[sid][0]][0] = name
+        _end(tracker, _names(model, optimizer, _held(X, Y, loss, scaler)))
         for h in handles:
             h.remove()
     return _result(tracker, pre, phases)
+
+
+def _begin(tracker, names, phases):
+    """The audited step starts: what is live then, [(allocation id, its name or None)], and the
+    recording on from here."""
+    tracker.before_op()
+    pre = [(aid, names.get(sid)) for sid, (aid, _) in tracker.live.items()]
+    tracker.recording = True
+    phases["step2_start"] = len(tracker.events)
+    return pre
+
+
+def _end(tracker, names):
+    """The audited step ends: recording off; what the step made and the loop keeps (grads, the
+    new batch, the loss) takes the name the loop gives it."""
+    tracker.before_op()
+    tracker.recording = False
+    for sid, name in names.items():
+        if sid in tracker.live:
+            tracker.allocs[tracker.live[sid][0]][0] = name
 
 
 def _result(tracker, pre, phases):
@@ -221,7 +241,7 @@ def replayed(cfg, device):
     """The shadow run of `cfg` on `device` (predict.device_facts' dict) counted as the device
     counts it: {"steady_state", "before_backward", "peak", "end", "reserved"} of step 2, plus
     "result" (run()'s). On CUDA every request goes through the caching allocator's model from
-    model.to(device) on (shadow_cuda.replay); a CPU step is its own bytes (reserved: None)."""
+    model.to(device) on (shadow_allocator.replay); a CPU step is its own bytes (reserved: None)."""
     if device["type"] != "cuda":
         result = run(cfg)
         level, out = result["start_bytes"], {}
@@ -247,13 +267,7 @@ def run_loop(make, step, inputs=("inputs/x", "inputs/y"), audited=1):
     raises ShadowError (one line, naming the op) for a step fake tensors cannot run. Not yet:
     the CPU kernels' own buffers outside the GPT's ops (oneDNN convolution, BatchNorm, LSTM)."""
     tracker = Tracker()
-    try:
-        return _run_loop(make, step, inputs, audited, tracker)
-    except ValueError:
-        raise
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ShadowError(f"the shadow run stopped at {tracker.op}: {type(e).__name__}: {reason}") from None
+    return _one_line(tracker, _run_loop, make, step, inputs, audited, tracker)
 
 
 def _run_loop(make, step, inputs, audited, tracker):
@@ -278,21 +292,13 @@ def _run_loop(make, step, inputs, audited, tracker):
         try:
             for it in range(audited + 1):
                 if it == audited:
-                    tracker.before_op()
-                    start = _names(model, optimizer, dict(held, **kept))
-                    pre = [(aid, start.get(sid)) for sid, (aid, _) in tracker.live.items()]
-                    tracker.recording = True
-                    phases["step2_start"] = len(tracker.events)
+                    pre = _begin(tracker, _names(model, optimizer, dict(held, **kept)), phases)
                 tracker.phase = "forward"
                 kept = step(model, optimizer, *batch)
                 kept = {"temporary/loop/loss": kept} if isinstance(kept, torch.Tensor) else dict(kept or {})
-            tracker.before_op()
-            tracker.recording = False
         finally:
             torch.Tensor.backward = original
             for h in handles:
                 h.remove()
-        for sid, name in _names(model, optimizer, dict(held, **kept)).items():
-            if sid in tracker.live:
-                tracker.allocs[tracker.live[sid][0]][0] = name
+        _end(tracker, _names(model, optimizer, dict(held, **kept)))
     return _result(tracker, pre, phases)
