@@ -244,14 +244,12 @@ def replayed(cfg, device):
     model.to(device) on (shadow_allocator.replay); a CPU step is its own bytes (reserved: None)."""
     if device["type"] != "cuda":
         result = run(cfg)
-        level, out = result["start_bytes"], {}
-        marks = {at: phase for phase, at in result["phases"].items()}
-        for i, (action, _, nbytes, _) in enumerate(result["events"] + [(None, None, 0, None)]):
-            if i in marks:
-                out[marks[i]] = level
-            level += nbytes if action == "alloc" else -nbytes if action == "free" else 0
-        return {"steady_state": result["start_bytes"], "before_backward": out.get("step2_before_backward"),
-                "peak": result["peak"], "end": out["step2_end"], "reserved": None, "result": result}
+        levels = [result["start_bytes"]]  # bytes live before each event, then after the last
+        for action, _, nbytes, _ in result["events"]:
+            levels.append(levels[-1] + (nbytes if action == "alloc" else -nbytes))
+        at = {phase: levels[i] for phase, i in result["phases"].items()}
+        return {"steady_state": result["start_bytes"], "before_backward": at.get("step2_before_backward"),
+                "peak": result["peak"], "end": at["step2_end"], "reserved": None, "result": result}
     result = run(cfg, "cuda", sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
     from .shadow_allocator import replay
     return dict(replay(result, device.get("expandable_segments", False)), result=result)

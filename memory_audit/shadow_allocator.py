@@ -35,21 +35,14 @@ def play(result, expandable=False):
 def replay(result, expandable=False):
     """Plain numbers of step 2: {"steady_state", "before_backward", "end", "peak" (allocated
     bytes as memory_allocated() counts them), "reserved" (the segments made by the end)}."""
-    start = len(result["history"])
-    cut = {start + at: phase for phase, at in result["phases"].items()}
-    out, level, reserved = {}, 0, 0
-    for i, action, _, _, block, _, seg in play(result, expandable):
-        if i in cut:
-            out[cut[i]] = level
-        if i >= start:
-            out["peak"] = max(out.get("peak", 0), level)
-        level += block if action == "alloc" else -block
+    levels, reserved = [0], 0  # memory_allocated() before each event, then after the last
+    for _, action, _, _, block, _, seg in play(result, expandable):
+        levels.append(levels[-1] + (block if action == "alloc" else -block))
         reserved += seg[1] if seg else 0
-    total = start + len(result["events"])
-    out.setdefault(cut.get(total, "step2_end"), level)
-    out["peak"] = max(out.get("peak", 0), level)
-    return {"steady_state": out["step2_start"], "before_backward": out.get("step2_before_backward"),
-            "end": out["step2_end"], "peak": out["peak"], "reserved": reserved}
+    start = len(result["history"])
+    at = {phase: levels[start + i] for phase, i in result["phases"].items()}
+    return {"steady_state": at["step2_start"], "before_backward": at.get("step2_before_backward"),
+            "end": at["step2_end"], "peak": max(levels[start:]), "reserved": reserved}
 
 
 def snapshot(result, expandable=False):
