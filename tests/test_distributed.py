@@ -78,7 +78,7 @@ def test_ddp_gradient_as_bucket_view_keeps_no_gradients_of_its_own(tmp_path):
         assert [rec["totals"][k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0]
 
 
-# tp-sp on gloo: in 2 of about 30 audits (session 11's first form of the SAC test; a full
+# tp-sp on gloo: in 2 of about 30 audits (an earlier form of the SAC test; a full
 # parallel test run in session 13, the two cores loaded) one rank's measured peak came out exactly
 # 32,768 B under the prediction, every line still exact; a third miss, in session 12's sweep
 # test, did not print its value. Unexplained; most likely a 32 KiB collective buffer that gloo's own thread lets
