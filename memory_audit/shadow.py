@@ -85,12 +85,16 @@ class ShadowError(ValueError):
     """The step could not run on fake tensors; str() names the last op and the reason."""
 
 
-def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0):
+def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see _result). fake=False runs the same on real tensors (a
-    check of the tracker itself). Raises ShadowError (one line) if the step cannot run."""
+    check of the tracker itself). cache=False runs every meta kernel of a CUDA step (the
+    shadow_metacache check). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
+    if device_type == "cuda" and fake and cache:
+        from .shadow_metacache import MetaCache
+        tracker.meta_cache = MetaCache()
     return _one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
 
 

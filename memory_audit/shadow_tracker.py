@@ -51,13 +51,20 @@ class Tracker:
         self.recording = False
         self.phase = "setup"  # forward | backward | optimizer: the key's first level
         self.label = ""  # the module path the forward is in (module hooks set it)
-        self.op = "no op yet"  # the last op dispatched
+        self.last = ("no op yet", "")  # the last op dispatched and the module it ran in
         self.pending = []  # allocation ids of the wrapped scalars the last op made
         self.pending_out = _none  # weakref to that op's output (its grad_fn may save them)
         self.saved = []  # (StorageWeakRef, allocation id) of real tensors an autograd node holds
         self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
         self.workspace_bytes = 0  # a cuBLAS workspace per thread (the shadow of a CUDA step)
+        self.meta_cache = None  # a shadow_metacache.MetaCache on meta tensors: kernels asked once
+
+    @property
+    def op(self):
+        """The last op dispatched, in words."""
+        func, label = self.last
+        return f"{func} in {label or 'the loop'}"
 
     def key(self, name):
         where = f"{self.label}/{name}" if self.label else name
@@ -241,11 +248,15 @@ def dispatch_mode(tracker, device_type):
     from torch.utils._pytree import tree_leaves
 
     class _Mode(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):  # nothing compiles in a shadow run: no dynamo guard per op
+            return False
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **(kwargs or {}))
             tracker.before_op()
-            tracker.op = f"{func} in {tracker.label or 'the loop'}"  # named if the step fails here
+            tracker.last = (func, tracker.label)  # named if the step fails here
             key = tracker.key(func.__name__.split(".")[0])
             cpu = device_type == "cpu"
             scalars, local = _wrapped_scalars(func, args) if cpu else ([], False)
@@ -277,7 +288,8 @@ def dispatch_mode(tracker, device_type):
                     held += ids
             if not cpu:  # what a CUDA kernel allocates before its outputs (shadow_cuda)
                 held += [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
-            out = func(*args, **(kwargs or {}))
+            cache = tracker.meta_cache
+            out = func(*args, **(kwargs or {})) if cache is None else cache.call(func, args, kwargs or {})
             leaves = [(t, None) for t in tree_leaves(out) if isinstance(t, torch.Tensor)] if cpu else shadow_cuda.outputs(func, out)
             for t, nbytes in leaves:
                 tracker.add(t.untyped_storage(), key, nbytes)

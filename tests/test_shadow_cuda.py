@@ -119,3 +119,20 @@ def test_report_trace_on_a_cuda_audit(tmp_path, name):
     assert tr["first_divergence"] is None and tr["measured_events"] == tr["predicted_events"] > 300
     assert tr["measured_peak"] == tr["predicted_peak"]
     assert "They agree event by event" in p.stdout
+
+
+def test_meta_kernel_cache_changes_no_event():
+    """shadow_metacache answers a meta kernel's repeated question from the first answer: on
+    random configs (seed printed; SHADOW_SEED replays it) every event, id and phase of the CUDA
+    shadow is the same with and without it, fp16, bf16 and fp32 (cuDNN and efficient attention)."""
+    import random
+
+    from memory_audit import shadow
+    from memory_audit.sweep import random_config
+    seed = int(os.environ.get("SHADOW_SEED") or random.SystemRandom().randrange(10 ** 6))
+    rng = random.Random(seed)
+    for i, dtype in enumerate(("float16", "bfloat16", "float32")):
+        cfg = dict(DEFAULTS, **dict(random_config(rng), dtype=dtype))
+        print(f"meta cache seed {seed} (replay: SHADOW_SEED={seed}), config {i}: {cfg}")
+        kw = dict(sdpa_backend="cudnn", workspace_bytes=8519680)
+        assert shadow.run(cfg, "cuda", cache=False, **kw) == shadow.run(cfg, "cuda", **kw), f"seed {seed} config {i}"
