@@ -94,7 +94,7 @@ class BlockSim:
 
 
 # action codes of trace.ACTIONS, repeated here so that this module stays free of numpy
-_ALLOC, _FREE_REQUESTED, _FREE_COMPLETED, _FREE, _SEG_ALLOC, _SEG_FREE, _SEG_MAP, _SEG_UNMAP = range(1, 9)
+ALLOC, _FREE_REQUESTED, FREE_COMPLETED, FREE, SEG_ALLOC, _SEG_FREE, SEG_MAP, _SEG_UNMAP = range(1, 9)
 
 
 def replay_blocks_py(act, addr, size, cpu):
@@ -110,23 +110,23 @@ def replay_blocks_py(act, addr, size, cpu):
     sim, live = BlockSim(), {}
     for i in range(n):
         a, ad, sz = act[i], addr[i], size[i]
-        if a == _ALLOC:
+        if a == ALLOC:
             prev = live.get(ad)
             if prev is not None:
                 pair[prev] = i
             block[i] = sz if cpu else sim.alloc(ad, sz)
             live[ad] = i
-        elif a in (_FREE_REQUESTED, _FREE):
+        elif a in (_FREE_REQUESTED, FREE):
             j = live.pop(ad, None)
             if j is None:
                 block[i] = sz
             else:
                 block[i], pair[i], pair[j] = block[j], j, i
-            if a == _FREE:
+            if a == FREE:
                 sim.complete(ad)
-        elif a == _FREE_COMPLETED:
+        elif a == FREE_COMPLETED:
             sim.complete(ad)
-        elif a in (_SEG_ALLOC, _SEG_MAP):
+        elif a in (SEG_ALLOC, SEG_MAP):
             sim.segment_alloc(ad, sz)
         elif a in (_SEG_FREE, _SEG_UNMAP):
             sim.segment_free(ad, sz)

@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .recorder import AuditError, AuditRecording, _tensors_in, named_tensors, saved_tensor_ledger, distributed_info
+from .recorder import AuditError, AuditRecording, tensors_in, named_tensors, saved_tensor_ledger, distributed_info
 
 
 class Audit:
@@ -199,7 +199,7 @@ class Audit:
 
     def _note_output(self, module, args, kwargs, output):
         if torch._C._current_autograd_node() is None:  # a forward, not a checkpoint's recompute
-            tensors = _tensors_in(output)
+            tensors = tensors_in(output)
             for k in [k for k in self._loop if k.startswith("temporary/loop/output")]:
                 del self._loop[k]
             for i, t in enumerate(tensors):
@@ -272,8 +272,8 @@ class Audit:
 
 
 def _storage_ptr(t):
-    from .recorder import _local
-    return _local(t).untyped_storage().data_ptr()
+    from .recorder import local_tensor
+    return local_tensor(t).untyped_storage().data_ptr()
 
 
 def _arguments(module, args, kwargs):
@@ -290,17 +290,17 @@ def _arguments(module, args, kwargs):
 def _loss_inputs(root, returned_at, limit=64):
     """(op.attr, tensor) of leaf tensors that need no gradient, saved by the autograd nodes made
     after the model returned (sequence number above `returned_at`: the loss's; at most `limit`)."""
-    from .recorder import _op_name, _saved_values
+    from .recorder import op_name, saved_values_of
     out, seen, todo = [], set(), [root]
     while todo and len(seen) < limit:
         node = todo.pop()
         if node is None or node in seen or node._sequence_nr() <= returned_at:
             continue
         seen.add(node)
-        for attr, value in _saved_values(node, False):
+        for attr, value in saved_values_of(node, False):
             for t in value if isinstance(value, (list, tuple)) else [value]:
                 if torch.is_tensor(t) and t.grad_fn is None and not t.requires_grad and t.dim() > 0:
-                    out.append((_op_name(node.name(), attr), t))
+                    out.append((op_name(node.name(), attr), t))
         todo.extend(fn for fn, _ in node.next_functions)
     return out
 

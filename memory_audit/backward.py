@@ -45,40 +45,40 @@ from .parts import grad_phases, line, materialized_scores, numel as _numel
 PEAK = ("peak",)
 
 
-def _delta(s, key, nbytes, formula, note=""):
+def delta(s, key, nbytes, formula, note=""):
     return line(s, key, nbytes, "", [], formula, PEAK, note)
 
 
 def _released(s, l, note=""):
     """The release of saved line l at a moment."""
-    return _delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], note)
+    return delta(s, f"released/{l['key']}", -l["bytes"], "-" + l["formula"], note)
 
 
-def _backward_begun(s, cfg):
+def backward_begun(s, cfg):
     """What every moment after backward() is called holds: the prefetched batch, fp16's scaled
     loss and the grad seed backward() keeps until it returns."""
-    out = [_delta(s, "inputs/next_batch", 2 * 8 * s["B"] * s["T"], "2*8*B*T", "prefetched X, Y")]
+    out = [delta(s, "inputs/next_batch", 2 * 8 * s["B"] * s["T"], "2*8*B*T", "prefetched X, Y")]
     if cfg["dtype"] == "float16":
-        out.append(_delta(s, "temporary/scaled_loss", 4, "4", "scaler.scale(loss)"))
-    out.append(_delta(s, "temporary/grad_seed", 4, "4", "ones_like(loss) for backward"))
+        out.append(delta(s, "temporary/scaled_loss", 4, "4", "scaler.scale(loss)"))
+    out.append(delta(s, "temporary/grad_seed", 4, "4", "ones_like(loss) for backward"))
     return out
 
 
 def start_of_backward(s, cfg):
     """The peak of an eager step: the start of backward, when cross-entropy's gradient appears."""
     B, T, Nl = s["B"], s["T"], s["Nl"]
-    out = _backward_begun(s, cfg)
+    out = backward_begun(s, cfg)
     if s["pol"]["nll_fp32_copy"]:
-        out.append(_delta(s, "temporary/grad_into_nll", 4, "4", "d loss / d nll output"))
-        out.append(_delta(s, "temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
+        out.append(delta(s, "temporary/grad_into_nll", 4, "4", "d loss / d nll output"))
+        out.append(delta(s, "temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
         return out
     # the peak comes one node later, at log_softmax's backward; nll_loss has let go
-    out.append(_delta(s, "temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
-    out.append(_delta(s, "temporary/log_softmax_grad", 4 * Nl, "4*B*T*V", "log_softmax backward output, fp32"))
-    out.append(_delta(s, "released/nll_loss.target", -8 * B * T, "-8*B*T", "the old targets, saved by nll_loss"))
-    out.append(_delta(s, "released/nll_loss.total_weight", -4, "-4"))
+    out.append(delta(s, "temporary/nll_grad", 4 * Nl, "4*B*T*V", "nll_loss_backward output, fp32"))
+    out.append(delta(s, "temporary/log_softmax_grad", 4 * Nl, "4*B*T*V", "log_softmax backward output, fp32"))
+    out.append(delta(s, "released/nll_loss.target", -8 * B * T, "-8*B*T", "the old targets, saved by nll_loss"))
+    out.append(delta(s, "released/nll_loss.total_weight", -4, "-4"))
     if s["dt"] == "cpu":
-        out.append(_delta(s, "released/div.other", -8, "-8"))
+        out.append(delta(s, "released/div.other", -8, "-8"))
     return out
 
 
@@ -106,17 +106,17 @@ def block_entry(s, cfg, params, acts, b):
     are done, and the gradient into block b has arrived."""
     B, T, d, L = s["B"], s["T"], s["d"], s["L"]
     out = [_released(s, l) for l in _released_after(acts, b)]
-    out.append(_delta(s, "released/inputs.y", -8 * B * T, "-8*B*T", "old targets, freed with nll_loss"))
-    out += _backward_begun(s, cfg)
+    out.append(delta(s, "released/inputs.y", -8 * B * T, "-8*B*T", "old targets, freed with nll_loss"))
+    out += backward_begun(s, cfg)
     if "step2_before_backward" not in grad_phases(cfg):  # fresh gradients, made as backward goes
         later = tuple(f"transformer.h.{j}." for j in range(b + 1, L)) + ("transformer.ln_f.",)
-        out.append(_delta(s, "grads/later_blocks", _param_grads(s, params, later), "4*numel",
+        out.append(delta(s, "grads/later_blocks", _param_grads(s, params, later), "4*numel",
                           f"blocks {b + 1}..{L - 1} and ln_f"))
     # the tied weight's gradient waits in the engine's input buffer for the embedding's
-    out.append(_delta(s, "temporary/lm_head_grad", 4 * s["V"] * d, "4*V*d",
+    out.append(delta(s, "temporary/lm_head_grad", 4 * s["V"] * d, "4*V*d",
                       "tied wte/lm_head gradient, until the embedding's is added"))
     rows = s["Ne"] // (s["tp"] if s["sp"] else 1)  # sequence parallelism: the residual stream is /t
-    return out + [_delta(s, f"temporary/h.{b}/grad_output", 4 * rows, "4*B*T*d", "gradient into the block (fp32)")]
+    return out + [delta(s, f"temporary/h.{b}/grad_output", 4 * rows, "4*B*T*d", "gradient into the block (fp32)")]
 
 
 def block_moment(s, cfg, params, acts, b, redo):
@@ -128,7 +128,7 @@ def block_moment(s, cfg, params, acts, b, redo):
     for l in redo["freed"]:
         out.append(_released(s, l, "consumed by the recomputation"))
     for l in redo["new"]:
-        out.append(_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"]))
+        out.append(delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"]))
     return out
 
 
@@ -145,15 +145,15 @@ def forward_end(s, cfg, acts):
             if block_mode(cfg, i) in ("full", "sac"):
                 for mod, n_in, n_out in (("attn.c_attn", d, 3 * d), ("attn.c_proj", d, d),
                                          ("mlp.c_fc", d, 4 * d), ("mlp.c_proj", 4 * d, d)):
-                    out.append(_delta(s, f"temporary/autocast_cache/h.{i}.{mod}", s["a"] * n_in * n_out // s["tp"],
+                    out.append(delta(s, f"temporary/autocast_cache/h.{i}.{mod}", s["a"] * n_in * n_out // s["tp"],
                                       f"{s['a']}*{n_in}*{n_out}/t", "weight copy, cached until autocast exits"))
-    out.append(_delta(s, "temporary/tok_emb", 4 * Ne, "4*B*T*d", "held by GPT.forward"))
-    out.append(_delta(s, "temporary/pos_emb", 4 * T * d, "4*T*d", "held by GPT.forward"))
+    out.append(delta(s, "temporary/tok_emb", 4 * Ne, "4*B*T*d", "held by GPT.forward"))
+    out.append(delta(s, "temporary/pos_emb", 4 * T * d, "4*T*d", "held by GPT.forward"))
     if s["autocast"]:  # ln_f's fp32 output; lm_head saved its low-precision cast
-        out.append(_delta(s, "temporary/ln_f_output", 4 * Ne, "4*B*T*d", "held by GPT.forward"))
+        out.append(delta(s, "temporary/ln_f_output", 4 * Ne, "4*B*T*d", "held by GPT.forward"))
     if s["pol"]["log_softmax"] == "fp32" and s["autocast"]:
-        out.append(_delta(s, "temporary/logits_fp32", 4 * s["Nl"], "4*B*T*V", "cross_entropy's fp32 copy"))
-    out.append(_delta(s, "temporary/new_loss", 4, "4", "the loss, before the loop divides it"))
+        out.append(delta(s, "temporary/logits_fp32", 4 * s["Nl"], "4*B*T*V", "cross_entropy's fp32 copy"))
+    out.append(delta(s, "temporary/new_loss", 4, "4", "the loss, before the loop divides it"))
     out += [_released(s, l, "not made yet")
             for l in acts if l["key"] == "activations/gpt/div.other"]
     return out
@@ -176,15 +176,15 @@ def backward_end(s, cfg, params, acts, grads=None):
     tied = _tied_bytes(params)
     out = [_released(s, l)
            for l in acts if l["key"] != "activations/lm_head/output"]
-    out.append(_delta(s, "released/inputs.y", -8 * s["B"] * s["T"], "-8*B*T", "old targets, freed with nll_loss"))
-    out += _backward_begun(s, cfg)
+    out.append(delta(s, "released/inputs.y", -8 * s["B"] * s["T"], "-8*B*T", "old targets, freed with nll_loss"))
+    out += backward_begun(s, cfg)
     if fresh:
-        out.append(_delta(s, "grads/all_but_wte", sum(4 * _numel(sh) for n, sh in params) - tied, "4*numel",
+        out.append(delta(s, "grads/all_but_wte", sum(4 * _numel(sh) for n, sh in params) - tied, "4*numel",
                           "every gradient but the tied weight's"))
     out += grads or []
-    out.append(_delta(s, "temporary/lm_head_grad", tied, "4*V*d", "tied wte/lm_head gradient, waiting for wte's"))
-    out.append(_delta(s, "temporary/wte/grad_weight", tied, "4*V*d", "embedding backward's weight gradient"))
-    return out + [_delta(s, "temporary/wte/grad_output", 4 * s["Ne"], "4*B*T*d", "gradient into the embedding (fp32)")]
+    out.append(delta(s, "temporary/lm_head_grad", tied, "4*V*d", "tied wte/lm_head gradient, waiting for wte's"))
+    out.append(delta(s, "temporary/wte/grad_weight", tied, "4*V*d", "embedding backward's weight gradient"))
+    return out + [delta(s, "temporary/wte/grad_output", 4 * s["Ne"], "4*B*T*d", "gradient into the embedding (fp32)")]
 
 
 def tied_sum(s, params):
@@ -192,9 +192,9 @@ def tied_sum(s, params):
     out of place (under autocast it adds in place, and this moment does not exist). The old
     tokens, saved by the embedding, and the gradient into it are gone."""
     tied = _tied_bytes(params)
-    return [_delta(s, "released/inputs.x", -8 * s["B"] * s["T"], "-8*B*T", "old tokens, freed with the embedding's node"),
-            _delta(s, "released/wte/grad_output", -4 * s["Ne"], "-4*B*T*d"),
-            _delta(s, "temporary/tied_grad_sum", tied, "4*V*d", "lm_head's + wte's gradient, out of place")]
+    return [delta(s, "released/inputs.x", -8 * s["B"] * s["T"], "-8*B*T", "old tokens, freed with the embedding's node"),
+            delta(s, "released/wte/grad_output", -4 * s["Ne"], "-4*B*T*d"),
+            delta(s, "temporary/tied_grad_sum", tied, "4*V*d", "lm_head's + wte's gradient, out of place")]
 
 
 def _c_proj_incoming(s, b):
@@ -203,14 +203,14 @@ def _c_proj_incoming(s, b):
     a, rows, out = s["a"], s["Ne"] // (s["tp"] if s["sp"] else 1), []
     if s["drop"]:  # the MLP's dropout ran its backward first: its output is c_proj's gradient
         g = a if s["autocast"] else 4  # (under autocast the gradient's low-precision cast is gone)
-        out.append(_delta(s, f"temporary/h.{b}.mlp.dropout/grad_input", g * rows, f"{g}*B*T*d",
+        out.append(delta(s, f"temporary/h.{b}.mlp.dropout/grad_input", g * rows, f"{g}*B*T*d",
                           "dropout's input gradient"))
     elif s["autocast"]:
-        out.append(_delta(s, f"temporary/h.{b}.mlp/grad_output_cast", a * rows, f"{a}*B*T*d",
+        out.append(delta(s, f"temporary/h.{b}.mlp/grad_output_cast", a * rows, f"{a}*B*T*d",
                           "its cast for the low-precision MLP output"))
     if s["sp"]:  # the row-parallel c_proj's reduce-scatter: its backward all-gathers the gradient
         g = a if s["autocast"] else 4
-        out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_output_gathered", g * s["Ne"], f"{g}*B*T*d",
+        out.append(delta(s, f"temporary/h.{b}.mlp.c_proj/grad_output_gathered", g * s["Ne"], f"{g}*B*T*d",
                           "all-gathered over the ranks"))
     return out
 
@@ -225,14 +225,14 @@ def _first_matmul(s, cfg, b):
     t, w = s["tp"], f"h.{b}.mlp.c_proj"  # tensor parallelism: c_proj's input and weight are /t
     out = _c_proj_incoming(s, b)
     if s["autocast"]:
-        out.append(_delta(s, f"temporary/{w}/grad_weight", a * 4 * d * d // t, f"{a}*4d*d/t", "low-precision weight gradient"))
+        out.append(delta(s, f"temporary/{w}/grad_weight", a * 4 * d * d // t, f"{a}*4d*d/t", "low-precision weight gradient"))
     else:
         key = f"grads/transformer.{w}.weight" if fresh else f"temporary/{w}/grad_weight"
-        out.append(_delta(s, key, 4 * 4 * d * d // t, "4*4d*d/t"))
+        out.append(delta(s, key, 4 * 4 * d * d // t, "4*4d*d/t"))
     if s["bias"]:  # addmm's bias gradient, a sum over the rows (measured for fp32 only)
         key = f"grads/transformer.{w}.bias" if fresh and not s["autocast"] else f"temporary/{w}/grad_bias"
-        out.append(_delta(s, key, (a if s["autocast"] else 4) * d, "4*d"))
-    out.append(_delta(s, f"temporary/{w}/grad_input", a * 4 * Ne // t, f"{a}*4*B*T*d/t", "c_proj's input gradient"))
+        out.append(delta(s, key, (a if s["autocast"] else 4) * d, "4*d"))
+    out.append(delta(s, f"temporary/{w}/grad_input", a * 4 * Ne // t, f"{a}*4*B*T*d/t", "c_proj's input gradient"))
     return out
 
 
@@ -245,17 +245,17 @@ def _after_c_proj(s, b, saved):
     exists. Measured on CPU: with ReLU this moment, or the activation's backward after it, is
     the peak."""
     a, Ne = s["a"], s["Ne"] // s["tp"]  # the MLP's hidden units are /t with tensor parallelism
-    out = [_delta(s, "released/" + l["key"][len("temporary/"):], -l["bytes"], "-" + l["formula"], "spent by c_proj's backward")
+    out = [delta(s, "released/" + l["key"][len("temporary/"):], -l["bytes"], "-" + l["formula"], "spent by c_proj's backward")
            for l in _c_proj_incoming(s, b)]
     if s["activation"] == "gelu":  # GELU's output was saved by c_proj alone (ReLU's by ReLU too)
-        out.append(_delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d/t", "GELU output"))
+        out.append(delta(s, f"released/h.{b}.mlp.c_proj.input", -a * 4 * Ne, f"-{a}*4*B*T*d/t", "GELU output"))
     if s["autocast"]:
         out += [_released(s, l, "c_proj's weight copy, spent")
                 for l in saved if l["key"].split("/", 1)[1] in (f"h.{b}.mlp.c_proj/mm.mat2", f"h.{b}.mlp.c_proj/addmm.mat2")]
         if s["bias"]:  # the bias gradient was cast first (its low-precision one is gone)
-            out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_bias_fp32", (4 - a) * s["d"], f"(4-{a})*d",
+            out.append(delta(s, f"temporary/h.{b}.mlp.c_proj/grad_bias_fp32", (4 - a) * s["d"], f"(4-{a})*d",
                               "the bias gradient cast to fp32, the low-precision one freed"))
-        out.append(_delta(s, f"temporary/h.{b}.mlp.c_proj/grad_weight_fp32", 4 * 4 * s["d"] * s["d"] // s["tp"], "4*4d*d/t",
+        out.append(delta(s, f"temporary/h.{b}.mlp.c_proj/grad_weight_fp32", 4 * 4 * s["d"] * s["d"] // s["tp"], "4*4d*d/t",
                           "the weight gradient cast to fp32"))
     return out
 
@@ -264,14 +264,14 @@ def _low_precision_grad_freed(s, b):
     """Once the fp32 copy exists, the low-precision weight gradient goes (autocast only)."""
     if not s["autocast"]:
         return []
-    return [_delta(s, f"released/h.{b}.mlp.c_proj/grad_weight", -s["a"] * 4 * s["d"] * s["d"] // s["tp"], f"-{s['a']}*4d*d/t")]
+    return [delta(s, f"released/h.{b}.mlp.c_proj/grad_weight", -s["a"] * 4 * s["d"] * s["d"] // s["tp"], f"-{s['a']}*4d*d/t")]
 
 
 def _activation_backward(s, b):
     """One node later: the MLP activation's input gradient (ReLU's output, its own saved tensor,
     is still there; GELU's went with c_proj's backward)."""
     a, Ne = s["a"], s["Ne"] // s["tp"]  # the MLP's hidden units are /t with tensor parallelism
-    return [_delta(s, f"temporary/h.{b}.mlp.act/grad_input", a * 4 * Ne, f"{a}*4*B*T*d/t", "activation's input gradient")]
+    return [delta(s, f"temporary/h.{b}.mlp.act/grad_input", a * 4 * Ne, f"{a}*4*B*T*d/t", "activation's input gradient")]
 
 
 # what block b's attention still holds inside its backward: ln_1's and c_attn's saved tensors,
@@ -318,27 +318,27 @@ def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
     out = block_entry(s, cfg, params, acts, b)
     out += [_released(s, l, f"spent before {at}'s backward")
             for l in acts if _block_of(l["key"]) == b and _spent(l, b, spent, at)]
-    out += [_delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"])
+    out += [delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"])
             for l in redo["new"] if _held(l["key"], b, at)]
     # fresh gradients; FSDP2's are whole inside a block's backward and new whatever set_to_none
     # says (the kept ones are shards), unless earlier micro-steps accumulated them whole
     fsdp_fresh = str(cfg["parallel"]).startswith("fsdp") and cfg["gradient_accumulation_steps"] == 1
     if "step2_before_backward" not in grad_phases(cfg) or fsdp_fresh:
         done = tuple(f"transformer.h.{b}.{m}." for m in ("mlp", "ln_2", "attn.c_proj"))
-        out.append(_delta(s, f"grads/h.{b}.after_attention_core", _param_grads(s, own or params, done), "4*numel",
+        out.append(delta(s, f"grads/h.{b}.after_attention_core", _param_grads(s, own or params, done), "4*numel",
                           f"h.{b}'s mlp, ln_2 and attn.c_proj"))
     by_key = {l["key"]: l for l in acts + redo["new"]}
     core = f"activations/h.{b}.attn/"
     probs = by_key.get(core + "softmax.result") or by_key[core + "safe_softmax.result"]
     # v's dtype (math SDPA: fp32 under autocast too); no line for v where q, k, v are views
     v = by_key.get(core + "bmm.mat2#2") or {"bytes": s["a"] * s["Ne"] // s["tp"], "formula": f"{s['a']}*B*T*d/t"}
-    out.append(_delta(s, f"temporary/h.{b}.attn/grad_v", v["bytes"], v["formula"], "att @ v's gradient for v"))
+    out.append(delta(s, f"temporary/h.{b}.attn/grad_v", v["bytes"], v["formula"], "att @ v's gradient for v"))
     if at == "att @ v":
         att = by_key.get(core + "bmm.self#2", probs)  # what att @ v saved
-        return out + [_delta(s, f"temporary/h.{b}.attn/grad_y", v["bytes"], v["formula"], "c_proj's input gradient, made contiguous"),
-                      _delta(s, f"temporary/h.{b}.attn/grad_att", att["bytes"], att["formula"], "the gradient of att @ v's input")]
-    return out + [_delta(s, f"temporary/h.{b}.attn/grad_probs", probs["bytes"], probs["formula"], "the gradient into softmax"),
-                  _delta(s, f"temporary/h.{b}.attn/grad_scores", probs["bytes"], probs["formula"], "softmax's input gradient")]
+        return out + [delta(s, f"temporary/h.{b}.attn/grad_y", v["bytes"], v["formula"], "c_proj's input gradient, made contiguous"),
+                      delta(s, f"temporary/h.{b}.attn/grad_att", att["bytes"], att["formula"], "the gradient of att @ v's input")]
+    return out + [delta(s, f"temporary/h.{b}.attn/grad_probs", probs["bytes"], probs["formula"], "the gradient into softmax"),
+                  delta(s, f"temporary/h.{b}.attn/grad_scores", probs["bytes"], probs["formula"], "softmax's input gradient")]
 
 
 def attention_blocks(L, every):

@@ -168,8 +168,8 @@ def compiled_ledger(out, device, graphs, short):
                          "data_ptr": ptr, "nbytes": nbytes, "dtype": dtype, "shape": shape}
         # eager ops around the compiled graph (the loop's division) and what the loop holds:
         # named as the eager ledger names them
-        from .recorder import _graph_savers, _saved_records
-        savers, info = _graph_savers([loss.grad_fn]) if loss is not None else ({}, {})
+        from .recorder import graph_savers, saved_records
+        savers, info = graph_savers([loss.grad_fn]) if loss is not None else ({}, {})
         rest = {p: {"module": "", **info[p]} for p in savers if p not in seen}
         for module, t in (held or {}).items():
             st = t.untyped_storage()
@@ -177,7 +177,7 @@ def compiled_ledger(out, device, graphs, short):
                 rest.setdefault(st.data_ptr(), {"module": module, "held": True, "device": str(t.device),
                                                 "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
                                                 "shape": list(t.shape)})
-        for r in _saved_records(rest, savers, device, checkpointed=False, short=short):
+        for r in saved_records(rest, savers, device, checkpointed=False, short=short):
             seen[r["data_ptr"]] = r
         out.extend(seen.values())
 

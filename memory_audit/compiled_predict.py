@@ -19,12 +19,12 @@ wrappers' code, stopping before any kernel is compiled (seconds, no step, no GPU
 Needs torch and model.py (it builds the model); the eager predictor stays torch-free.
 """
 
-from .backward import _backward_begun, _delta
+from .backward import backward_begun, delta
 from .inductor_plan import replay
 from .levers import forward_flops
 from .parts import act, grad_phases, shape_facts
-from .predict import DEFAULTS, _plain, _totals, _validate, device_facts, param_shapes, steady_lines
-from .recorder import _short_module
+from .ledger import DEFAULTS, device_facts, param_shapes, plain, steady_lines, totals as totals_of, validate
+from .recorder import short_module
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attention", "activation")
 COMPILED_DEFAULTS = dict(DEFAULTS, activation_memory_budget=1.0)
@@ -74,7 +74,7 @@ def _forward(plan):
     return fw, fw["outputs"][:n_user], fw["outputs"][n_user:]
 
 
-def compiled_activation_lines(s, cfg, plan, short=_short_module):
+def compiled_activation_lines(s, cfg, plan, short=short_module):
     """(activation lines, {storage id: key} of what the forward saved, the forward's replay)."""
     fw, user, saved = _forward(plan)
     lines, keys = [], {}
@@ -110,19 +110,19 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user):
     batch = [f"primal:{i + 1}" for i, p in enumerate(plan["inputs"]) if not p["param"]]
     names = dict(keys, **dict(zip(batch, ("inputs/x", "inputs/y"))))
     tangents = [t for t in bw["inputs"] if t.startswith("tangents_") and inputs[t][0] not in bw["freed_at_peak"]]
-    lines = _backward_begun(s, cfg)
+    lines = backward_begun(s, cfg)
     if s["dt"] == "cpu":  # the loop's division ran its backward first and let its divisor go
-        lines.append(_delta(s, "released/activations/gpt/div.other", -8, "-8", "DivBackward has run"))
-    lines += [_delta(s, f"temporary/compiled_backward/{t}", inputs[t][1], "output size",
+        lines.append(delta(s, "released/activations/gpt/div.other", -8, "-8", "DivBackward has run"))
+    lines += [delta(s, f"temporary/compiled_backward/{t}", inputs[t][1], "output size",
                      "the output's gradient handed to the backward") for t in tangents]
     grads = {}  # buffers the backward returns as a parameter's gradient: grads/<name> where fresh
     if "step2_before_backward" not in grad_phases(cfg):
         grads = {b: f"grads/{plan['inputs'][j]['name']}" for j, b in enumerate(bw["output_buffers"])
                  if b and j < len(plan["inputs"]) and plan["inputs"][j].get("name")}
-    lines += [_delta(s, grads.get(b, f"temporary/compiled_backward/{b}"), n, "inductor buffer")
+    lines += [delta(s, grads.get(b, f"temporary/compiled_backward/{b}"), n, "inductor buffer")
               for b, n in bw["peak_live"].items()]
     size = {sid: n for sid, n in inputs.values()}
-    lines += [_delta(s, f"released/{names.get(sid, sid)}", -size[sid], "freed by the backward")
+    lines += [delta(s, f"released/{names.get(sid, sid)}", -size[sid], "freed by the backward")
               for sid in bw["freed_at_peak"] if not sid.startswith("tangent:")]
     return lines, bw
 
@@ -130,8 +130,8 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user):
 def forward_peak_lines(s, fw, acts):
     """The forward's busiest line as changes from the before-backward ledger: its buffers live
     then instead of what the forward ends with (the saved storages and the loop's tensors)."""
-    lines = [_delta(s, f"released/{l['key']}", -l["bytes"], "not made yet") for l in acts]
-    return lines + [_delta(s, f"temporary/compiled_forward/{b}", n, "inductor buffer") for b, n in fw["peak_live"].items()]
+    lines = [delta(s, f"released/{l['key']}", -l["bytes"], "not made yet") for l in acts]
+    return lines + [delta(s, f"temporary/compiled_forward/{b}", n, "inductor buffer") for b, n in fw["peak_live"].items()]
 
 
 def peak_candidates(s, cfg, plan, acts, keys, fw_user):
@@ -150,7 +150,7 @@ def predict_compiled(config=None, device=None, plan=None):
     """predict() for a compiled run: the same dict (config, device, ledger, totals, backward)."""
     cfg = dict(COMPILED_DEFAULTS)
     cfg.update({k: v for k, v in (config or {}).items() if k in COMPILED_DEFAULTS})
-    _validate(cfg)
+    validate(cfg)
     if cfg["activation_checkpointing"] != "none":
         raise ValueError("compiled runs with activation checkpointing are not predicted yet")
     if not 0.0 <= float(cfg["activation_memory_budget"]) <= 1.0:
@@ -164,10 +164,10 @@ def predict_compiled(config=None, device=None, plan=None):
                              "(fake CUDA tensors cannot be made without one); --gpu=cpu predicts the CPU plan")
     plan = plan or plan_for(cfg, dev["type"])
     params = param_shapes(cfg)
-    acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: _short_module(m, "", "gpt"))
+    acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: short_module(m, "", "gpt"))
     peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user)
-    ledger = [_plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
-    totals = _totals(ledger, params, dev, None, cfg)
+    ledger = [plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
+    totals = totals_of(ledger, params, dev, None, cfg)
     totals["saved_bytes"] = sum(l["bytes"] for l in acts)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
     totals["recompute_flops"] = plan.get("recompute_flops", 0) * cfg["gradient_accumulation_steps"]

@@ -31,7 +31,7 @@ here the best-fit choice and the new segments are made instead.
 import bisect
 
 from .allocator_sim import SMALL_SIZE as MiB, BlockSim, round_size
-from .allocator_sim import _ALLOC, _FREE, _FREE_COMPLETED, _SEG_ALLOC, _SEG_MAP
+from .allocator_sim import ALLOC, FREE, FREE_COMPLETED, SEG_ALLOC, SEG_MAP
 
 
 def segment_size(rounded):
@@ -341,11 +341,11 @@ def replay_requests(act, addr, size, expandable=False):
     model, placed, real = CachingAllocatorModel(expandable), {}, []
     for a, ad, sz in zip(act, addr, size):
         a, ad, sz = int(a), int(ad), int(sz)
-        if a == _ALLOC:
+        if a == ALLOC:
             placed[ad] = model.alloc(sz)[0]
-        elif a in (_FREE_COMPLETED, _FREE) and ad in placed:
+        elif a in (FREE_COMPLETED, FREE) and ad in placed:
             model.release(placed.pop(ad))
-        elif a in (_SEG_ALLOC, _SEG_MAP):
+        elif a in (SEG_ALLOC, SEG_MAP):
             real.append(sz)
     return {"reserved": model.reserved, "segments": sorted(model.segments.values()),
             "trace_reserved": sum(real), "trace_segments": sorted(real)}

@@ -36,13 +36,25 @@ def numel(shape):
     return n
 
 
+def tp_size(cfg):
+    """Ranks a tensor-parallel run splits each block over (1 for anything else): every rank with
+    tp and tp-sp, tp_size of them with fsdp+tp and fsdp+tp-sp."""
+    if "tp" not in str(cfg.get("parallel", "none")):
+        return 1
+    return cfg.get("tp_size") or cfg.get("world_size", 1)
+
+
+def sequence_parallel(cfg):
+    """Whether a tensor-parallel run also splits the LayerNorms and residual stream (tp-sp, fsdp+tp-sp)."""
+    return tp_size(cfg) > 1 and str(cfg.get("parallel")).endswith("tp-sp")
+
+
 def shape_facts(cfg, dev):
     """The sizes and dtypes every part needs, as one plain dict."""
     B, T, d, nh = cfg["batch_size"], cfg["block_size"], cfg["n_embd"], cfg["n_head"]
     autocast = cfg["dtype"] != "float32"
     pol = POLICIES[(dev["type"], autocast)]
     lowp = cfg["dtype"] if autocast else "float32"
-    from .tensor_parallel import sequence_parallel, tp_size  # (tensor_parallel imports parts)
     t = tp_size(cfg)
     return {"B": B, "T": T, "d": d, "nh": nh, "nh_local": nh // t, "L": cfg["n_layer"], "V": cfg["vocab_size"],
             "tp": t, "sp": sequence_parallel(cfg),  # tensor (and sequence) parallelism

@@ -45,14 +45,14 @@ def _write_pickle(obj, path):
         raise AuditError(f"could not write {path}: {e.strerror or e}") from None
 
 
-def _local(t):
+def local_tensor(t):
     """The tensor whose memory this rank holds: a DTensor's (FSDP2's sharded parameters, their
     gradients and Adam state) local shard, else the tensor itself."""
     return getattr(t, "_local_tensor", t)
 
 
 def _tensor_entry(name, t):
-    t = _local(t)
+    t = local_tensor(t)
     st = t.untyped_storage()
     return {"name": name, "data_ptr": st.data_ptr(), "nbytes": st.nbytes(),
             "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
@@ -107,8 +107,8 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
     for unit, fps in _fsdp_units(model):  # gradient shards kept across steps (set_to_none=False)
         for fp in fps:  # are views into their unit's first reduce-scatter output: one buffer a unit
             g = fp.sharded_param.grad
-            if g is not None and _is_view_into_more(g) and _local(g).untyped_storage().data_ptr() not in shared:
-                shared.add(_local(g).untyped_storage().data_ptr())
+            if g is not None and _is_view_into_more(g) and local_tensor(g).untyped_storage().data_ptr() not in shared:
+                shared.add(local_tensor(g).untyped_storage().data_ptr())
                 yield f"grads/{unit}/shards", g
     for p, name in names.items():
         g = p.grad
@@ -130,7 +130,7 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
 
 
 def _is_view_into_more(t):
-    return _local(t).untyped_storage().nbytes() > _local(t).numel() * t.element_size()
+    return local_tensor(t).untyped_storage().nbytes() > local_tensor(t).numel() * t.element_size()
 
 
 def distributed_info(model):
@@ -156,14 +156,14 @@ def build_registry(model, optimizer=None, scaler=None, tensors=None):
 # ---------------------------------------------------------------------------------------------
 # saved-tensor ledger
 
-def _op_name(grad_fn_name, attr):
+def op_name(grad_fn_name, attr):
     """'NativeLayerNormBackward0', '_saved_mean' -> 'native_layer_norm.mean'."""
     base = re.sub(r"Backward\d*$", "", grad_fn_name)
     base = re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
     return f"{base}.{attr[len('_saved_'):]}"
 
 
-def _short_module(path, prefix="", root="model"):
+def short_module(path, prefix="", root="model"):
     """Module path as ledger keys write it: the model's own prefix dropped (GPT: 'transformer.'),
     '' (the model itself) as its class name, None (outside the model: the loop's loss) as 'loop'."""
     if path is None:
@@ -174,13 +174,13 @@ def _short_module(path, prefix="", root="model"):
 
 
 def module_namer(model):
-    """_short_module for this model: its `audit_prefix` (model.py's GPT: 'transformer.') and its
+    """short_module for this model: its `audit_prefix` (model.py's GPT: 'transformer.') and its
     class name for the model itself."""
     cls = type(model)
     if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 2:  # fully_shard swaps in FSDP<Class>
         cls = cls.__mro__[2]
     prefix, root = getattr(model, "audit_prefix", ""), cls.__name__.lower()
-    return lambda path: _short_module(path, prefix, root)
+    return lambda path: short_module(path, prefix, root)
 
 
 class _Region:
@@ -307,10 +307,10 @@ def saved_tensor_ledger(model, out, device):
         stack.pop()  # the last module to run keeps the wrapped scalars that follow it
         seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1] if stack else ""))
         if not stack:
-            weak.extend(weakref.ref(t) for t in _tensors_in(output))
+            weak.extend(weakref.ref(t) for t in tensors_in(output))
 
     def record(t, op=None, held=False):
-        t = _local(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
+        t = local_tensor(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if impls.setdefault(ptr, st._cdata) != st._cdata:  # the first storage here was resized away
@@ -332,7 +332,7 @@ def saved_tensor_ledger(model, out, device):
         return t
 
     def keep(op, output):  # SAC: an output the policy keeps for backward
-        tensors = _tensors_in(output)
+        tensors = tensors_in(output)
         for i, t in enumerate(tensors):
             record(t, f"{op.overloadpacket.__name__}.sac_output{i if len(tensors) > 1 else ''}")
 
@@ -347,9 +347,9 @@ def saved_tensor_ledger(model, out, device):
             stack.pop()
         roots = [loss.grad_fn] if loss is not None else []
         roots += [r().grad_fn for r in weak if r() is not None]
-        savers, tensor_info = _graph_savers(roots, windows)
+        savers, tensor_info = graph_savers(roots, windows)
         _name_unpacked(first_seen, savers, tensor_info, seq_log, impls)
-        out.extend(_saved_records(first_seen, savers, device, checkpointed=bool(windows), short=short))
+        out.extend(saved_records(first_seen, savers, device, checkpointed=bool(windows), short=short))
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
@@ -361,7 +361,7 @@ def saved_tensor_ledger(model, out, device):
             h.remove()
 
 
-def _tensors_in(output):
+def tensors_in(output):
     """The tensors of a module's output or an op's result (a tensor, or a tuple/list/dict of them)."""
     if torch.is_tensor(output):
         return [output]
@@ -385,7 +385,7 @@ def _name_unpacked(first_seen, savers, tensor_info, seq_log, impls=None):
                            **{k: v for k, v in tensor_info[ptr].items() if k != "impl"}}
 
 
-def _saved_records(first_seen, savers, device, checkpointed, short=_short_module):
+def saved_records(first_seen, savers, device, checkpointed, short=short_module):
     """SavedTensor dicts, keyed activations/<module>/<op>[#n], for the storages on `device`."""
     used, out = {}, []
     for ptr, rec in first_seen.items():
@@ -393,17 +393,17 @@ def _saved_records(first_seen, savers, device, checkpointed, short=_short_module
             continue
         found = sorted(savers.get(ptr, []))
         # packed but held by no autograd node: what torch.utils.checkpoint keeps of its inputs
-        op = (_op_name(found[0][1], found[0][2]) if found else rec.get("op") or
+        op = (op_name(found[0][1], found[0][2]) if found else rec.get("op") or
               ("output" if rec.get("held") else "checkpoint.input" if checkpointed else "unknown"))
         base = f"activations/{short(rec['module'])}/{op}"
         used[base] = used.get(base, 0) + 1
         out.append({"key": base if used[base] == 1 else f"{base}#{used[base]}", "module": rec["module"], "op": op,
-                    "grad_fn": found[0][1] if found else "", "savers": [_op_name(s[1], s[2]) for s in found],
+                    "grad_fn": found[0][1] if found else "", "savers": [op_name(s[1], s[2]) for s in found],
                     "data_ptr": ptr, "nbytes": rec["nbytes"], "dtype": rec["dtype"], "shape": rec["shape"]})
     return out
 
 
-def _saved_values(node, in_region):
+def saved_values_of(node, in_region):
     """(attribute, tensor or list) of what a graph node saved. Inside a checkpointed region the
     raw SavedTensor's `data` is read: it is what the node holds itself (wrapped scalars), None for
     what the checkpoint packed, and reading it never runs the recomputation."""
@@ -421,7 +421,7 @@ def _saved_values(node, in_region):
     return out
 
 
-def _graph_savers(roots, skip=()):
+def graph_savers(roots, skip=()):
     """Walk the autograd graph from `roots` (grad_fns); nodes whose sequence number falls in a `skip`
     window [start, end) (checkpointed regions) are read through their raw saved tensors.
 
@@ -436,10 +436,10 @@ def _graph_savers(roots, skip=()):
         seen.add(node)
         seq = node._sequence_nr()
         in_region = any(a <= seq < b for a, b in skip)
-        for attr, value in _saved_values(node, in_region):
+        for attr, value in saved_values_of(node, in_region):
             for t in value if isinstance(value, (list, tuple)) else [value]:
                 if torch.is_tensor(t):
-                    t = _local(t)
+                    t = local_tensor(t)
                     st = t.untyped_storage()
                     ptr = st.data_ptr()
                     savers.setdefault(ptr, []).append((node._sequence_nr(), node.name(), attr))

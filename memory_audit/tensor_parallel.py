@@ -18,23 +18,10 @@ Korthikanti et al.'s per-layer formulas (fp16 activations, dropout masks, their 
 are given beside the measured bytes as reconciliation columns, not as predictions.
 """
 
-from .parts import round_block
+from .parts import round_block, sequence_parallel, tp_size  # noqa: F401 (this module's rules read them)
 
 COLWISE = ("attn.c_attn", "mlp.c_fc")  # weight rows (and bias) split over the ranks
 ROWWISE = ("attn.c_proj", "mlp.c_proj")  # weight columns split; the bias stays whole
-
-
-def tp_size(cfg):
-    """Ranks a tensor-parallel run splits each block over (1 for anything else): every rank with
-    tp and tp-sp, tp_size of them with fsdp+tp and fsdp+tp-sp."""
-    if "tp" not in str(cfg.get("parallel", "none")):
-        return 1
-    return cfg.get("tp_size") or cfg.get("world_size", 1)
-
-
-def sequence_parallel(cfg):
-    """Whether a tensor-parallel run also splits the LayerNorms and residual stream (tp-sp, fsdp+tp-sp)."""
-    return tp_size(cfg) > 1 and str(cfg.get("parallel")).endswith("tp-sp")
 
 
 def check(cfg):
