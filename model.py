@@ -1,7 +1,7 @@
 """
 A GPT-2 language model in the shape nanoGPT gives it, written for memory accounting.
 
-Every tensor this file creates in training is one the predictor in memory_audit/predict.py
+Every tensor this file creates in training is one the predictor in memory_audit/prediction/predict.py
 must account for, so the forward passes are written plainly and the choices that change
 memory are config options:
   attention = "manual": fp32 causal-mask buffer per layer, masked_fill, softmax, dropout

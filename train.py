@@ -164,7 +164,7 @@ if compile:
 _torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 if parallel == "auto":
     parallel = "ddp" if _torchrun else "none"
-from memory_audit.predict import PARALLEL  # the strategies the predictor knows are the ones train.py runs
+from memory_audit.prediction.predict import PARALLEL  # the strategies the predictor knows are the ones train.py runs
 if parallel not in PARALLEL:
     fail(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
 if parallel != "none" and not _torchrun:
@@ -172,7 +172,7 @@ if parallel != "none" and not _torchrun:
 if parallel == "none" and _torchrun and int(os.environ["WORLD_SIZE"]) > 1:
     fail("under torchrun with more than one rank, parallel must be ddp, fsdp, tp or tp-sp")
 if "tp" in parallel:
-    from memory_audit.tensor_parallel import check as _tp_check
+    from memory_audit.prediction.tensor_parallel import check as _tp_check
     try:
         _tp_check({"parallel": parallel, "world_size": int(os.environ["WORLD_SIZE"]), "tp_size": tp_size,
                    "n_head": n_head, "dropout": dropout, "set_to_none": set_to_none})
@@ -399,7 +399,7 @@ if audit_obj is not None:
     except AuditError as e:
         fail(str(e))
     print(f"audit: wrote {', '.join(audit_obj.files)} and meta.json to {audit_obj.run_dir}")
-    from memory_audit.report import summarize_run
+    from memory_audit.comparison.report import summarize_run
     try:
         print(summarize_run(audit_obj.run_dir))
     except Exception as e:  # the audit's files are written; say why the report is missing
@@ -408,7 +408,7 @@ if parallel != "none":
     dist.barrier()  # every rank has written its report (and no collective is in flight at teardown)
     if audit_obj is not None and world_size > 1:
         if master:
-            from memory_audit.report import ranks_report
+            from memory_audit.comparison.report import ranks_report
             try:
                 print(ranks_report(os.path.dirname(audit_obj.run_dir)))
             except (OSError, KeyError, ValueError) as e:

@@ -28,7 +28,7 @@ def step_ms(args, mode):
 
 def main():
     from memory_audit.cli import _overrides
-    from memory_audit.predict import device_facts, predict
+    from memory_audit.prediction.predict import device_facts, predict
     args = sys.argv[1:] or ["--preset=cpu-mini", "--device=cpu", "--batch_size=8", "--dtype=float32"]
     cfg = _overrides([a for a in args if not a.startswith("--device")])
     dev = device_facts("cpu") if "--device=cpu" in args else device_facts("cuda")

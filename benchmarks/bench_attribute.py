@@ -76,7 +76,7 @@ def build(src, entries, fresh_frames=False):
     a dict per entry, a frames list per traceback, one dict per distinct frame (torch's
     symbolizer dedups frames, so the pickle memoizes each once; --fresh-frames: no sharing).
     """
-    from memory_audit.loader import _PlainDataUnpickler
+    from memory_audit.reading.loader import _PlainDataUnpickler
     with open(src, "rb") as f:  # the source as torch wrote it (shared frames), not as we load it
         snap = _PlainDataUnpickler(f).load()
     trace = snap["device_traces"][0]

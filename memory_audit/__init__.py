@@ -1,8 +1,13 @@
 """memory_audit: where every byte of GPU memory goes in nanoGPT training.
 
-record (audit.Audit over recorder.py, the only modules touching live tensors) -> snapshot files
--> load (loader.py) -> attribute (attribute.py, timeline.py) -> predict (predict.py) ->
-reconcile (reconcile.py) -> report (report.py). Everything after the recorder reads files only.
+The package's sides, in the order the data flows (each imports only from those before it and
+from the base modules schema.py and text.py; tests/test_layout.py holds it to that):
+
+  reading/      snapshot files -> load, trace, replay, attribute (no torch)
+  recording/    a live run -> snapshot files (Audit, the recorder; the only side on live tensors)
+  prediction/   a config -> the predicted ledger and the shadow run's trace
+  comparison/   prediction beside measurement: reconcile, report, diff, sweep, fit/plan
+  cli.py        python -m memory_audit ..., on top of them all
 
 `from memory_audit import Audit` imports torch; reading snapshots does not (it stays light).
 """
@@ -10,9 +15,9 @@ reconcile (reconcile.py) -> report (report.py). Everything after the recorder re
 
 def __getattr__(name):  # the recorder (and torch) only for those who record
     if name == "Audit":
-        from .audit import Audit
+        from .recording.audit import Audit
         return Audit
     if name == "AuditError":
-        from .recorder import AuditError
+        from .recording.recorder import AuditError
         return AuditError
     raise AttributeError(f"module 'memory_audit' has no attribute {name!r}")

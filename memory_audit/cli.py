@@ -10,7 +10,7 @@ import pickle
 import sys
 from ast import literal_eval
 
-from .loader import SnapshotError, find_snapshots, load_meta, load_snapshot
+from .reading.loader import SnapshotError, find_snapshots, load_meta, load_snapshot
 from .text import GiB, fmt_bytes, table
 
 # Only what every command needs is imported here; each command imports its own side when it runs,
@@ -20,9 +20,9 @@ from .text import GiB, fmt_bytes, table
 # -- attribute --------------------------------------------------------------------------------
 
 def cmd_attribute(args):
-    from .attribute import attribute, check_against_meta
-    from .timeline import categorize_trace, replay
-    from .trace import plain
+    from .reading.attribute import attribute, check_against_meta
+    from .reading.timeline import categorize_trace, replay
+    from .reading.trace import plain
     pairs, run_dir = find_snapshots(args.path)
     meta = load_meta(run_dir)
     out = {}
@@ -95,7 +95,7 @@ def _check_overwrite(path, force):
 
 def _overrides(extra):
     """--KEY=VALUE pairs (train.py keys) -> dict with Python values."""
-    from .predict import DEFAULTS
+    from .prediction.predict import DEFAULTS
     from model import PRESETS  # the presets live beside the model
     known = dict(DEFAULTS, compile=False, activation_memory_budget=1.0)  # compile=True: compiled_predict
     cfg = {}
@@ -122,7 +122,7 @@ def _overrides(extra):
 def _device(args):
     """The machine to predict for. A GPU not in the table needs its memory and capability:
     guessing them would give a different answer without saying so."""
-    from .predict import GPUS, OUTSIDE_PYTORCH_DEFAULT, device_facts, gpu_name
+    from .prediction.predict import GPUS, OUTSIDE_PYTORCH_DEFAULT, device_facts, gpu_name
     if args.gpu.lower() == "cpu":
         return device_facts("cpu")
     name = gpu_name(args.gpu)
@@ -143,7 +143,7 @@ def _device(args):
 def _allocator(args):
     """The allocator settings of this shell (PYTORCH_CUDA_ALLOC_CONF: expandable_segments) and
     the memory outside PyTorch (--outside, else the default estimate)."""
-    from .predict import OUTSIDE_PYTORCH_DEFAULT
+    from .prediction.predict import OUTSIDE_PYTORCH_DEFAULT
     if args.outside is not None and args.outside < 0:
         raise ValueError(f"--outside must be >= 0 bytes, got {args.outside}")
     env = {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG")
@@ -152,7 +152,7 @@ def _allocator(args):
 
 
 def cmd_predict(args, extra):
-    from .predict import predict_run
+    from .prediction.predict import predict_run
     cfg = _overrides(extra)
     dev = _device(args)
     pred = predict_run(cfg, dev, gaps_bytes=args.gaps)  # --compile=True: inductor's plan
@@ -175,23 +175,23 @@ def cmd_predict(args, extra):
             f", reserved {sh['reserved']:,} B (ledger {t['reserved_peak_bytes']:,} B)"
         print(f"shadow run: peak {sh['peak']:,} B (ledger {t['peak_allocated_bytes']:,} B){reserved}; "
               f"wrote its {sh['events']:,} events of step 2 to {args.trace}")
-    from . import tensor_parallel
+    from .prediction import tensor_parallel
     if tensor_parallel.tp_size(pred["config"]) > 1:
         print(_korthikanti_predicted(pred))
 
 
 def _shadow_trace(cfg, dev, path):
-    """Shadow-run the step (memory_audit/shadow.py), count it as the device would and write the
+    """Shadow-run the step (memory_audit/prediction/shadow.py), count it as the device would and write the
     predicted process as a snapshot to `path`."""
     if cfg.get("parallel", "none") != "none" or cfg.get("compile"):
         raise ValueError("--trace: the shadow run covers one process in eager mode so far "
                          "(no --parallel, no --compile)")
     if os.path.exists(path) and not path.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {path}: not a .pickle file")
-    from . import shadow
+    from .prediction import shadow
     r = shadow.replayed(cfg, dev)
     if dev["type"] == "cuda":
-        from .shadow_allocator import snapshot
+        from .prediction.shadow_allocator import snapshot
         snap = snapshot(r["result"], dev.get("expandable_segments", False))
     else:
         snap = shadow.snapshot(r["result"])
@@ -203,8 +203,8 @@ def _shadow_trace(cfg, dev, path):
 
 def _korthikanti_predicted(pred):
     """Markdown: Korthikanti et al.'s per-layer terms beside block 0's predicted bytes on one rank."""
-    from . import tensor_parallel
-    from .report import korthikanti_table
+    from .prediction import tensor_parallel
+    from .comparison.report import korthikanti_table
     layer = {l["key"]: l["bytes"] for l in pred["ledger"]
              if l["key"].startswith("activations/h.0.") and "step2_before_backward" in l["phases"]}
     return korthikanti_table(tensor_parallel.korthikanti_rows(pred["config"], layer, layer), measured=False)
@@ -219,7 +219,7 @@ def _gpu_config(args, extra):
 
 
 def cmd_fit(args, extra):
-    from .plan import fit_result
+    from .comparison.plan import fit_result
     cfg, dev = _gpu_config(args, extra)
     r = fit_result(cfg, dev, args.headroom)
     if args.json:
@@ -237,7 +237,7 @@ def cmd_fit(args, extra):
 
 
 def cmd_plan(args, extra):
-    from .plan import plan, smallest_miss
+    from .comparison.plan import plan, smallest_miss
     cfg, dev = _gpu_config(args, extra)
     r = plan(cfg, dev, args.headroom)
     if not r["baseline"]["fits"] and not any(o["fits"] for o in r["options"]):
@@ -262,7 +262,7 @@ def cmd_plan(args, extra):
 # -- report ----------------------------------------------------------------------------------
 
 def cmd_report(args):
-    from .report import totals_table, write_report
+    from .comparison.report import totals_table, write_report
     if not os.path.isdir(args.run_dir):
         raise SnapshotError(f"{args.run_dir}: not a run directory")
     rec = write_report(args.run_dir, trace=args.trace)
@@ -271,13 +271,13 @@ def cmd_report(args):
     else:
         print(totals_table(rec))
         if args.trace:
-            from .report import trace_section
+            from .comparison.report import trace_section
             print("\n".join(trace_section(rec["trace"])[2:]).strip())
         print(f"wrote {os.path.join(args.run_dir, 'report.md')} and report.json")
 
 
 def cmd_diff(args):
-    from .diff import diff, diff_text, load_side
+    from .comparison.diff import diff, diff_text, load_side
     d = diff(load_side(args.a), load_side(args.b))
     print(json.dumps(d, indent=1) if args.json else diff_text(d))
 
@@ -290,7 +290,7 @@ CHOICES = {"dtype": "float32 | bfloat16 | float16", "attention": "manual | sdpa"
 
 def config_help():
     """The config keys predict and fit take (train.py's), with defaults and allowed values."""
-    from .predict import DEFAULTS
+    from .prediction.predict import DEFAULTS
     from model import PRESETS
     pairs = [("--preset=NAME", f"one of {', '.join(PRESETS)}")]
     pairs += [(f"--{key}={value}", CHOICES.get(key, type(value).__name__)) for key, value in DEFAULTS.items()]
@@ -317,22 +317,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _gpu_help():
-    from .predict import GPUS
+    from .prediction.predict import GPUS
     return f"{', '.join(GPUS)} (any case) or cpu"
 
 
 def _outside_help():
-    from .predict import OUTSIDE_PYTORCH_DEFAULT
+    from .prediction.predict import OUTSIDE_PYTORCH_DEFAULT
     return f"bytes CUDA holds outside PyTorch (context, handles); default {OUTSIDE_PYTORCH_DEFAULT:,}, an estimate"
 
 
 def _grid_help():
-    from .sweep import GRIDS
-    return f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/sweep.py)"
+    from .comparison.sweep import GRIDS
+    return f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/comparison/sweep.py)"
 
 
 def cmd_accuracy(args):
-    from .sweep import accuracy_rows, accuracy_table
+    from .comparison.sweep import accuracy_rows, accuracy_table
     if args.json:
         print(json.dumps([row for path in args.results for row in accuracy_rows(path)], indent=1))
     else:
@@ -340,12 +340,12 @@ def cmd_accuracy(args):
 
 
 def cmd_sweep(args):
-    from .sweep import run_sweep
+    from .comparison.sweep import run_sweep
     run_sweep(args)
 
 
 def cmd_viz(args):
-    from .viz import write_viz
+    from .reading.viz import write_viz
     out = write_viz(args.path, args.phase, args.view, args.out, args.detail)
     print(f"wrote {out} (open it in a browser with internet: it loads MemoryViz.js from {VIEWER_HOST})")
 

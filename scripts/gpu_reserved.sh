@@ -17,10 +17,10 @@ run() {  # name, then train.py overrides
     python3 train.py --audit --audit_dir="$OUT/reserved-runs" --run_name="$name" "$@" 2>&1 | tail -2
     python3 - "$OUT/reserved-runs/$name" "$OUT/reserved/$name.json.gz" <<'PY'
 import gzip, json, sys
-from memory_audit.gap_sim import replay_requests
-from memory_audit.loader import load_meta, load_snapshot
-from memory_audit.predict import predict
-from memory_audit.reconcile import device_from_meta
+from memory_audit.prediction.gap_sim import replay_requests
+from memory_audit.reading.loader import load_meta, load_snapshot
+from memory_audit.prediction.predict import predict
+from memory_audit.comparison.reconcile import device_from_meta
 run, out = sys.argv[1], sys.argv[2]
 snap = load_snapshot(run + "/step2_end.pickle")
 tr = snap["device_traces"][0]

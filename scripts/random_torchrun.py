@@ -19,7 +19,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from memory_audit.sweep import random_config, repredict_lines  # noqa: E402
+from memory_audit.comparison.sweep import random_config, repredict_lines  # noqa: E402
 
 
 def draw(rng, strategies):

@@ -18,8 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from backfill_reserved import report_table  # noqa: E402  (beside this script)
-from memory_audit.gap_sim import predicted_gaps  # noqa: E402
-from memory_audit.sweep import row_prediction  # noqa: E402
+from memory_audit.prediction.gap_sim import predicted_gaps  # noqa: E402
+from memory_audit.comparison.sweep import row_prediction  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "snapshots", "results")
 UNIT = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}

@@ -5,7 +5,7 @@
 
 Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed replays one;
 the seed is printed first), audits each with `train.py --audit` on CPU, shadow-runs it
-(memory_audit/shadow.py) and prints, per config, the measured peak, the shadow's and the
+(memory_audit/prediction/shadow.py) and prints, per config, the measured peak, the shadow's and the
 ledger predictor's (report.json), and for a shadow miss the first event where the two traces
 part (measured trace of step 2 against the shadow's events, by action and bytes). Not a test:
 each config takes ~10 s.
@@ -25,10 +25,10 @@ sys.path.insert(0, ROOT)
 
 
 def check(cfg, tmp, device="cpu", keep=None):
-    from memory_audit import shadow
-    from memory_audit.predict import DEFAULTS
-    from memory_audit.loader import load_meta
-    from memory_audit.reconcile import device_from_meta, first_divergence, step_events
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import DEFAULTS
+    from memory_audit.reading.loader import load_meta
+    from memory_audit.comparison.reconcile import device_from_meta, first_divergence, step_events
     args = [f"--{k}={v}" for k, v in cfg.items()]
     shutil.rmtree(os.path.join(tmp, "r"), ignore_errors=True)  # what a failed config left
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--device={device}", "--preset=cpu-tiny",
@@ -62,8 +62,8 @@ def check(cfg, tmp, device="cpu", keep=None):
 
 def committed_rows(paths):
     """The single-process CPU rows of committed results files: measured beside the shadow's."""
-    from memory_audit import shadow
-    from memory_audit.predict import DEFAULTS
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import DEFAULTS
     exact = total = 0
     for path in paths:
         for line in open(path):
@@ -81,7 +81,7 @@ def committed_rows(paths):
 
 
 def main():
-    from memory_audit.sweep import random_config
+    from memory_audit.comparison.sweep import random_config
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=10)
     p.add_argument("--seed", type=int, default=None)

@@ -4,7 +4,7 @@
 
 For each row of snapshots/results/h100*.jsonl: measured minus predicted peak and reserved
 memory (memory_allocated()'s peak and memory_reserved() of step 2), for the shadow run replayed
-through the allocator's model (memory_audit/shadow.py, shadow_allocator.py) and for the ledger
+through the allocator's model (memory_audit/prediction/shadow.py, shadow_allocator.py) and for the ledger
 predictor (predict.py with its candidate moments and gap_sim). Prints the markdown table the
 README shows. Each row is a shadow run on meta tensors (0.1-3 s).
 """
@@ -18,9 +18,9 @@ sys.path.insert(0, ROOT)
 
 
 def main():
-    from memory_audit import shadow
-    from memory_audit.predict import DEFAULTS
-    from memory_audit.sweep import row_config, row_prediction
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import DEFAULTS
+    from memory_audit.comparison.sweep import row_config, row_prediction
     print("| row | peak measured | shadow: peak diff | ledger: peak diff | shadow: reserved diff | ledger: reserved diff |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in ("h100.jsonl", "h100-variants.jsonl", "h100-dropout.jsonl"):

@@ -116,7 +116,7 @@ def assert_repredicted_exactly(rows):
     """Each measured row ok with 0 unattributed, every measured line of its three phases
     re-predicted by the current predictor to the byte (gaps aside: CPU has none), and its steady
     state, activations and peak too (no runs: the measurements are data)."""
-    from memory_audit.sweep import repredict, repredict_lines
+    from memory_audit.comparison.sweep import repredict, repredict_lines
     for r in rows:
         assert r["status"] == "ok" and r["unattributed_bytes"] == 0, r["config"]
         assert set(r["measured_lines"]) == {"step2_start", "step2_before_backward", "step2_end"}, r["config"]

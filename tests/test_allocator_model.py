@@ -8,8 +8,8 @@ import os
 import pytest
 
 from conftest import EXAMPLES, FOREIGN, load_json
-from memory_audit.gap_sim import replay_requests
-from memory_audit.loader import load_snapshot
+from memory_audit.prediction.gap_sim import replay_requests
+from memory_audit.reading.loader import load_snapshot
 
 
 def _replay(path):
@@ -66,10 +66,10 @@ def test_forward_history_is_the_h100_reference_forward():
     reference run's measured step-2 forward, GPT-2 small, fp16, manual attention: every
     large-pool request and release (over 1 MiB) in the same order with the same size. The
     small pool (a few 4 B scalars the ledger does not order) is left out."""
-    from memory_audit.allocator_sim import SMALL_SIZE, round_size
-    from memory_audit.gap_sim import forward_temporaries, play_forward
-    from memory_audit.predict import predict
-    from memory_audit.reconcile import device_from_meta
+    from memory_audit.reading.allocator_sim import SMALL_SIZE, round_size
+    from memory_audit.prediction.gap_sim import forward_temporaries, play_forward
+    from memory_audit.prediction.predict import predict
+    from memory_audit.comparison.reconcile import device_from_meta
 
     ref = os.path.join(EXAMPLES, "h100-gpt2-reference")
     meta, report = load_json(os.path.join(ref, "meta.json")), load_json(os.path.join(ref, "report.json"))
@@ -101,7 +101,7 @@ def test_reserved_phases_script_agrees_with_the_accuracy_rows():
     import sys
 
     from conftest import ROOT
-    from memory_audit.sweep import accuracy_rows
+    from memory_audit.comparison.sweep import accuracy_rows
 
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "reserved_phases.py")],
                        capture_output=True, text=True, timeout=300)
@@ -151,8 +151,8 @@ def test_the_allocator_model_holds_the_ledgers_peak(attention, dtype, mode):
     and the later blocks' are gone). The model's live bytes then equal the ledger's peak but for
     the 4 B scalars, which it counts as asked (up to 3 x 508 B). Played without the releases, the
     attention moments held up to 10.7 GB more (fp16, selective)."""
-    from memory_audit.gap_sim import predicted_gaps
-    from memory_audit.predict import device_facts, predict
+    from memory_audit.prediction.gap_sim import predicted_gaps
+    from memory_audit.prediction.predict import device_facts, predict
     cfg = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, batch_size=8, block_size=4096,
                attention=attention, dtype=dtype, activation_checkpointing=mode)
     p = predict(cfg, device_facts(gpu="H100"))

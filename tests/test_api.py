@@ -6,7 +6,7 @@ from torch import nn
 
 from conftest import assert_books_match_the_pickle, gpt_steps
 from memory_audit import Audit, AuditError
-from memory_audit.reconcile import measure
+from memory_audit.comparison.reconcile import measure
 
 
 class ConvNet(nn.Module):
@@ -140,8 +140,8 @@ def test_a_crash_in_the_audited_step_leaves_the_files(tmp_path):
 def test_replay_names_blocks_older_than_the_trace():
     """A CUDA-shaped snapshot: a weight (live all along) and an old gradient (freed in the trace)
     predate the trace; the phases' registry names both, at the start and at the peak."""
-    from memory_audit.loader import normalize
-    from memory_audit.timeline import replay
+    from memory_audit.reading.loader import normalize
+    from memory_audit.reading.timeline import replay
 
     def block(addr, size, state="active_allocated"):
         return {"address": addr, "size": size, "requested_size": size, "state": state, "frames": []}

@@ -7,10 +7,10 @@ import pytest
 import torch.cuda._memory_viz as memory_viz
 
 from conftest import EXAMPLES, load_json, run_cli
-from memory_audit.attribute import attribute
-from memory_audit.loader import _PlainDataUnpickler, load_meta, load_snapshot
+from memory_audit.reading.attribute import attribute
+from memory_audit.reading.loader import _PlainDataUnpickler, load_meta, load_snapshot
 from memory_audit.schema import PHASES
-from memory_audit.timeline import replay
+from memory_audit.reading.timeline import replay
 
 CUDA_EXAMPLES = [os.path.join(EXAMPLES, d) for d in ("cuda-tiny-fp16-manual", "cuda-tiny-bf16-sdpa")]
 
@@ -84,8 +84,8 @@ def test_h100_reference_attribution_committed():
     assert start["optimizer"] == 994_990_080 + 300 + 8  # 8N + 75 step tensors + GradScaler's two
     assert start["workspace"] == 2 * 33_554_432
     # the current predictor, from the run's config and GPU, gives each measured category
-    from memory_audit.predict import predict
-    from memory_audit.reconcile import device_from_meta
+    from memory_audit.prediction.predict import predict
+    from memory_audit.comparison.reconcile import device_from_meta
     ledger = predict(meta["config"], device_from_meta(meta))["ledger"]
     for category in ("weights", "buffers", "grads", "optimizer", "workspace"):
         assert sum(l["bytes"] for l in ledger if l["category"] == category and "step2_start" in l["phases"]) \
@@ -121,7 +121,7 @@ def test_attribute_cli_json_and_by_name(tmp_path, cpu_run):
 def test_stored_report_refreshes_to_the_same_reconciliation(run_dir):
     """A report kept without its pickles gets the same predicted side as a full reconcile."""
     import json
-    from memory_audit.reconcile import reconcile, refresh_predictions
+    from memory_audit.comparison.reconcile import reconcile, refresh_predictions
     full = reconcile(run_dir)
     stored = json.loads(json.dumps(full))
     for r in stored["rows"]:
@@ -129,7 +129,7 @@ def test_stored_report_refreshes_to_the_same_reconciliation(run_dir):
     refreshed = refresh_predictions(stored)
     assert refreshed["rows"] == full["rows"] and refreshed["totals"] == full["totals"]
     # and against the measurement, which the refresh keeps: every line exact
-    from memory_audit.reconcile import mismatched
+    from memory_audit.comparison.reconcile import mismatched
     assert mismatched(refreshed["rows"]) == []
     totals = {k: refreshed["totals"][k]["diff"] for k in ("steady_state", "activations", "peak", "reserved")}
     assert totals == dict.fromkeys(totals, 0), totals  # the peak and reserved too, as README says

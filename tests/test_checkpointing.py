@@ -5,8 +5,8 @@ import json
 import pytest
 
 from conftest import load_json, run_cli, run_train
-from memory_audit.predict import device_facts, predict, published_formulas
-from memory_audit.reconcile import mismatched, reconcile
+from memory_audit.prediction.predict import device_facts, predict, published_formulas
+from memory_audit.comparison.reconcile import mismatched, reconcile
 
 TINY = ["--device=cpu", "--preset=cpu-tiny", "--batch_size=2", "--max_iters=3", "--dtype=float32"]
 
@@ -106,7 +106,7 @@ def test_moments_inside_a_block_backward_to_the_byte(audits, name, args, peak_at
 def test_cpu_rng_state_size():
     """The predictor's constant is the size torch.get_rng_state() returns here."""
     import torch
-    from memory_audit.levers import CPU_RNG_STATE_BYTES
+    from memory_audit.prediction.levers import CPU_RNG_STATE_BYTES
     assert torch.get_rng_state().nbytes == CPU_RNG_STATE_BYTES
 
 

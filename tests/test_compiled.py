@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from memory_audit import Audit, AuditError
-from memory_audit.inductor_plan import PlanError, replay, strided_bytes
-from memory_audit.loader import load_meta, load_snapshot
-from memory_audit.predict import device_facts, predict_run
-from memory_audit.reconcile import measure, mismatched, reconcile
-from memory_audit.timeline import replay as replay_trace
+from memory_audit.reading.inductor_plan import PlanError, replay, strided_bytes
+from memory_audit.reading.loader import load_meta, load_snapshot
+from memory_audit.prediction.predict import device_facts, predict_run
+from memory_audit.comparison.reconcile import measure, mismatched, reconcile
+from memory_audit.reading.timeline import replay as replay_trace
 from conftest import assert_books_match_the_pickle, assert_repredicted_exactly, gpt_steps, tiny_gpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,8 +161,8 @@ def test_a_cuda_trace_names_inductor_buffers_by_the_wrapper_plan():
     """CUDA-shaped: allocations made in a wrapper's `call` (its file in the frames, sizes rounded
     to 512 B by the caching allocator) take the plan's buffer names in order; one that does not
     fit the plan is 'unplanned'; a second call of the wrapper starts the plan again."""
-    from memory_audit.loader import normalize
-    from memory_audit.timeline import replay as replay_cuda
+    from memory_audit.reading.loader import normalize
+    from memory_audit.reading.timeline import replay as replay_cuda
     wrapper = "/tmp/torchinductor_x/ab/cabc.py"
     frames = [{"filename": wrapper, "line": 1380, "name": "call"}, {"filename": "output_code.py", "line": 7, "name": "__call__"}]
 

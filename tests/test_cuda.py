@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import load_json, run_train
-from memory_audit.loader import load_snapshot
-from memory_audit.reconcile import mismatched, reconcile
+from memory_audit.reading.loader import load_snapshot
+from memory_audit.comparison.reconcile import mismatched, reconcile
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -81,7 +81,7 @@ def test_api_on_a_cuda_loop_that_is_not_gpt(tmp_path):
     import subprocess
     import sys
     from conftest import ROOT
-    from memory_audit.reconcile import measure
+    from memory_audit.comparison.reconcile import measure
     out = tmp_path / "any-loop"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "any_loop.py"), str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)

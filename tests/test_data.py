@@ -50,7 +50,7 @@ def test_prepare_refuses_an_empty_file(tmp_path):
 def test_audit_on_prepared_data_names_every_byte(tmp_path):
     """Batches read from a memmap (torch.from_numpy over numpy's memory) leave nothing
     unattributed, and every line is predicted to the byte."""
-    from memory_audit.reconcile import mismatched, reconcile
+    from memory_audit.comparison.reconcile import mismatched, reconcile
     name = "pytest_audit_corpus"
     out = os.path.join(ROOT, "data", name)
     try:

@@ -11,8 +11,8 @@ import sys
 import warnings
 
 from conftest import ROOT, assert_repredicted_exactly, committed_rows, load_json, run_cli, run_train
-from memory_audit.predict import device_facts, predict
-from memory_audit.reconcile import mismatched
+from memory_audit.prediction.predict import device_facts, predict
+from memory_audit.comparison.reconcile import mismatched
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
@@ -323,7 +323,7 @@ def _one_line_per_rank(p, says):
 
 
 def test_ddp_buckets_are_predicted_per_bucket_and_count_in_fit():
-    from memory_audit.predict import DEFAULTS, ddp_bucket_numels, device_facts, param_shapes, predict
+    from memory_audit.prediction.predict import DEFAULTS, ddp_bucket_numels, device_facts, param_shapes, predict
     gpt2 = param_shapes(dict(DEFAULTS))
     sizes = ddp_bucket_numels(gpt2)
     assert sum(sizes) == sum(math.prod(s) for _, s in gpt2)  # every gradient, once
@@ -358,7 +358,7 @@ def test_ddp_buckets_are_the_reducers_own(tmp_path):
     """The predicted bucket sizes against DDP's own Reducer after its first-step rebuild (one
     gloo rank, real tensors): every bucket's bytes, in order, for three shapes (one bucket on
     cpu-tiny's; two with a 50,304-word vocabulary; bias and three heads)."""
-    from memory_audit.predict import DEFAULTS, ddp_bucket_numels, param_shapes
+    from memory_audit.prediction.predict import DEFAULTS, ddp_bucket_numels, param_shapes
     shapes = [dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, block_size=64, bias=False),
               dict(n_layer=4, n_head=4, n_embd=256, vocab_size=50304, block_size=64, bias=False),
               dict(n_layer=3, n_head=3, n_embd=192, vocab_size=3001, block_size=32, bias=True)]
@@ -397,8 +397,8 @@ def test_fsdp2_shards_are_named_by_parameter(tmp_path):
     DeviceMesh's tensors are named from their stack. (Two gloo ranks: gloo frees some buffers
     on its own thread, which the CPU profiler does not record, so a CPU audit there is not exact;
     see README.)"""
-    from memory_audit.attribute import attribute
-    from memory_audit.loader import load_meta, load_snapshot
+    from memory_audit.reading.attribute import attribute
+    from memory_audit.reading.loader import load_meta, load_snapshot
     script = tmp_path / "fsdp_loop.py"
     script.write_text(FSDP_LOOP.format(root=ROOT, tests=os.path.dirname(__file__), out=str(tmp_path / "run")))
     import socket
@@ -426,8 +426,8 @@ def test_parallel_prediction_per_rank_and_plan_options():
     """predict/fit/plan per rank without a run: the TP and FSDP2 rules on GPT-2 medium, bad configs
     in one line, plan's tensor-parallel options with the bytes each rank sends."""
     import pytest
-    from memory_audit import tensor_parallel
-    from memory_audit.plan import plan
+    from memory_audit.prediction import tensor_parallel
+    from memory_audit.comparison.plan import plan
     h100 = device_facts()
     base = dict(n_layer=24, n_head=16, n_embd=1024, batch_size=8)
     totals = {p: predict(dict(base, parallel=p, world_size=4 if p != "none" else 1), h100)["totals"]

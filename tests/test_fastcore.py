@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES, FOREIGN
-from memory_audit import trace as trace_mod
-from memory_audit.allocator_sim import replay_blocks_py
-from memory_audit.attribute import attribute
-from memory_audit.loader import SnapshotError, load_snapshot
-from memory_audit.timeline import replay
-from memory_audit.trace import ABSENT, Trace, plain
+from memory_audit.reading import trace as trace_mod
+from memory_audit.reading.allocator_sim import replay_blocks_py
+from memory_audit.reading.attribute import attribute
+from memory_audit.reading.loader import SnapshotError, load_snapshot
+from memory_audit.reading.timeline import replay
+from memory_audit.reading.trace import ABSENT, Trace, plain
 
 core = trace_mod._fastcore
 if core is None:
@@ -36,7 +36,7 @@ def _pure(monkeypatch):
 
 
 def _restricted(path):
-    from memory_audit.loader import _PlainDataUnpickler
+    from memory_audit.reading.loader import _PlainDataUnpickler
     with open(path, "rb") as f:
         return _PlainDataUnpickler(f).load()
 

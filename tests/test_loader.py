@@ -7,8 +7,8 @@ import pickle
 import pytest
 
 from conftest import FOREIGN, run_cli
-from memory_audit.attribute import attribute
-from memory_audit.loader import SnapshotError, find_snapshots, load_snapshot
+from memory_audit.reading.attribute import attribute
+from memory_audit.reading.loader import SnapshotError, find_snapshots, load_snapshot
 
 
 class _Creates:
@@ -126,8 +126,8 @@ def test_foreign_cli_attribute_prints_categories():
 def test_newer_generation_keys_and_actions_are_tolerated():
     """torch 2.14 adds host_segments/host_traces and `annotate` entries; oom entries carry
     device_free instead of addr. None of them may break loading, attribution or replay."""
-    from memory_audit.loader import normalize
-    from memory_audit.timeline import replay
+    from memory_audit.reading.loader import normalize
+    from memory_audit.reading.timeline import replay
     snap = normalize({
         "segments": [{"device": 0, "address": 4096, "total_size": 2 ** 21, "stream": 0, "segment_type": "small",
                       "blocks": [{"address": 4096, "size": 512, "requested_size": 4, "state": "active_allocated",
@@ -149,7 +149,7 @@ def test_reading_snapshots_does_not_import_torch():
     """attribute/replay stay light (the benchmark's RSS target): only the recorder needs torch."""
     import subprocess
     import sys
-    code = ("import sys, memory_audit, memory_audit.loader, memory_audit.attribute, memory_audit.timeline; "
+    code = ("import sys, memory_audit, memory_audit.reading.loader, memory_audit.reading.attribute, memory_audit.reading.timeline; "
             "print('torch' in sys.modules)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "False", p.stderr

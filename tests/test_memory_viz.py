@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from conftest import ROOT, skip_or_fail
-from memory_audit import viz
+from memory_audit.reading import viz
 
 VENDOR = os.path.join(ROOT, "..", "shared", "vendor", "pytorch_memory_viz")
 FOREIGN = os.path.join(ROOT, "..", "shared", "fixtures", "foreign_snapshots")

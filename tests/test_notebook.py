@@ -68,7 +68,7 @@ def test_notebook_renders_in_headless_chromium(executed, tmp_path):
 
 def test_default_run_needs_no_editing():
     """With no parameter the notebook reads the newest run, else the committed H100 run."""
-    from memory_audit import views
+    from memory_audit.comparison import views
     run = views.default_run_dir()
     assert os.path.isfile(os.path.join(run, "meta.json"))
     rec = views.load_reconciliation(run)

@@ -6,9 +6,9 @@ import os
 import pytest
 
 from conftest import load_json, run_cli
-from memory_audit.loader import load_meta, load_snapshot
-from memory_audit.predict import device_facts, predict, published_formulas
-from memory_audit.reconcile import mismatched, reconcile
+from memory_audit.reading.loader import load_meta, load_snapshot
+from memory_audit.prediction.predict import device_facts, predict, published_formulas
+from memory_audit.comparison.reconcile import mismatched, reconcile
 
 GiB = 2 ** 30
 # The article's run (REFERENCE section 5): fp16 + GradScaler, manual attention, grads kept,
@@ -162,7 +162,7 @@ def test_committed_h100_rows_repredicted(name, n, peak_pct, steady_pct):
     state within README's bounds (exact for the dropout rows), parameters equal to model.py's
     closed form. Stored diff fields are not read."""
     import model
-    from memory_audit.sweep import repredict, row_prediction
+    from memory_audit.comparison.sweep import repredict, row_prediction
     rows = _rows(name)
     assert len(rows) == n and all(r["status"] == "ok" for r in rows)
     for r in rows:
@@ -185,7 +185,7 @@ def test_committed_h100_rows_repredicted(name, n, peak_pct, steady_pct):
 def test_h100_reference_lines_repredicted():
     """Every line of the GPT-2 small reference audit (measured on the H100, stored per line in
     report.json) against the current predictor."""
-    from memory_audit.reconcile import mismatched, refresh_predictions
+    from memory_audit.comparison.reconcile import mismatched, refresh_predictions
     rec = load_json(os.path.join(os.path.dirname(os.path.dirname(__file__)), "snapshots", "examples",
                                  "h100-gpt2-reference", "report.json"))
     measured = {(r["phase"], r["key"]): r["actual"] for r in rec["rows"]}
@@ -205,7 +205,7 @@ def test_reserved_of_the_committed_cuda_audits(run):
     """The two real H100 audits whose meta.json is committed: the allocator model's segments are
     their memory_reserved() to the byte (two 32 MiB cuBLAS workspaces and three 2 MiB segments)."""
     from conftest import ROOT
-    from memory_audit.reconcile import device_from_meta
+    from memory_audit.comparison.reconcile import device_from_meta
     meta = json.load(open(os.path.join(ROOT, "snapshots", "examples", run, "meta.json")))
     measured = max(p["memory_reserved"] for p in meta["phases"].values())
     assert predict(meta["config"], device_from_meta(meta))["totals"]["reserved_peak_bytes"] == measured == 73_400_320
@@ -216,7 +216,7 @@ def test_attention_moments_of_the_end_blocks_are_those_of_every_block(monkeypatc
     blocks of each checkpointing period only (backward.attention_blocks); with every block
     instead, the peak, its moment and its lines are the same, over modes, every 2nd/3rd block,
     batch 1, accumulation, dropout, FSDP2 and TP, on CPU and an H100."""
-    from memory_audit import backward
+    from memory_audit.prediction import backward
     configs = [dict(n_layer=7, n_head=4, n_embd=64, block_size=256, vocab_size=512, batch_size=b, dtype=dt,
                     attention="manual", activation_checkpointing=m, ac_every=k, dropout=p, parallel=par,
                     world_size=2 if par != "none" else 1, gradient_accumulation_steps=g)

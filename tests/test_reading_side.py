@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from conftest import EXAMPLES, FOREIGN, ROOT, SHARED
-from memory_audit.attribute import attribute, block_namer
-from memory_audit.loader import load_snapshot
+from memory_audit.reading.attribute import attribute, block_namer
+from memory_audit.reading.loader import load_snapshot
 from memory_audit.schema import CATEGORIES
-from memory_audit.timeline import replay
+from memory_audit.reading.timeline import replay
 
 PT_SNAP = sorted(glob.glob(os.path.join(SHARED, "fixtures", "pt_snap_cli", "*.pkl")))
 FOREIGN_TRACED = sorted(glob.glob(os.path.join(FOREIGN, "*.pickle"))) + PT_SNAP
@@ -144,7 +144,7 @@ def test_benchmark_file_is_a_snapshot_every_reader_can_load():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_attribute import build
     src = os.path.join(EXAMPLES, "cuda-tiny-fp16-manual", "step2_end.pickle")
-    from memory_audit.loader import _PlainDataUnpickler, normalize
+    from memory_audit.reading.loader import _PlainDataUnpickler, normalize
     snap = build(src, 20_000)
     with open(src, "rb") as f:
         raw = _PlainDataUnpickler(f).load()["device_traces"][0]

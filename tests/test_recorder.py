@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import gpt_steps, load_json, run_train, tiny_gpt
-from memory_audit.loader import load_snapshot
-from memory_audit.recorder import AuditError, AuditRecording, _write_pickle
+from memory_audit.reading.loader import load_snapshot
+from memory_audit.recording.recorder import AuditError, AuditRecording, _write_pickle
 from model import GPT, GPTConfig, PRESETS
 
 
@@ -65,8 +65,8 @@ def test_raw_allocations_give_the_same_books_when_the_memory_profiler_fails(tmp_
     """Under torchrun, gloo's threads make the memory profiler's data-flow checks fail
     (AssertionError: duplicate outputs); the CPU timeline then pairs every allocation by address.
     On a single-process audit both roads give the same lines in every phase."""
-    from memory_audit.attribute import attribute
-    from memory_audit.loader import load_meta
+    from memory_audit.reading.attribute import attribute
+    from memory_audit.reading.loader import load_meta
     _tiny_audit(tmp_path / "keyed")
 
     def fail(self):

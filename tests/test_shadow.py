@@ -1,4 +1,4 @@
-"""The shadow run (memory_audit/shadow.py): train.py's step on fake tensors, checked against CPU
+"""The shadow run (memory_audit/prediction/shadow.py): train.py's step on fake tensors, checked against CPU
 audits of configs nobody chose. The seed is new each run and printed; SHADOW_SEED=N replays it."""
 
 import json
@@ -9,9 +9,9 @@ import random
 import pytest
 
 from conftest import run_cli, run_train
-from memory_audit.predict import DEFAULTS
-from memory_audit.reconcile import first_divergence, step_events
-from memory_audit.sweep import random_config
+from memory_audit.prediction.predict import DEFAULTS
+from memory_audit.comparison.reconcile import first_divergence, step_events
+from memory_audit.comparison.sweep import random_config
 
 SEED = int(os.environ.get("SHADOW_SEED") or random.SystemRandom().randrange(10 ** 6))
 N_RANDOM = 3
@@ -28,7 +28,7 @@ def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
     """A config drawn at random (seed printed; SHADOW_SEED replays it): the measured peak of its
     CPU audit equals the shadow run's to the byte; a miss names the first event where the two
     traces part."""
-    from memory_audit import shadow
+    from memory_audit.prediction import shadow
     rng = random.Random(SEED)
     for _ in range(i + 1):
         cfg = random_config(rng)
@@ -83,7 +83,7 @@ def test_committed_cpu_rows_are_the_shadow_runs(grid):
     shadow run knows none of them): its measured steady state and peak, to the byte. cpu-mini-ac's
     16 rows (larger models, 14 s) are left out for CI's time: `python scripts/shadow_check.py --rows
     snapshots/results/cpu-mini-ac.jsonl` checks them (16 of 16 exact when this test was written)."""
-    from memory_audit import shadow
+    from memory_audit.prediction import shadow
     from conftest import ROOT
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "snapshots", "results", f"{grid}.jsonl"))]
     rows = [r for r in rows if r["status"] == "ok" and "nproc" not in r["config"]
@@ -121,7 +121,7 @@ def test_report_trace_names_the_first_event_where_the_step_and_the_shadow_part(t
 
     import torch
 
-    from memory_audit.reconcile import against_shadow
+    from memory_audit.comparison.reconcile import against_shadow
     run = tmp_path / "run"
     shutil.copytree(cpu_run, run)
     p = run_cli("report", str(run), "--trace")
@@ -151,8 +151,8 @@ def test_any_loop_shadow_run_names_the_steady_state_like_the_audit(tmp_path):
     1,728 B, before its output). Pinned here so a change to the shadow shows in this number."""
     from torch import nn
 
-    from memory_audit import shadow
-    from memory_audit.reconcile import measure
+    from memory_audit.prediction import shadow
+    from memory_audit.comparison.reconcile import measure
     from test_api import conv_loop, train
 
     def step(model, opt, x, y):

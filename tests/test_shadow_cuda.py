@@ -1,6 +1,6 @@
 """The shadow run of a CUDA step, checked on CPU against what GPUs measured (issue #26): the two
 committed tiny CUDA audits event by event from the process's start, and the H100 rows on their
-steady state, peak and reserved memory. The CUDA rules (memory_audit/shadow_cuda.py) were read
+steady state, peak and reserved memory. The CUDA rules (memory_audit/prediction/shadow_cuda.py) were read
 from the tiny audits; the H100 rows (GPT-2 small to xl) are out of their sample."""
 
 import json
@@ -9,20 +9,20 @@ import os
 import pytest
 
 from conftest import EXAMPLES, ROOT
-from memory_audit.predict import DEFAULTS
+from memory_audit.prediction.predict import DEFAULTS
 
 TINY = ("cuda-tiny-fp16-manual", "cuda-tiny-bf16-sdpa")
 
 
 def _device(name="NVIDIA H100 80GB HBM3"):  # the tiny audits' GPU
-    from memory_audit.reconcile import device_from_meta
+    from memory_audit.comparison.reconcile import device_from_meta
     return device_from_meta({"device": {"type": "cuda", "name": name}})
 
 
 def _trace_from_start(run):
     """[(action, "", bytes, entry)] of every alloc and free the audit's trace holds."""
-    from memory_audit.loader import find_snapshots, load_snapshot
-    from memory_audit.trace import A
+    from memory_audit.reading.loader import find_snapshots, load_snapshot
+    from memory_audit.reading.trace import A
     t = load_snapshot(dict(find_snapshots(run)[0])["step2_end"])["device_traces"][0]
     acts = {A["alloc"]: "alloc", A["free_requested"]: "free", A["free"]: "free"}
     return [(acts[int(t.act[i])], "", int(t.size[i]), i) for i in range(t.n) if int(t.act[i]) in acts]
@@ -34,9 +34,9 @@ def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
     2 (827 and 675 events), in order with the bytes asked for; replayed through the allocator's
     model, the steady state, peak and reserved memory of step 2 to the byte; and every tensor
     live at step 2's start by the name and bytes the audit's registry gives it."""
-    from memory_audit import shadow
-    from memory_audit.loader import load_meta
-    from memory_audit.reconcile import first_divergence
+    from memory_audit.prediction import shadow
+    from memory_audit.reading.loader import load_meta
+    from memory_audit.comparison.reconcile import first_divergence
     run = os.path.join(EXAMPLES, name)
     meta = load_meta(run)
     cfg = dict(DEFAULTS, **{k: v for k, v in meta["config"].items() if k in DEFAULTS})
@@ -53,7 +53,7 @@ def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
 
 
 def _h100_rows():
-    from memory_audit.sweep import row_config
+    from memory_audit.comparison.sweep import row_config
     out = []
     for f in ("h100.jsonl", "h100-variants.jsonl", "h100-dropout.jsonl"):
         for line in open(os.path.join(ROOT, "snapshots", "results", f)):
@@ -70,7 +70,7 @@ def test_h100_rows_from_the_shadow_run(part):
     23 when this test was written; the candidate-moment ledger misses by up to 4.69%), the
     steady state within 0.04% and the peak within 0.025% (to the byte on 13 of 28; the ledger
     within 0.0995%). What the rows cannot tell apart is in scripts/GPU_RUNS.md."""
-    from memory_audit import shadow
+    from memory_audit.prediction import shadow
     rows = _h100_rows()
     assert len(rows) == 28
     for cfg, device, row in rows[part::4]:
@@ -88,7 +88,7 @@ def test_predicted_cuda_trace_reads_like_the_audit(tmp_path):
     as a CUDA snapshot; `attribute` replays it with the measurement's code: its peak, the bytes
     of every category at that peak and the reserved memory equal the audit's own."""
     from conftest import run_cli
-    from memory_audit.loader import load_meta
+    from memory_audit.reading.loader import load_meta
     run = os.path.join(EXAMPLES, TINY[0])
     c = load_meta(run)["config"]
     keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "dtype", "attention", "bias",
@@ -127,8 +127,8 @@ def test_meta_kernel_cache_changes_no_event():
     shadow is the same with and without it, fp16, bf16 and fp32 (cuDNN and efficient attention)."""
     import random
 
-    from memory_audit import shadow
-    from memory_audit.sweep import random_config
+    from memory_audit.prediction import shadow
+    from memory_audit.comparison.sweep import random_config
     seed = int(os.environ.get("SHADOW_SEED") or random.SystemRandom().randrange(10 ** 6))
     rng = random.Random(seed)
     for i, dtype in enumerate(("float16", "bfloat16", "float32")):

@@ -10,11 +10,11 @@ import os
 
 import pytest
 
-import memory_audit.reconcile as reconcile_mod
+import memory_audit.comparison.reconcile as reconcile_mod
 from conftest import EXAMPLES
-from memory_audit.predict import predict_run as real_predict
-from memory_audit.reconcile import mismatched, reconcile
-from memory_audit.sweep import row_for
+from memory_audit.prediction.predict import predict_run as real_predict
+from memory_audit.comparison.reconcile import mismatched, reconcile
+from memory_audit.comparison.sweep import row_for
 
 
 def _drop(pred):

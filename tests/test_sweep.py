@@ -4,7 +4,7 @@ import json
 import os
 
 from conftest import ROOT, assert_repredicted_exactly, committed_rows, run_cli
-from memory_audit.sweep import accuracy_table, grid
+from memory_audit.comparison.sweep import accuracy_table, grid
 
 
 def _sweep(tmp_path, name, rows=None):
@@ -98,7 +98,7 @@ def test_committed_cpu_long_rows_are_predicted_to_the_byte():
     moment inside an attention core's backward, and the largest moment outside one (what the
     predictor took for the peak before those moments were candidates) is below the measured
     peak: by 4.4% (tp, bf16) to 72% (selective with dropout) of it."""
-    from memory_audit.sweep import row_prediction
+    from memory_audit.comparison.sweep import row_prediction
     rows = committed_rows("cpu-long.jsonl")
     assert [{k: v for k, v in r["config"].items() if k != "rank"} for r in rows] == \
         [c for c in grid("cpu-long") for _ in range(c.get("nproc", 1))]

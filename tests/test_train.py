@@ -7,7 +7,7 @@ import pytest
 import torch.cuda._memory_viz as memory_viz
 
 from conftest import ROOT, load_json, run_train
-from memory_audit.loader import load_snapshot
+from memory_audit.reading.loader import load_snapshot
 from memory_audit.schema import PHASES
 
 

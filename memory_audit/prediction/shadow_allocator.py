@@ -9,8 +9,8 @@ free_requested and free_completed), so `attribute`, `viz` and MemoryViz read it 
 measurement; each event's one frame names its ledger key (schema.PREDICTED_FRAME).
 """
 
-from .allocator_sim import round_size
-from .schema import PREDICTED_FRAME
+from ..reading.allocator_sim import round_size
+from ..schema import PREDICTED_FRAME
 
 
 def play(result, expandable=False):

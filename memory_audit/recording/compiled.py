@@ -95,7 +95,7 @@ def capture(graphs, prefix="", costs=None, wrappers=None):
 def wrapper_entry(path, code, layouts):
     """What names a wrapper's allocations in a trace: its file, forward or backward, and the
     buffers its `call` makes, in order ([] when the plan cannot be read)."""
-    from .inductor_plan import PlanError, call_body, replay
+    from ..reading.inductor_plan import PlanError, call_body, replay
     try:
         body = call_body(code)
         kind = "backward" if body and "tangents_" in body[0] else "forward"
@@ -262,7 +262,7 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     if len(graphs) != 1 or len(codes) != 2:
         raise ValueError(f"expected one compiled graph with a forward and a backward, got {len(graphs)} "
                          f"graphs and {len(codes)} wrappers (a graph break?)")
-    from .inductor_plan import call_function
+    from ..reading.inductor_plan import call_function
     fw_flops, bw_flops = costs[0]["forward_matmul_flops"], costs[0]["backward_matmul_flops"]
     return {"saved": graphs[0], "forward": call_function(codes[0]), "backward": call_function(codes[1]),
             "forward_layouts": layouts[0], "backward_layouts": layouts[1],

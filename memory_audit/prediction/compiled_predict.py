@@ -20,11 +20,11 @@ Needs torch and model.py (it builds the model); the eager predictor stays torch-
 """
 
 from .backward import backward_begun, delta
-from .inductor_plan import replay
+from ..reading.inductor_plan import replay
 from .levers import forward_flops
 from .parts import act, grad_phases, shape_facts
 from .ledger import DEFAULTS, device_facts, param_shapes, plain, steady_lines, totals as totals_of, validate
-from .recorder import short_module
+from ..recording.recorder import short_module
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attention", "activation")
 COMPILED_DEFAULTS = dict(DEFAULTS, activation_memory_budget=1.0)
@@ -47,7 +47,7 @@ def _make_plan(cfg, device):
 
     from model import GPT, GPTConfig
 
-    from .compiled import inductor_plans
+    from ..recording.compiled import inductor_plans
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})).to(device)
     x = torch.zeros((cfg["batch_size"], cfg["block_size"]), dtype=torch.long, device=device)

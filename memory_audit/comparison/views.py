@@ -8,10 +8,10 @@ import glob
 import json
 import os
 
-from .schema import PHASES
+from ..schema import PHASES
 
 GiB, MiB = 2 ** 30, 2 ** 20
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLORS = {"weights": "#4c72b0", "buffers": "#8172b3", "grads": "#dd8452", "optimizer": "#55a868",
           "inputs": "#937860", "activations": "#c44e52", "recomputed": "#e8a33d", "workspace": "#64b5cd", "user": "#8de5a1", "temporary": "#da8bc3",
           "baseline": "#a1c9f4", "gaps": "#8c8c8c", "cached_free": "#cccccc", "pending_free": "#bbbbbb", "unattributed": "#000000"}
@@ -311,7 +311,7 @@ def levers_table(rows):
 def levers_predicted(config, device):
     """The predictor's answer for every mode of one config (no measurement: what a GPU run
     would show), with the largest recompute it costs."""
-    from .predict import predict
+    from ..prediction.predict import predict
     out = []
     for mode in ("none", "full", "selective", "sac"):
         p = predict(dict(config, activation_checkpointing=mode), device)

@@ -18,7 +18,7 @@ counts them as the device would; snapshot() writes a CPU step in the snapshot sc
 import contextlib
 
 from . import shadow_cuda
-from .schema import PREDICTED_FRAME
+from ..schema import PREDICTED_FRAME
 from .shadow_tracker import RULES, Tracker, dispatch_mode, module_labels, rng_states  # noqa: F401
 
 def _names(model, optimizer, held):
@@ -220,7 +220,7 @@ def snapshot(result):
     audits write them) that MemoryViz opens and `attribute`/`viz` name by the events' keys. The
     trace starts with what is live when the step starts (at time 0), then the step's events;
     addresses are made up, one range per allocation."""
-    from .cpu_timeline import snapshot_at
+    from ..recording.cpu_timeline import snapshot_at
     addr, events, t = {}, [], 0
     next_addr = 1 << 32
 

@@ -14,7 +14,7 @@ with 0 bytes on the other, so what went away is negative and what is new is posi
 import json
 import os
 
-from .schema import CATEGORIES, PHASES
+from ..schema import CATEGORIES, PHASES
 
 
 def side_from_run(run_dir):

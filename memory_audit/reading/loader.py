@@ -20,7 +20,7 @@ import json
 import os
 import pickle
 
-from .schema import PHASES
+from ..schema import PHASES
 from .trace import Trace, as_trace, fastcore
 
 

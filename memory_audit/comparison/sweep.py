@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _product(**axes):
@@ -294,7 +294,7 @@ def row_config(row):
 
 def row_prediction(row):
     """predict_run() of the config a results row ran (its preset expanded), on its device."""
-    from .predict import predict_run
+    from ..prediction.predict import predict_run
     cfg, device = row_config(row)
     return predict_run(cfg, device, plan=row.get("inductor_plan"))
 

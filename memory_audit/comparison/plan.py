@@ -15,8 +15,8 @@ the bytes each rank sends per step (tensor_parallel.comm_bytes) instead of a FLO
 N GPUs and a fast link.
 """
 
-from .predict import DEFAULTS, predict_run
-from .tensor_parallel import check, comm_bytes
+from ..prediction.predict import DEFAULTS, predict_run
+from ..prediction.tensor_parallel import check, comm_bytes
 
 MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulation_steps
 AC_MODES = ("selective", "sac", "full")

@@ -6,12 +6,12 @@ reconcile(run_dir) joins them with predict() on the same keys.
 
 import os
 
-from .attribute import attribute
-from .loader import find_snapshots, load_meta, load_snapshot, SnapshotError
-from . import tensor_parallel
-from .predict import device_facts, predict_run, published_formulas
-from .schema import CATEGORIES, PHASES, REPORT_SCHEMA_VERSION
-from .timeline import replay
+from ..reading.attribute import attribute
+from ..reading.loader import find_snapshots, load_meta, load_snapshot, SnapshotError
+from ..prediction import tensor_parallel
+from ..prediction.predict import device_facts, predict_run, published_formulas
+from ..schema import CATEGORIES, PHASES, REPORT_SCHEMA_VERSION
+from ..reading.timeline import replay
 
 
 def device_from_meta(meta):
@@ -208,7 +208,7 @@ def step_events(run_dir, phase="step2_start"):
     """[(action, op, bytes, trace entry)] of an audited step from `phase` on, as the trace
     recorded it: "alloc" or "free" (memory_allocated() drops at the free request), the op or
     function that made it (the first frame's name), its bytes, its index in the trace."""
-    from .trace import A
+    from ..reading.trace import A
     meta = load_meta(run_dir)
     files = dict(find_snapshots(run_dir)[0])
     t = load_snapshot(files["step2_end"])["device_traces"][0]
@@ -230,8 +230,8 @@ def against_shadow(run_dir, rec):
     allocations and frees, their peaks (on CUDA as the allocator's model counts them) and the
     first event where they part. Runs the shadow (imports torch); {"error": one line} where it
     cannot run."""
-    from .predict import DEFAULTS
-    from .shadow import ShadowError, replayed
+    from ..prediction.predict import DEFAULTS
+    from ..prediction.shadow import ShadowError, replayed
     c = rec["config"]
     if c.get("world_size", 1) > 1 or c.get("parallel", "none") != "none" or c.get("compile"):
         return {"error": SHADOW_SCOPE}

@@ -17,7 +17,7 @@ import numpy as np
 from .allocator_sim import replay_blocks_py
 
 try:  # built by `pip install -e .` (setup.py); without it the pure-Python twins give the same results
-    from . import _fastcore
+    from .. import _fastcore
 except ImportError:  # pragma: no cover - depends on the machine
     _fastcore = None
 

@@ -30,8 +30,8 @@ here the best-fit choice and the new segments are made instead.
 
 import bisect
 
-from .allocator_sim import SMALL_SIZE as MiB, BlockSim, round_size
-from .allocator_sim import ALLOC, FREE, FREE_COMPLETED, SEG_ALLOC, SEG_MAP
+from ..reading.allocator_sim import SMALL_SIZE as MiB, BlockSim, round_size
+from ..reading.allocator_sim import ALLOC, FREE, FREE_COMPLETED, SEG_ALLOC, SEG_MAP
 
 
 def segment_size(rounded):

@@ -14,7 +14,7 @@ import numpy as np
 
 from .attribute import (BASELINE, baseline_name, block_namer, distributed_name, name_from_frames, phase_names,
                         trace_workspaces)
-from .schema import CATEGORIES, RECOMPUTE_LABEL
+from ..schema import CATEGORIES, RECOMPUTE_LABEL
 from .trace import A, FREES, Trace, as_trace
 
 

@@ -8,8 +8,8 @@ has no caching allocator: each live allocation becomes its own segment with one 
 
 import re
 
-from .attribute import distributed_name
-from .schema import MARKER_PREFIX, RECOMPUTE_LABEL
+from ..reading.attribute import distributed_name
+from ..schema import MARKER_PREFIX, RECOMPUTE_LABEL
 
 RECOMPUTE_RANGE = MARKER_PREFIX + RECOMPUTE_LABEL  # recorder._RecomputeLabel's profiler range
 _FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<name>.*)$")
@@ -261,7 +261,7 @@ def name_compiled(events, wrappers):
     """Name the allocations a compiled graph's wrapper makes by its own buffer names
     (inductor_plan.PlanCursor). The name rides as a first frame ("<inductor>", "backward/buf12")
     that timeline.temporary_name reads."""
-    from .inductor_plan import PlanCursor
+    from ..reading.inductor_plan import PlanCursor
     cursor, out = PlanCursor(wrappers), []
     if not cursor.plans:
         return events

@@ -3,10 +3,10 @@
 import json
 import os
 
-from .loader import load_meta
+from ..reading.loader import load_meta
 from .reconcile import measure, reconcile
-from .schema import PHASES
-from .text import GiB, MiB, fmt_bytes, fmt_pct, table  # noqa: F401  (callers import them from here too)
+from ..schema import PHASES
+from ..text import GiB, MiB, fmt_bytes, fmt_pct, table  # noqa: F401  (callers import them from here too)
 
 def totals_table(rec):
     rows = []

@@ -2,10 +2,10 @@
 configs and machines they take, the steady-state lines (weights, buffers, grads, optimizer
 state, the batch, workspaces) and the totals a ledger sums to. Pure Python, no torch."""
 
-from .attribute import workspace_size_from_env
+from ..reading.attribute import workspace_size_from_env
 from .gap_sim import predicted_gaps
 from .parts import grad_phases, line, numel as _numel
-from .schema import PHASES, check_model_config
+from ..schema import PHASES, check_model_config
 from . import fsdp, tensor_parallel as tp
 
 GiB = 2 ** 30

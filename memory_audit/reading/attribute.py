@@ -15,7 +15,7 @@ Whatever no rule names is `unattributed`, listed with its frames, never hidden.
 
 import numpy as np
 
-from .schema import CATEGORIES, PREDICTED_FRAME
+from ..schema import CATEGORIES, PREDICTED_FRAME
 from .trace import A, as_trace
 
 # Sizes the cuBLAS workspace takes (CublasHandlePool.cpp): ":4096:2:16:8" = 8,519,680 B by
