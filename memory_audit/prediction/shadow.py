@@ -51,13 +51,16 @@ def _held(X, Y, loss, scaler):
             "optimizer/grad_scaler/growth_tracker": getattr(scaler, "_growth_tracker", None)}
 
 
-def _setup(cfg, device_type):
-    """(model, optimizer, scaler, get_batch, autocast) at cfg, as train.py builds them."""
+def _setup(cfg, device_type, fake=True):
+    """(model, optimizer, scaler, get_batch, autocast) at cfg, as train.py builds them (on fake
+    tensors without initialising the weights: in-place writes that change no memory, and on
+    meta tensors each a Python kernel)."""
     import torch
     from model import GPT, GPTConfig
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}))
+    with _no_init() if fake else contextlib.nullcontext():
+        model = GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}))
     # the values do not change memory; train.py's defaults
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), cfg["optimizer_impl"])
     B, T, V = cfg["batch_size"], cfg["block_size"], cfg["vocab_size"]
@@ -81,6 +84,21 @@ def _setup(cfg, device_type):
     return model, optimizer, scaler, get_batch, autocast
 
 
+@contextlib.contextmanager
+def _no_init():
+    """torch.nn.init's in-place initialisers as no-ops (a fake weight has no values to set)."""
+    from torch.nn import init
+    names = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
+    saved = {n: getattr(init, n) for n in names}
+    for n in names:
+        setattr(init, n, lambda tensor, *a, **k: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(init, n, f)
+
+
 class ShadowError(ValueError):
     """The step could not run on fake tensors; str() names the last op and the reason."""
 
@@ -88,8 +106,9 @@ class ShadowError(ValueError):
 def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see _result). fake=False runs the same on real tensors (a
-    check of the tracker itself). cache=False runs every meta kernel of a CUDA step (the
-    shadow_metacache check). Raises ShadowError (one line) if the step cannot run."""
+    check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
+    view op through the tracker's whole path (the check of shadow_metacache and of that
+    shortcut). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
     if device_type == "cuda" and fake and cache:
@@ -121,7 +140,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     # the CPU generator's state checkpointing saves is host memory on a CUDA run
     rng = rng_states(tracker) if device_type == "cpu" else contextlib.nullcontext()
     with base, dispatch_mode(tracker, device_type), rng, cuda:
-        model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type)
+        model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
         handles = module_labels(model, tracker)
         accum = cfg["gradient_accumulation_steps"]
         if device_type == "cuda":  # the whole history, for the allocator's model: from model.to(device) on

@@ -58,7 +58,8 @@ class Tracker:
         self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
         self.workspace_bytes = 0  # a cuBLAS workspace per thread (the shadow of a CUDA step)
-        self.meta_cache = None  # a shadow_metacache.MetaCache on meta tensors: kernels asked once
+        self.meta_cache = None  # a shadow_metacache.MetaCache on meta tensors: kernels asked once,
+        # and a view op (no storage, nothing pending) straight to its kernel
 
     @property
     def op(self):
@@ -255,6 +256,17 @@ def dispatch_mode(tracker, device_type):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **(kwargs or {}))
+            if (tracker.meta_cache is not None and _is_view(func) and not tracker.pending and tracker.accumulate is None
+                    and not tracker.saved):  # a view on the device: no storage, nothing to settle first
+                tracker.freed_at.clear()
+                tracker.last = (func, tracker.label)
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):  # a storage first seen here (made where no op showed it)
+                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in tracker.live:
+                        for u, nbytes in shadow_cuda.outputs(func, out):
+                            tracker.add(u.untyped_storage(), tracker.key(func.__name__.split(".")[0]), nbytes)
+                        break
+                return out
             tracker.before_op()
             tracker.last = (func, tracker.label)  # named if the step fails here
             key = tracker.key(func.__name__.split(".")[0])
@@ -319,6 +331,16 @@ def dispatch_mode(tracker, device_type):
 
 def _none():
     return None
+
+
+_VIEWS = {}  # op -> whether every output is a view of an input (its schema's alias, no write)
+
+
+def _is_view(func):
+    if func not in _VIEWS:
+        returns = func._schema.returns
+        _VIEWS[func] = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    return _VIEWS[func]
 
 
 @contextlib.contextmanager
