@@ -59,7 +59,8 @@ def _setup(cfg, device_type, fake=True):
     from model import GPT, GPTConfig
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
     torch.manual_seed(0)
-    with _no_init() if fake else contextlib.nullcontext():
+    where = torch.device("meta") if device_type == "cuda" and fake else contextlib.nullcontext()
+    with _no_init() if fake else contextlib.nullcontext(), where:
         model = GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}))
     # the values do not change memory; train.py's defaults
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), cfg["optimizer_impl"])

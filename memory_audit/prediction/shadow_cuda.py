@@ -275,14 +275,15 @@ def host_tensors(optimizer, impl):
 def meta():
     """Meta tensors stand for the GPU's: shapes, dtypes and storages of the right size with no
     memory, their kernels in C++ (several times faster than FakeTensorMode's Python dispatch).
-    Fused AdamW is allowed on them as on CUDA tensors."""
+    Fused AdamW is allowed on them as on CUDA tensors. The model is built under
+    torch.device("meta") (shadow._setup); after that every factory the step calls names its
+    device (a tensor's), so no device context stands between each torch call and its kernel."""
     import torch
     from torch.optim import optimizer
     saved = optimizer._get_fused_kernels_supported_devices
     optimizer._get_fused_kernels_supported_devices = lambda: saved() + ["meta"]
     try:
-        with torch.device("meta"):
-            yield
+        yield
     finally:
         optimizer._get_fused_kernels_supported_devices = saved
 
@@ -290,4 +291,4 @@ def meta():
 def batch(B, T):
     """The device copies of train.py's CUDA batch: x, then y (int64)."""
     import torch
-    return torch.empty(B, T, dtype=torch.long), torch.empty(B, T, dtype=torch.long)
+    return torch.empty(B, T, dtype=torch.long, device="meta"), torch.empty(B, T, dtype=torch.long, device="meta")
