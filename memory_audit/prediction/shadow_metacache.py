@@ -36,18 +36,23 @@ class MetaCache:
 
 def _key(func, args, kwargs, torch):
     """A hashable description of the call, or None (an op or an argument the cache leaves alone)."""
-    if func not in _FRESH:
+    fresh = _FRESH.get(func)
+    if fresh is None:
         schema = func._schema
-        fresh = (all(r.alias_info is None for r in schema.returns)
-                 and all(a.alias_info is None or not a.alias_info.is_write for a in schema.arguments))
-        _FRESH[func] = fresh
-    if not _FRESH[func]:
+        fresh = _FRESH[func] = (all(r.alias_info is None for r in schema.returns)
+                                and all(a.alias_info is None or not a.alias_info.is_write for a in schema.arguments))
+    if not fresh:
         return None
+    parts = _args(args, torch.Tensor)
+    if parts is None:
+        return None
+    if kwargs:
+        rest = _args([v for _, v in sorted(kwargs.items())], torch.Tensor)
+        if rest is None:
+            return None
+        parts += (tuple(sorted(kwargs)),) + rest
     try:
-        parts = tuple(_arg(a, torch) for a in args) + tuple((k, _arg(v, torch)) for k, v in sorted(kwargs.items()))
         hash(parts)
-    except _Uncacheable:
-        return None
     except TypeError:  # an unhashable argument
         return None
     return (func, parts)
@@ -56,18 +61,24 @@ def _key(func, args, kwargs, torch):
 _FRESH = {}  # op -> whether its schema says its outputs are fresh
 
 
-class _Uncacheable(Exception):
-    pass
-
-
-def _arg(a, torch):
-    if isinstance(a, torch.Tensor):
-        if a.device.type != "meta":  # a real host tensor (a wrapped scalar, a step count): its values may matter
-            raise _Uncacheable
-        return ("T", tuple(a.shape), a.stride(), a.dtype, a.storage_offset())
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__,) + tuple(_arg(x, torch) for x in a)
-    return a
+def _args(values, Tensor):
+    """A tuple describing `values` (a tensor by its shape, strides, dtype and storage offset,
+    a list or tuple by its items, anything else as itself), or None for a real host tensor
+    (a wrapped scalar, a step count: its values may matter)."""
+    out = []
+    for a in values:
+        if isinstance(a, Tensor):
+            if not a.is_meta:
+                return None
+            out.append(("T", a.shape, a.stride(), a.dtype, a.storage_offset()))
+        elif isinstance(a, (list, tuple)):
+            inner = _args(a, Tensor)
+            if inner is None:
+                return None
+            out.append((type(a).__name__,) + inner)
+        else:
+            out.append(a)
+    return tuple(out)
 
 
 def _storages(args, torch):
