@@ -19,7 +19,7 @@ import contextlib
 
 from . import shadow_cuda
 from ..schema import PREDICTED_FRAME
-from .shadow_tracker import RULES, Tracker, dispatch_mode, module_labels, rng_states  # noqa: F401
+from .shadow_tracker import RULES, Tracker, cpu_rules, dispatch_mode, module_labels, rng_states  # noqa: F401
 
 def _names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
@@ -139,7 +139,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     else:  # meta tensors for a CUDA step: C++ kernels, several times faster than FakeTensorMode
         base = shadow_cuda.meta() if device_type == "cuda" else FakeTensorMode()
     # the CPU generator's state checkpointing saves is host memory on a CUDA run
-    rng = rng_states(tracker) if device_type == "cpu" else contextlib.nullcontext()
+    rng = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
     with base, dispatch_mode(tracker, device_type), rng, cuda:
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
         handles = module_labels(model, tracker)
@@ -306,7 +306,7 @@ def _run_loop(make, step, inputs, audited, tracker):
             return original(self, *args, **kwargs)
         finally:
             tracker.phase = "optimizer"
-    with FakeTensorMode(), dispatch_mode(tracker, "cpu"), rng_states(tracker):
+    with FakeTensorMode(), dispatch_mode(tracker, "cpu"), cpu_rules(tracker):
         model, optimizer, *batch = make()
         handles = module_labels(model, tracker, root=type(model).__name__.lower())
         held, kept = dict(zip(inputs, batch)), {}

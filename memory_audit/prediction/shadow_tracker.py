@@ -5,12 +5,15 @@ weakref on that storage gives the moment it is freed. The rules below add what t
 cannot see, each measured on CPU audits (shadow.py runs the step; RULES names them):
   inplace_accumulate  autograd's gradient sum (an add during backward whose first operand, not a
                       view and contiguous, dies with it) reuses that operand's memory; autograd
-                      decides so only for a tensor Python has never seen, so watching prevents it
+                      decides so only for a tensor Python has never seen, so watching prevents it;
+                      so does CPU math SDPA's mask add (in place on real tensors: cpu_rules)
   wrapped_scalar      a Python number passed for a Tensor argument (and the Scalar overloads of
                       the arithmetic and comparison ops) is an 8 B CPU tensor (1 B for a bool)
                       made before the op and freed after it unless its autograd node saves it;
                       a cast of it to the op's dtype lives while the output is made; a CPU
-                      _foreach_ op with a Scalar(List) runs that op tensor by tensor
+                      _foreach_ op with a Scalar(List) runs that op tensor by tensor; under
+                      SAC's dispatch mode the number is wrapped a second time before the cast
+                      and freed after it
   dtype_cast          a CPU elementwise op on two dtypes (fp32 residual + bf16 branch) copies
                       the other-dtype operand to the common dtype while the output is made
   rng_state           torch.get_rng_state() (checkpointing, per region with dropout) is a real
@@ -21,6 +24,8 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       audit's own when both run on one machine)
   flash_cpu_buffers   CPU flash attention's per-thread work buffers (_flash_cpu_buffers), made
                       after its outputs and freed in reverse before it returns
+  safe_softmax        CPU _safe_softmax (math SDPA) decomposes on real tensors: after the softmax,
+                      isneginf, all and a 0-dim zero, freed in reverse before it returns
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -30,7 +35,8 @@ import weakref
 
 from . import shadow_cuda
 
-RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers")
+RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers",
+         "safe_softmax")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
@@ -58,6 +64,7 @@ class Tracker:
         self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
         self.workspace_bytes = 0  # a cuBLAS workspace per thread (the shadow of a CUDA step)
+        self.in_sdpa = False  # inside F.scaled_dot_product_attention (a CPU shadow: cpu_rules)
         self.meta_cache = None  # a shadow_metacache.MetaCache on meta tensors: kernels asked once,
         # and a view op (no storage, nothing pending) straight to its kernel
 
@@ -165,17 +172,33 @@ def _scalar_bytes(value):
     return 1 if isinstance(value, bool) else 8
 
 
-def _scalar_allocs(tracker, key, value, like, exists=False):
+def _scalar_allocs(tracker, key, value, like, exists=False, again=False):
     """A wrapped scalar (8 B; 1 B for a bool) and, where the op computes in another dtype than
-    the scalar's (double, int64, bool), its cast to `like`'s dtype: (scalar id, cast id or None).
-    exists: the scalar is a tensor already (a backward formula reading the wrapped scalar its
-    node saved, measured for div): only the cast is new (scalar id None)."""
+    the scalar's (double, int64, bool), its cast to `like`'s dtype: (scalar id, cast id or None,
+    second wrap id or None). exists: the scalar is a tensor already (a backward formula reading
+    the wrapped scalar its node saved, measured for div): only the cast is new (scalar id None).
+    again: a Python dispatch mode (SAC's) re-dispatched the op, whose argument parser wraps the
+    number a second time, after the first and before the cast (measured on CPU audits)."""
     import torch
     scalar = None if exists else tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0]
+    second = tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0] if again else None
     own = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
     if like is None or like.dtype == own:
-        return scalar, None
-    return scalar, tracker.alloc(f"{key}/scalar_cast", like.element_size())[0]
+        return scalar, None, second
+    return scalar, tracker.alloc(f"{key}/scalar_cast", like.element_size())[0], second
+
+
+def _under_python_mode():
+    """Whether the op reached the tracker through SAC's dispatch mode (torch.utils.checkpoint's
+    __torch_dispatch__ on the Python stack): its arguments were re-parsed there."""
+    import sys
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__torch_dispatch__" and code.co_filename.endswith(("utils/checkpoint.py", "utils\\checkpoint.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _mixed_dtype_casts(func, tensors):
@@ -212,6 +235,14 @@ def _flash_cpu_buffers(func, args):
         return out + ([threads * qs * kvs * q.element_size()] if low else [])
     out = [4 * threads * 2 * qs * kvs] + ([threads * 2 * qs * kvs * q.element_size()] if low else [])
     return out + [4 * qs]
+
+
+def _safe_softmax_buffers(x, out):
+    """[bytes] of what CPU's _safe_softmax makes after its softmax output, in order (freed in
+    reverse before it returns; measured on CPU audits of math SDPA): x.isneginf() (a bool per
+    element), its all() over the last dim (a bool per row) and the 0-dim zero it writes into
+    fully masked rows (out's dtype)."""
+    return [x.numel(), x.numel() // max(x.shape[-1], 1), out.element_size()]
 
 
 def _foreach_scalars(func, args):
@@ -280,8 +311,10 @@ def dispatch_mode(tracker, device_type):
             # no autograd node will be made: the wrapped scalar goes as the op returns, after its cast
             graphless = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             for value in scalars:
-                scalar, cast = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar)
-                held += [cast] if cast is not None else []
+                again = not local and not saved_scalar and _under_python_mode()
+                scalar, cast, second = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar,
+                                                      again)
+                held += [i for i in (cast, second) if i is not None]  # the second wrap goes after the cast
                 if scalar is not None and not local:
                     (held if graphless else tracker.pending).append(scalar)
                 if local:  # comparisons let the scalar go before its cast, arithmetic after
@@ -292,7 +325,7 @@ def dispatch_mode(tracker, device_type):
                 held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
             per_tensor = _foreach_scalars(func, args) if cpu else []
             for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
-                ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)) if i is not None]
+                ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)[:2]) if i is not None]
                 if j < len(per_tensor) - 1:
                     for aid in ids:
                         tracker.free(aid)
@@ -312,6 +345,8 @@ def dispatch_mode(tracker, device_type):
                     tracker.hold(("cublas", thread), f"workspace/cublas_{thread}", tracker.workspace_bytes)
             if cpu:  # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse
                 held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
+            if cpu and func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
+                held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
             if cpu and func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
                 x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
                 held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
@@ -320,7 +355,7 @@ def dispatch_mode(tracker, device_type):
             if scalars and isinstance(out, torch.Tensor):
                 tracker.pending_out = weakref.ref(out)
             first = tensors[0] if len(tensors) == 2 else None
-            if (tracker.phase == "backward" and func is torch.ops.aten.add.Tensor and first is not None
+            if ((tracker.phase == "backward" or tracker.in_sdpa) and func is torch.ops.aten.add.Tensor and first is not None
                     and isinstance(out, torch.Tensor) and first.shape == out.shape and first.dtype == out.dtype
                     and first.is_contiguous() and not first._is_view()):
                 tracker.accumulate = (out.untyped_storage()._cdata, first.untyped_storage()._cdata)
@@ -341,6 +376,29 @@ def _is_view(func):
         returns = func._schema.returns
         _VIEWS[func] = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
     return _VIEWS[func]
+
+
+@contextlib.contextmanager
+def cpu_rules(tracker):
+    """The CPU rules that need a hook outside the dispatcher: rng_states, and the SDPA region
+    (in_sdpa). CPU's math SDPA adds the mask in place to its scores (attn.add_(mask)), except on
+    a tensor subclass such as a fake tensor, where it adds out of place: an add inside SDPA
+    whose first operand dies with it took that operand's memory (the inplace_accumulate fold)."""
+    import torch.nn.functional as F
+    original = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        outer, tracker.in_sdpa = tracker.in_sdpa, True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tracker.in_sdpa = outer
+    F.scaled_dot_product_attention = sdpa
+    try:
+        with rng_states(tracker):
+            yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
