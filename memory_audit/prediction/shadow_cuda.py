@@ -248,6 +248,8 @@ def outputs(func, out):
         o, lse = out[0], out[1]  # its philox seed and offset are CPU tensors; lse's T is padded to 32
         B, nh, T = lse.shape
         return [(o, None), (lse, 4 * B * nh * (-(-T // 32) * 32))]
+    if isinstance(out, torch.Tensor):  # the common case, without pytree
+        return [(out, None)] if out.untyped_storage().nbytes() else []
     return [(t, None) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()]
 
 

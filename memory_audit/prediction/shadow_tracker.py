@@ -277,7 +277,7 @@ def _wrapped_scalars(func, args):
 def dispatch_mode(tracker, device_type):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    cpu = device_type == "cpu"
 
     class _Mode(TorchDispatchMode):
         @classmethod
@@ -285,83 +285,126 @@ def dispatch_mode(tracker, device_type):
             return False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
             if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
             if (tracker.meta_cache is not None and _is_view(func) and not tracker.pending and tracker.accumulate is None
                     and not tracker.saved):  # a view on the device: no storage, nothing to settle first
-                tracker.freed_at.clear()
-                tracker.last = (func, tracker.label)
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):  # a storage first seen here (made where no op showed it)
-                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in tracker.live:
-                        for u, nbytes in shadow_cuda.outputs(func, out):
-                            tracker.add(u.untyped_storage(), tracker.key(func.__name__.split(".")[0]), nbytes)
-                        break
-                return out
+                return _view_op(tracker, func, args, kwargs)
             tracker.before_op()
             tracker.last = (func, tracker.label)  # named if the step fails here
-            key = tracker.key(func.__name__.split(".")[0])
-            cpu = device_type == "cpu"
-            scalars, local = _wrapped_scalars(func, args) if cpu else ([], False)
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            held = []  # freed once the outputs are made: casts, and a foreach op's last scalar
-            # a backward formula (grad mode off: not a checkpoint's recomputation) reads the
-            # wrapped scalar its node saved: a 0-dim tensor already
-            saved_scalar = tracker.phase == "backward" and not torch.is_grad_enabled() and not local
-            # no autograd node will be made: the wrapped scalar goes as the op returns, after its cast
-            graphless = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            for value in scalars:
-                again = not local and not saved_scalar and _under_python_mode()
-                scalar, cast, second = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar,
-                                                      again)
-                held += [i for i in (cast, second) if i is not None]  # the second wrap goes after the cast
-                if scalar is not None and not local:
-                    (held if graphless else tracker.pending).append(scalar)
-                if local:  # comparisons let the scalar go before its cast, arithmetic after
-                    held.insert(0 if func.__name__.split(".")[0] in _COMPARISONS else len(held), scalar)
-            if local:
-                scalars = []  # nothing for the output's autograd node to keep
-            for t, nbytes in (_mixed_dtype_casts(func, tensors) if cpu else []):
-                held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
-            per_tensor = _foreach_scalars(func, args) if cpu else []
-            for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
-                ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)[:2]) if i is not None]
-                if j < len(per_tensor) - 1:
-                    for aid in ids:
-                        tracker.free(aid)
-                else:
-                    held += ids
-            if not cpu:  # what a CUDA kernel allocates before its outputs (shadow_cuda)
-                held += [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
-            cache = tracker.meta_cache
-            out = func(*args, **(kwargs or {})) if cache is None else cache.call(func, args, kwargs or {})
-            leaves = [(t, None) for t in tree_leaves(out) if isinstance(t, torch.Tensor)] if cpu else shadow_cuda.outputs(func, out)
-            for t, nbytes in leaves:
-                tracker.add(t.untyped_storage(), key, nbytes)
-            if not cpu:  # ... and after them, freed first; a thread's first GEMM makes its cuBLAS workspace
-                held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
-                if tracker.workspace_bytes and func.__name__.split(".")[0] in shadow_cuda.GEMMS:
-                    thread = "backward" if tracker.phase == "backward" else "main"
-                    tracker.hold(("cublas", thread), f"workspace/cublas_{thread}", tracker.workspace_bytes)
-            if cpu:  # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse
-                held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
-            if cpu and func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
-                held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
-            if cpu and func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
-                x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
-                held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
+            key = tracker.key(_short_name(func))
+            out, held, scalars = (_cpu_op if cpu else _device_op)(tracker, func, args, kwargs, key)
             for aid in held:
                 tracker.free(aid)
             if scalars and isinstance(out, torch.Tensor):
                 tracker.pending_out = weakref.ref(out)
-            first = tensors[0] if len(tensors) == 2 else None
-            if ((tracker.phase == "backward" or tracker.in_sdpa) and func is torch.ops.aten.add.Tensor and first is not None
-                    and isinstance(out, torch.Tensor) and first.shape == out.shape and first.dtype == out.dtype
-                    and first.is_contiguous() and not first._is_view()):
-                tracker.accumulate = (out.untyped_storage()._cdata, first.untyped_storage()._cdata)
+            if func is torch.ops.aten.add.Tensor and (tracker.phase == "backward" or tracker.in_sdpa):
+                _note_accumulate(tracker, args, out)
             return out
 
     return _Mode()
+
+
+_SHORT = {}  # op -> its name without the overload ("mm" for aten.mm.default)
+
+
+def _short_name(func):
+    name = _SHORT.get(func)
+    if name is None:
+        name = _SHORT[func] = func.__name__.split(".")[0]
+    return name
+
+
+def _view_op(tracker, func, args, kwargs):
+    """A view op on meta tensors with nothing pending: its kernel, and a storage first seen here
+    (made where no op showed it) registered."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+    tracker.freed_at.clear()
+    tracker.last = (func, tracker.label)
+    out = func(*args, **kwargs)
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in tracker.live:
+            for u, nbytes in shadow_cuda.outputs(func, out):
+                tracker.add(u.untyped_storage(), tracker.key(_short_name(func)), nbytes)
+            break
+    return out
+
+
+def _device_op(tracker, func, args, kwargs, key):
+    """An op of a CUDA step's shadow: what its kernel allocates before its outputs, the outputs
+    (in CUDA's order), what it allocates after them (freed first) and a thread's first GEMM's
+    cuBLAS workspace (shadow_cuda). Returns (out, [ids freed as it returns], [])."""
+    held = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
+    cache = tracker.meta_cache
+    out = func(*args, **kwargs) if cache is None else cache.call(func, args, kwargs)
+    for t, nbytes in shadow_cuda.outputs(func, out):
+        tracker.add(t.untyped_storage(), key, nbytes)
+    held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
+    if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS:
+        thread = "backward" if tracker.phase == "backward" else "main"
+        tracker.hold(("cublas", thread), f"workspace/cublas_{thread}", tracker.workspace_bytes)
+    return out, held, []
+
+
+def _cpu_op(tracker, func, args, kwargs, key):
+    """An op of a CPU step's shadow under RULES (module docstring): wrapped scalars and their
+    casts, mixed-dtype copies, a foreach op's per-tensor scalars, the outputs, then the kernels'
+    own buffers. Returns (out, [ids freed as it returns], the scalars its node may keep)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+    scalars, local = _wrapped_scalars(func, args)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    held = []  # freed once the outputs are made: casts, and a foreach op's last scalar
+    # a backward formula (grad mode off: not a checkpoint's recomputation) reads the
+    # wrapped scalar its node saved: a 0-dim tensor already
+    saved_scalar = tracker.phase == "backward" and not torch.is_grad_enabled() and not local
+    # no autograd node will be made: the wrapped scalar goes as the op returns, after its cast
+    graphless = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    for value in scalars:
+        again = not local and not saved_scalar and _under_python_mode()
+        scalar, cast, second = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar, again)
+        held += [i for i in (cast, second) if i is not None]  # the second wrap goes after the cast
+        if scalar is not None and not local:
+            (held if graphless else tracker.pending).append(scalar)
+        if local:  # comparisons let the scalar go before its cast, arithmetic after
+            held.insert(0 if _short_name(func) in _COMPARISONS else len(held), scalar)
+    if local:
+        scalars = []  # nothing for the output's autograd node to keep
+    for t, nbytes in _mixed_dtype_casts(func, tensors):
+        held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
+    per_tensor = _foreach_scalars(func, args)
+    for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
+        ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)[:2]) if i is not None]
+        if j < len(per_tensor) - 1:
+            for aid in ids:
+                tracker.free(aid)
+        else:
+            held += ids
+    out = func(*args, **kwargs)
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            tracker.add(t.untyped_storage(), key)
+    # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse
+    held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
+    if func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
+        held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
+    if func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
+        x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
+        held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
+    return out, held, scalars
+
+
+def _note_accumulate(tracker, args, out):
+    """An add (autograd's gradient sum in backward; CPU math SDPA's mask add) whose first operand,
+    contiguous and not a view, may die with it: before_op folds the output into its memory."""
+    import torch
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    first = tensors[0] if len(tensors) == 2 else None
+    if (first is not None and isinstance(out, torch.Tensor) and first.shape == out.shape
+            and first.dtype == out.dtype and first.is_contiguous() and not first._is_view()):
+        tracker.accumulate = (out.untyped_storage()._cdata, first.untyped_storage()._cdata)
 
 
 def _none():
