@@ -19,7 +19,7 @@ import contextlib
 
 from . import shadow_cuda
 from ..schema import PREDICTED_FRAME
-from .shadow_tracker import RULES, Tracker, cpu_rules, dispatch_mode, module_labels, rng_states  # noqa: F401
+from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
 
 def _names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
@@ -138,9 +138,9 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
         base = contextlib.nullcontext()
     else:  # meta tensors for a CUDA step: C++ kernels, several times faster than FakeTensorMode
         base = shadow_cuda.meta() if device_type == "cuda" else FakeTensorMode()
-    # the CPU generator's state checkpointing saves is host memory on a CUDA run
-    rng = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
-    with base, dispatch_mode(tracker, device_type), rng, cuda:
+    # the CPU rules outside the dispatcher (RNG states, the SDPA region); a CUDA run's RNG states are host memory
+    rules = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
+    with base, dispatch_mode(tracker, device_type), rules, cuda:
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
         handles = module_labels(model, tracker)
         accum = cfg["gradient_accumulation_steps"]

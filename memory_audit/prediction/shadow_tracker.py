@@ -319,16 +319,12 @@ def _short_name(func):
 def _view_op(tracker, func, args, kwargs):
     """A view op on meta tensors with nothing pending: its kernel, and a storage first seen here
     (made where no op showed it) registered."""
-    import torch
-    from torch.utils._pytree import tree_leaves
     tracker.freed_at.clear()
     tracker.last = (func, tracker.label)
     out = func(*args, **kwargs)
-    for t in tree_leaves(out):
-        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in tracker.live:
-            for u, nbytes in shadow_cuda.outputs(func, out):
-                tracker.add(u.untyped_storage(), tracker.key(_short_name(func)), nbytes)
-            break
+    for t, nbytes in shadow_cuda.outputs(func, out):
+        if t.untyped_storage()._cdata not in tracker.live:
+            tracker.add(t.untyped_storage(), tracker.key(_short_name(func)), nbytes)
     return out
 
 

@@ -18,7 +18,7 @@ Korthikanti et al.'s per-layer formulas (fp16 activations, dropout masks, their 
 are given beside the measured bytes as reconciliation columns, not as predictions.
 """
 
-from .parts import round_block, sequence_parallel, tp_size  # noqa: F401 (this module's rules read them)
+from .parts import round_block, sequence_parallel, tp_size
 
 COLWISE = ("attn.c_attn", "mlp.c_fc")  # weight rows (and bias) split over the ranks
 ROWWISE = ("attn.c_proj", "mlp.c_proj")  # weight columns split; the bias stays whole
