@@ -17,9 +17,9 @@ counts them as the device would; snapshot() writes a CPU step in the snapshot sc
 
 import contextlib
 
-from . import shadow_cuda
+from . import shadow_cuda, shadow_repeat
 from ..schema import PREDICTED_FRAME
-from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
+from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, module_labels
 
 def _names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
@@ -104,17 +104,21 @@ class ShadowError(ValueError):
     """The step could not run on fake tensors; str() names the last op and the reason."""
 
 
-def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True):
+def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False,
+        meta_cache=None):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see _result). fake=False runs the same on real tensors (a
     check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
     view op through the tracker's whole path (the check of shadow_metacache and of that
-    shortcut). Raises ShadowError (one line) if the step cannot run."""
+    shortcut); meta_cache: a MetaCache to share between runs. blocks=True tags each allocation
+    and event with its block (result["blocks"], for shadow_repeat). Raises ShadowError (one
+    line) if the step cannot run."""
     tracker = Tracker()
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
+    tracker.tagging = blocks
     if device_type == "cuda" and fake and cache:
         from .shadow_metacache import MetaCache
-        tracker.meta_cache = MetaCache()
+        tracker.meta_cache = meta_cache if meta_cache is not None else MetaCache()
     return _one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
 
 
@@ -143,6 +147,8 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     with base, dispatch_mode(tracker, device_type), rules, cuda:
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
         handles = module_labels(model, tracker)
+        if tracker.tagging:  # each event's block, for shadow_repeat
+            handles += block_tags(model, tracker)
         accum = cfg["gradient_accumulation_steps"]
         if device_type == "cuda":  # the whole history, for the allocator's model: from model.to(device) on
             tracker.recording = True
@@ -209,7 +215,7 @@ def _result(tracker, pre, phases):
     """{"events": [(action, key, bytes, id)] of the step in order, "history": the same before it
     (a CUDA shadow records from model.to(device) on; empty on CPU), "pre": [(id, key, bytes)]
     live when it starts, "start_bytes", "phases": {phase: position in events}, "peak"}."""
-    events, cut = [], {}
+    events, cut, blocks = [], {}, []
     for i, (action, aid) in enumerate(tracker.events):
         for phase, at in phases.items():
             if at == i:
@@ -217,6 +223,9 @@ def _result(tracker, pre, phases):
         if action is not None:
             key, nbytes = tracker.allocs[aid]
             events.append((action, key, nbytes, aid))
+            if tracker.tagging:  # a free in a block's op is that block's; else the allocation's
+                blocks.append(tracker.event_tags[i] if action == "free" and tracker.event_tags[i] is not None
+                              else tracker.block_of(aid))
     cut["step2_end"] = len(events)
     for phase in phases:
         cut.setdefault(phase, len(events))
@@ -231,8 +240,11 @@ def _result(tracker, pre, phases):
     for action, _, nbytes, _ in events:
         level += nbytes if action == "alloc" else -nbytes
         peak = max(peak, level)
-    return {"events": events, "history": history, "pre": pre, "start_bytes": start_bytes, "phases": cut,
-            "peak": start_bytes + peak}
+    out = {"events": events, "history": history, "pre": pre, "start_bytes": start_bytes, "phases": cut,
+           "peak": start_bytes + peak}
+    if tracker.tagging:  # each allocation's block and each event's (history, then step)
+        out["blocks"] = {"allocs": {aid: tracker.block_of(aid) for aid in tracker.allocs}, "events": blocks}
+    return out
 
 
 def snapshot(result):
@@ -261,11 +273,13 @@ def snapshot(result):
     return snapshot_at(events, t)
 
 
-def replayed(cfg, device):
+def replayed(cfg, device, repeat=True):
     """The shadow run of `cfg` on `device` (predict.device_facts' dict) counted as the device
     counts it: {"steady_state", "before_backward", "peak", "end", "reserved"} of step 2, plus
     "result" (run()'s). On CUDA every request goes through the caching allocator's model from
-    model.to(device) on (shadow_allocator.replay); a CPU step is its own bytes (reserved: None)."""
+    model.to(device) on (shadow_allocator.replay); a CPU step is its own bytes (reserved: None).
+    repeat: a deep CUDA step from the shadow runs of 3 and 4 blocks (shadow_repeat) where the
+    rule holds; repeat=False runs every block."""
     if device["type"] != "cuda":
         result = run(cfg)
         levels = [result["start_bytes"]]  # bytes live before each event, then after the last
@@ -274,9 +288,21 @@ def replayed(cfg, device):
         at = {phase: levels[i] for phase, i in result["phases"].items()}
         return {"steady_state": result["start_bytes"], "before_backward": at.get("step2_before_backward"),
                 "peak": result["peak"], "end": at["step2_end"], "reserved": None, "result": result}
-    result = run(cfg, "cuda", sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
+    kw = dict(sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
+    result = repeated(cfg, **kw) if repeat and shadow_repeat.repeatable(cfg) else None
+    if result is None:
+        result = run(cfg, "cuda", **kw)
     from .shadow_allocator import replay
     return dict(replay(result, device.get("expandable_segments", False)), result=result)
+
+
+def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0):
+    """run(cfg, "cuda") built from the shadow runs of 3 and 4 blocks (shadow_repeat), or None
+    where the repeat rule does not hold for this config (then run every block)."""
+    from .shadow_metacache import MetaCache
+    cache, kw = MetaCache(), dict(sdpa_backend=sdpa_backend, workspace_bytes=workspace_bytes, blocks=True)
+    r3, r4 = (run(dict(cfg, n_layer=n), "cuda", meta_cache=cache, **kw) for n in shadow_repeat.SOURCE)
+    return shadow_repeat.expand(r3, r4, cfg["n_layer"])
 
 
 def run_loop(make, step, inputs=("inputs/x", "inputs/y"), audited=1):

@@ -31,6 +31,7 @@ Plain Python until a shadow run starts: torch is imported inside the functions.
 
 import contextlib
 import math
+import re
 import weakref
 
 from . import shadow_cuda
@@ -67,6 +68,10 @@ class Tracker:
         self.in_sdpa = False  # inside F.scaled_dot_product_attention (a CPU shadow: cpu_rules)
         self.meta_cache = None  # a shadow_metacache.MetaCache on meta tensors: kernels asked once,
         # and a view op (no storage, nothing pending) straight to its kernel
+        self.tagging = False  # each allocation and event tagged with its block (shadow_repeat)
+        self.tags = {}  # allocation id -> the block (transformer.h.N) it belongs to, or None
+        self.event_tags = []  # parallel to events: the block of the op a free happened in (or None)
+        self.context = None  # the block of the op running (or last run), or None
 
     @property
     def op(self):
@@ -79,10 +84,12 @@ class Tracker:
         return {"forward": "activations/", "backward": "temporary/backward/",
                 "optimizer": "temporary/optimizer/", "inputs": "inputs/"}.get(self.phase, "") + where
 
-    def alloc(self, key, nbytes):
-        """A new allocation; returns (its id, the index of its event or None)."""
+    def alloc(self, key, nbytes, tag=None):
+        """A new allocation (of block `tag`, else the running op's); returns (its id, the index
+        of its event or None)."""
         aid = len(self.allocs)
         self.allocs[aid] = [key, nbytes]
+        self.tags[aid] = self.context if tag is None else tag
         return aid, self._event("alloc", aid)
 
     def free(self, aid):
@@ -91,17 +98,29 @@ class Tracker:
     def _event(self, action, aid):
         if self.recording:
             self.events.append([action, aid])
+            self.event_tags.append(self.context if action == "free" else None)
             return len(self.events) - 1
         return None
 
-    def add(self, storage, key, nbytes=None):
+    def add(self, storage, key, nbytes=None, tag=None):
         """A storage an op returned: an allocation of its bytes (or `nbytes`, what it stands
         for on the device) the first time it is seen."""
         sid = storage._cdata
         if sid in self.live:
             return
-        self.live[sid] = list(self.alloc(key, storage.nbytes() if nbytes is None else nbytes))
+        self.live[sid] = list(self.alloc(key, storage.nbytes() if nbytes is None else nbytes, tag))
         weakref.finalize(storage, self._freed, sid)
+
+    def block_of(self, aid):
+        """An allocation's block: the one it was made in, else the one its name says (a
+        parameter's optimizer state made by an op with no tensor of the block)."""
+        tag = self.tags.get(aid)
+        return _label_block(self.allocs[aid][0]) if tag is None else tag
+
+    def tag_of(self, t):
+        """The block of a tensor's storage, or None."""
+        entry = self.live.get(t.untyped_storage()._cdata)
+        return None if entry is None else self.tags.get(entry[0])
 
     def adopt(self, storage):
         """Record now the allocation of a storage made while not recording (model.to(device)
@@ -288,6 +307,8 @@ def dispatch_mode(tracker, device_type):
             kwargs = kwargs or {}
             if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **kwargs)
+            if tracker.tagging:
+                tracker.context = op_block(tracker, args)
             if (tracker.meta_cache is not None and _is_view(func) and not tracker.pending and tracker.accumulate is None
                     and not tracker.saved):  # a view on the device: no storage, nothing to settle first
                 return _view_op(tracker, func, args, kwargs)
@@ -335,8 +356,10 @@ def _device_op(tracker, func, args, kwargs, key):
     held = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
     cache = tracker.meta_cache
     out = func(*args, **kwargs) if cache is None else cache.call(func, args, kwargs)
-    for t, nbytes in shadow_cuda.outputs(func, out):
-        tracker.add(t.untyped_storage(), key, nbytes)
+    outs = shadow_cuda.outputs(func, out)
+    tags = _foreach_blocks(tracker, func, args, len(outs))
+    for (t, nbytes), tag in zip(outs, tags):
+        tracker.add(t.untyped_storage(), key, nbytes, tag)
     held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
     if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS:
         thread = "backward" if tracker.phase == "backward" else "main"
@@ -390,6 +413,82 @@ def _cpu_op(tracker, func, args, kwargs, key):
         x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
         held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
     return out, held, scalars
+
+
+def op_block(tracker, args):
+    """The block (transformer.h.N) an op belongs to, for shadow_repeat: in backward (a
+    recomputation included) the autograd node's (block_tags); in a forward the module it runs
+    in; in the optimizer its tensors' block if they share one. None outside any block."""
+    import torch
+    if tracker.phase == "backward":  # a recomputation's early stop leaves the module label stale
+        node = torch._C._current_autograd_node()
+        return None if node is None else node.metadata.get(_BLOCK)
+    if tracker.label:
+        return _label_block(tracker.label)
+    if tracker.phase != "optimizer":
+        return None
+    found = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            tag = tracker.tag_of(a)
+            if tag is not None:
+                if found is not None and tag != found:
+                    return None
+                found = tag
+    return found
+
+
+def _foreach_blocks(tracker, func, args, n):
+    """[block or None] per output: a _foreach_ op's i-th output is its first list's i-th tensor's."""
+    if not tracker.tagging or not func.__name__.startswith("_foreach_") or n < 2:
+        return [None] * n
+    first = args[0]
+    if not isinstance(first, (list, tuple)) or len(first) != n:
+        return [None] * n
+    return [tracker.tag_of(t) for t in first]
+
+
+_BLOCK = "shadow_block"  # the autograd node metadata key block_tags sets
+_LABEL_BLOCKS = {}  # module path -> block number or None
+
+
+def _label_block(label):
+    if label not in _LABEL_BLOCKS:
+        m = re.search(r"(?:^|[./])h\.(\d+)(?:[./]|$)", label)
+        _LABEL_BLOCKS[label] = int(m.group(1)) if m else None
+    return _LABEL_BLOCKS[label]
+
+
+def block_tags(model, tracker):
+    """Tag the parameters and buffers of each block transformer.h.N with N, and, as each
+    block's forward returns, the autograd nodes it made (walked from its output back to its
+    input's node), so the backward's ops know their block. Returns the hook handles."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        entry = tracker.live.get(t.untyped_storage()._cdata)
+        if entry is not None:
+            tracker.tags[entry[0]] = _label_block(name)
+    handles = []
+    for name, mod in model.named_modules():
+        n = _label_block(name)
+        if n is None or not re.search(r"(?:^|\.)h\.\d+$", name):
+            continue
+
+        def pre(_m, args):
+            node = getattr(args[0], "grad_fn", None) if args else None
+            if node is not None:
+                node.metadata.setdefault(_BLOCK, None)  # where the walk stops
+
+        def post(_m, _a, out, n=n):
+            todo = [getattr(out, "grad_fn", None)]
+            while todo:
+                node = todo.pop()
+                if node is None or _BLOCK in node.metadata:
+                    continue
+                node.metadata[_BLOCK] = n
+                todo.extend(f for f, _ in node.next_functions)
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post))
+    return handles
 
 
 def _note_accumulate(tracker, args, out):
@@ -491,5 +590,6 @@ def module_labels(model, tracker, root="gpt"):
         def post(_m, _a, _o):
             tracker.label = stack.pop() if stack else ""
         handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post))
+        # always_call: a checkpoint's recomputation stops early by raising inside a forward
+        handles.append(mod.register_forward_hook(post, always_call=True))
     return handles

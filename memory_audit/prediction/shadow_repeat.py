@@ -1,0 +1,197 @@
+"""A deep model's shadow from a shallow one's: a middle block's events repeated, not rerun (issue #26: speed).
+
+GPT-2 XL runs 48 identical blocks; its shadow asked each op 48 times. Here the step is shadow-run
+with 3 blocks and with 4, each allocation and event tagged with its block (shadow_tracker.block_tags:
+the module a forward op runs in, the autograd node a backward op runs for, the parameter an
+optimizer op works on). The 3-block run reads as runs of events: outside any block, block 0,
+block 1, block 2. For n blocks, each run of block 1 (between runs of blocks 0 and 2, either way
+round) is emitted for blocks 1..n-2 in that order, block 2's runs become block n-1's, and each
+free lands on the copy of the allocation it frees in its own block or its neighbour's (block
+0's residual freed by block 1's backward is block r-1's, freed by block r's). The keys are
+renamed (h.1 -> h.r). Allocations outside every block keep their size, or, where it depends on
+the depth (a foreach kernel's buffer over every tensor), grow by their 3-to-4 difference per
+block.
+
+The 4-block run checks the rule every time: the 3-block run expanded to 4 must equal it event
+by event (action, key, bytes, which allocation). Anything else (a block's run not between its
+neighbours, a free the rule cannot place, a mismatch with the 4-block run) returns None and the
+caller runs every block. Checkpointing every k-th block (ac_every > 1) is not uniform: not
+repeated.
+"""
+
+import itertools
+import re
+
+_BLOCK = re.compile(r"((?:^|[./])h\.)(\d+)(?=[./]|$)")
+SOURCE = (3, 4)  # the depths shadow-run
+
+
+def repeatable(cfg):
+    """Whether the step's blocks are alike and deep enough for repeating to save time."""
+    uniform = cfg.get("activation_checkpointing", "none") == "none" or cfg.get("ac_every", 1) == 1
+    return uniform and cfg["n_layer"] > sum(SOURCE)
+
+
+def expand(r3, r4, n_layer):
+    """run()'s result for `n_layer` blocks from the results of 3 and 4 (run(..., blocks=True)),
+    or None where the repeat rule does not hold (module docstring)."""
+    four = _emit(r3, 4, {})
+    if four is None:
+        return None
+    growth = _growth(four, r4)
+    if growth is None:
+        return None
+    out = _emit(r3, n_layer, growth)
+    return None if out is None else _result(*out)
+
+
+def _emit(r, n, growth):
+    """(events [(action, key, bytes, id)], sources [source id per event], phases {phase: index})
+    for n blocks, or None. growth: {source id: bytes per block beyond 3}."""
+    events = r["history"] + r["events"]
+    tags, blocks = r["blocks"]["events"], r["blocks"]["allocs"]
+    start = len(r["history"])
+    marks = {phase: start + i for phase, i in r["phases"].items()}
+    first = {e[3]: e for e in events if e[0] == "alloc"}
+    match = _Matcher(events, blocks)
+    runs = [(tag, len(list(g))) for tag, g in itertools.groupby(tags)]
+    out, sources, ids, at, lo = [], [], {}, {}, 0
+    for k, (tag, size) in enumerate(runs):
+        layers = _layers(tag, runs, k, n)
+        if layers is None:
+            return None
+        hi = lo + size
+        for j, real in enumerate(layers):
+            for i in range(lo, hi):
+                if j == 0:
+                    at[i] = len(out)
+                action, _, _, aid = events[i]
+                placed = _place(aid, blocks.get(aid), tag, real, n, match)
+                if placed is None or (action == "alloc") == (placed in ids):
+                    return None  # a free the rule cannot place, or an allocation made twice
+                ids.setdefault(placed, len(ids))
+                src, layer = placed
+                _, key, nbytes, _ = first[src]
+                out.append((action, _renamed(key, blocks.get(src), layer),
+                            nbytes + (n - SOURCE[0]) * growth.get(src, 0), ids[placed]))
+                sources.append(src)
+        lo = hi
+    at[len(events)] = len(out)
+    phases = {}
+    for phase, i in marks.items():
+        inside = [t for t, (lo_, hi_) in _spans(runs) if lo_ < i < hi_ and t == 1]
+        if inside or i not in at:
+            return None  # a phase inside a repeated run: no one place for it
+        phases[phase] = at[i]
+    return out, sources, phases
+
+
+def _spans(runs):
+    lo = 0
+    for tag, size in runs:
+        yield tag, (lo, lo + size)
+        lo += size
+
+
+def _layers(tag, runs, k, n):
+    """The blocks a run of the 3-block step stands for at n blocks, in order."""
+    if tag is None:
+        return [None]
+    if tag != 1:
+        return [0 if tag == 0 else n - 1]
+    around = (runs[k - 1][0] if k else None, runs[k + 1][0] if k + 1 < len(runs) else None)
+    if around == (0, 2):
+        return list(range(1, n - 1))
+    if around == (2, 0):
+        return list(range(n - 2, 0, -1))
+    return None
+
+
+def _place(aid, block, tag, real, n, match):
+    """(source allocation, block at n) of an event of allocation `aid` (of block `block`) in a
+    run of block `tag` standing for block `real`: the same allocation, or its counterpart in
+    the source block that stands for the target block. None where it cannot be placed."""
+    if block is None:
+        return None if tag == 1 else (aid, None)  # one allocation freed in every repeated block: no
+    if tag is None:  # cannot happen (an event outside every block is of an allocation outside them)
+        return None
+    target = real + (block - tag)  # its own block's, or a neighbour's
+    if not 0 <= target < n:
+        return None
+    stands = 0 if target == 0 else 2 if target == n - 1 else 1
+    src = aid if stands == block else match.counterpart(aid, block, stands)
+    return None if src is None else (src, target)
+
+
+class _Matcher:
+    """The allocation of one block that plays the same part as another block's: the same key
+    (block number aside) and bytes, the same ordinal among those."""
+
+    def __init__(self, events, blocks):
+        self.by_role, self.role = {}, {}
+        for action, key, nbytes, aid in events:
+            if action == "alloc" and blocks.get(aid) is not None:
+                role = (_role(key, blocks[aid]), nbytes)
+                group = self.by_role.setdefault((blocks[aid], role), [])
+                self.role[aid] = (role, len(group))
+                group.append(aid)
+
+    def counterpart(self, aid, block, other):
+        role, i = self.role[aid]
+        group = self.by_role.get((other, role), [])
+        return group[i] if i < len(group) else None
+
+
+def _renamed(key, block, layer):
+    """The key of block `block`'s allocation for block `layer`: each block number in it moved
+    by the same amount (a recomputation's first op carries the label the previous
+    recomputation's early stop left: the next block's)."""
+    if block is None or layer is None or block == layer:
+        return key
+    return _BLOCK.sub(lambda m: m.group(1) + str(int(m.group(2)) + layer - block), key)
+
+
+def _role(key, block):
+    """A key with its block numbers relative to `block`."""
+    return _BLOCK.sub(lambda m: f"{m.group(1)}{int(m.group(2)) - block:+d}", key)
+
+
+def _growth(four, r4):
+    """{source id: bytes per block} from the 3-block step expanded to 4 against the 4-block
+    run; None unless they agree event by event but for the sizes of allocations outside every
+    block."""
+    events, sources, phases = four
+    actual = r4["history"] + r4["events"]
+    start = len(r4["history"])
+    if len(events) != len(actual) or phases != {p: start + i for p, i in r4["phases"].items()}:
+        return None
+    growth, same = {}, {}
+    for (action, key, nbytes, aid), (action4, key4, nbytes4, aid4), src in zip(events, actual, sources):
+        if action != action4 or key != key4 or same.setdefault(aid, aid4) != aid4:
+            return None
+        if nbytes != nbytes4:
+            if r4["blocks"]["allocs"].get(aid4) is not None:
+                return None
+            growth[src] = nbytes4 - nbytes
+    return growth
+
+
+def _result(events, _sources, phases):
+    """shadow.run()'s dict from the expanded process: the history before step 2, its events,
+    what is live when it starts, the phases and the peak."""
+    start = phases["step2_start"]
+    history, step = events[:start], events[start:]
+    live = {}
+    for action, key, nbytes, aid in history:
+        if action == "alloc":
+            live[aid] = (aid, key, nbytes)
+        else:
+            live.pop(aid, None)
+    pre = list(live.values())
+    start_bytes = sum(n for _, _, n in pre)
+    level = peak = 0
+    for action, _, nbytes, _ in step:
+        level += nbytes if action == "alloc" else -nbytes
+        peak = max(peak, level)
+    return {"events": step, "history": history, "pre": pre, "start_bytes": start_bytes,
+            "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True}
