@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import load_json, run_cli, run_train
+from conftest import load_json, plain_bf16, run_cli, run_train
 from memory_audit.prediction.predict import device_facts, predict, published_formulas
 from memory_audit.comparison.reconcile import mismatched, reconcile
 
@@ -62,8 +62,8 @@ def test_full_checkpointing_moves_the_peak_into_the_backward(audits):
 
 @pytest.mark.parametrize("name, args, peak_at", [
     ("b1-fp32", ["--dtype=float32"], "tied gradients summed"),
-    ("b1-bf16", ["--dtype=bfloat16"], "backward of wte"),
-    ("b1-bf16-dropout", ["--dtype=bfloat16", "--dropout=0.1"], "backward of h.0"),
+    pytest.param("b1-bf16", ["--dtype=bfloat16"], "backward of wte", marks=plain_bf16),
+    pytest.param("b1-bf16-dropout", ["--dtype=bfloat16", "--dropout=0.1"], "backward of h.0", marks=plain_bf16),
 ])
 def test_batch_one_full_checkpointing_to_the_byte(audits, name, args, peak_at):
     """At batch 1 with full checkpointing the gradients outweigh what is saved: the peak is the
@@ -86,8 +86,8 @@ def test_batch_one_full_checkpointing_to_the_byte(audits, name, args, peak_at):
 
 
 @pytest.mark.parametrize("name, args, peak_at", [
-    ("relu-bias-bf16", ["--activation=relu", "--bias=True", "--dtype=bfloat16", "--activation_checkpointing=full"],
-     "backward of h.0.mlp.c_proj done"),
+    pytest.param("relu-bias-bf16", ["--activation=relu", "--bias=True", "--dtype=bfloat16",
+                                    "--activation_checkpointing=full"], "backward of h.0.mlp.c_proj done", marks=plain_bf16),
     ("selective-dropout", ["--dropout=0.1", "--dtype=float32", "--activation_checkpointing=selective"], "start of backward"),
 ])
 def test_moments_inside_a_block_backward_to_the_byte(audits, name, args, peak_at):

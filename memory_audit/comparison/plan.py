@@ -1,8 +1,9 @@
 """Will it fit, and what to change if not: the predicted reserved memory against the card.
 
-What makes a job fail is the allocator's reserved memory (segments with their unused tails,
-predicted by gap_sim.py's allocator model) plus what CUDA holds outside PyTorch, against the
-card's memory. `need` is that sum; `fit_result` finds the largest batch whose need fits;
+What makes a job fail is the allocator's reserved memory (segments with their unused tails:
+the shadow run's trace replayed through the caching allocator's model where it covers the
+config, prediction/stepped.py; else gap_sim.py's model of the ledger) plus what CUDA holds
+outside PyTorch, against the card's memory. `need` is that sum; `fit_result` finds the largest batch whose need fits;
 `plan` ranks the levers that make a config fit by their predicted cost.
 
 Cost is extra work per optimizer step as a fraction of the step's FLOPs (forward + backward =
@@ -22,30 +23,36 @@ MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulatio
 AC_MODES = ("selective", "sac", "full")
 
 
-def need(cfg, dev):
-    """{allocated, reserved, outside, total, recompute_flops, forward_flops}: predicted bytes."""
-    t = predict_run(cfg, dev)["totals"]  # compile=True: inductor's plan (on CUDA it needs a GPU)
+def need(cfg, dev, shadow=True):
+    """{allocated, reserved, outside, total, recompute_flops, forward_flops, from}: predicted
+    bytes; shadow: allocated and reserved from the shadow run's trace where it covers the
+    config (prediction/stepped.py), else the ledger's."""
+    t = predict_run(cfg, dev, shadow=shadow, ledger_model=False)["totals"]  # compile=True: inductor's plan (on CUDA it needs a GPU)
     outside = t["outside_pytorch_bytes"]
     return {"allocated": t["peak_allocated_bytes"], "reserved": t["reserved_peak_bytes"], "outside": outside,
             "total": t["reserved_peak_bytes"] + outside, "recompute_flops": t["recompute_flops"],
-            "forward_flops": t["forward_flops"], "comm_bytes": comm_bytes(dict(DEFAULTS, **cfg), t["params"])}
+            "forward_flops": t["forward_flops"], "comm_bytes": comm_bytes(dict(DEFAULTS, **cfg), t["params"]),
+            "from": t.get("from", "ledger")}
 
 
 def budget(dev, headroom):
     return int(dev["total_memory"] * (1 - headroom))
 
 
-def fit_result(cfg, dev, headroom):
+def fit_result(cfg, dev, headroom, shadow=True):
     """The largest batch (and power-of-two block) whose predicted need fits the GPU, as a dict."""
     limit = budget(dev, headroom)
+    seen = {}
 
     def total(b, t):
-        return need(dict(cfg, batch_size=b, block_size=t), dev)["total"]
+        if (b, t) not in seen:
+            seen[b, t] = need(dict(cfg, batch_size=b, block_size=t), dev, shadow)
+        return seen[b, t]["total"]
 
     t = cfg.get("block_size", 1024)
     out = {"gpu": dev["gpu"], "total_memory": dev["total_memory"], "headroom": headroom, "budget": limit,
            "decides_by": "predicted memory_reserved() + memory outside PyTorch", "block_size": t,
-           "outside_pytorch": need(dict(cfg, batch_size=1), dev)["outside"], "batch_1_need": total(1, t)}
+           "batch_1_need": total(1, t), "outside_pytorch": seen[1, t]["outside"], "from": seen[1, t]["from"]}
     out["fits"] = out["batch_1_need"] <= limit
     if not out["fits"]:
         return out
@@ -103,26 +110,26 @@ def parallel_candidates(cfg):
     return out
 
 
-def _option(name, cfg, overrides, dev, limit, base_flops):
+def _option(name, cfg, overrides, dev, limit, base_flops, shadow=True):
     d = dict(dev, expandable_segments=overrides.get("expandable_segments", dev.get("expandable_segments", False)))
     c = dict(cfg, **{k: v for k, v in overrides.items() if k != "expandable_segments"})
-    n = need(c, d)
+    n = need(c, d, shadow)
     extra = n["recompute_flops"] / (3 * base_flops) if base_flops else 0.0
     doublings = (c.get("gradient_accumulation_steps", 1) // max(cfg.get("gradient_accumulation_steps", 1), 1)).bit_length() - 1
     return {"option": name, "overrides": overrides, "allocated_peak": n["allocated"], "reserved_peak": n["reserved"],
             "outside_pytorch": n["outside"], "need": n["total"], "fits": n["total"] <= limit,
             "headroom_bytes": limit - n["total"], "recompute_flops": n["recompute_flops"],
             "extra_flops_fraction": round(extra, 4), "comm_bytes_per_step": n["comm_bytes"],
-            "cost": round(extra + MICRO_BATCH_COST * doublings, 4)}
+            "cost": round(extra + MICRO_BATCH_COST * doublings, 4), "from": n["from"]}
 
 
-def plan(cfg, dev, headroom):
+def plan(cfg, dev, headroom, shadow=True):
     """{"budget", "baseline": {..., "fits"}, "options": [{..., "fits"}, ...]}: the options that fit
     first, cheapest first (one GPU before several); then the others, smallest need first."""
     limit = budget(dev, headroom)
-    base = need(cfg, dev)
-    baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"])
-    options = [_option(name, cfg, o, dev, limit, base["forward_flops"]) for name, o in candidates(cfg)]
+    base = need(cfg, dev, shadow)
+    baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"], shadow)
+    options = [_option(name, cfg, o, dev, limit, base["forward_flops"], shadow) for name, o in candidates(cfg)]
     # more GPUs are a bigger change than any single-GPU lever: parallel options come after those that fit
     options.sort(key=lambda o: (not o["fits"], "parallel" in o["overrides"] if o["fits"] else False,
                                 o["cost"] if o["fits"] else o["need"], o["need"]))

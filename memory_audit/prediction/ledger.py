@@ -67,6 +67,23 @@ def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11
             "expandable_segments": expandable_from_env(env), "outside_pytorch": outside_pytorch}
 
 
+def presets():
+    """model.py's PRESETS, read from its source (importing model.py imports torch, which the
+    ledger's commands do not need): {name: {key: value}}."""
+    import ast
+    import importlib.util
+    spec = importlib.util.find_spec("model")
+    if spec is None or spec.origin is None:
+        raise ValueError("model.py not found: run from the repository (or install it with pip install -e .)")
+    with open(spec.origin) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["PRESETS"]:
+            return {ast.literal_eval(k): {kw.arg: ast.literal_eval(kw.value) for kw in v.keywords}
+                    for k, v in zip(node.value.keys, node.value.values)}
+    raise ValueError(f"no PRESETS in {spec.origin}")
+
+
 def param_shapes(cfg):
     """[(name, shape)] of GPT's parameters in model order (lm_head tied to wte, listed once)."""
     d, L, bias = cfg["n_embd"], cfg["n_layer"], cfg["bias"]
@@ -183,13 +200,15 @@ def sum_lines(ledger, phase, field="bytes", category=None):
     return sum(l[field] for l in ledger if phase in l["phases"] and (category is None or l["category"] == category))
 
 
-def totals(ledger, params, dev, gaps_bytes, cfg):
+def totals(ledger, params, dev, gaps_bytes, cfg, allocator_model=True):
     steady = sum_lines(ledger, "step2_start")
     steady_alloc = sum_lines(ledger, "step2_start", "allocated")
     rounding = steady_alloc - steady
     # Bytes the allocator holds beyond the rounding (unsplit blocks): measured when given, else
     # modelled by replaying the predicted tensors through the allocator's rules (CUDA only).
-    modelled = predicted_gaps(ledger, cfg, dev.get("expandable_segments", False)) if dev["type"] == "cuda" else {}
+    # (allocator_model=False: a caller that takes these from the shadow run's replay skips the model)
+    modelled = predicted_gaps(ledger, cfg, dev.get("expandable_segments", False)) \
+        if dev["type"] == "cuda" and allocator_model else {}
     if gaps_bytes is not None:
         extra = {"steady": int(gaps_bytes) - rounding}
         extra["before_backward"] = extra["peak"] = extra["steady"]

@@ -41,7 +41,7 @@ def activation_lines(s, cfg):
     return lines + tp.shard_lines(s, head(s, cfg["keep_logits"]), cfg), recomputed
 
 
-def predict(config=None, device=None, gaps_bytes=None):
+def predict(config=None, device=None, gaps_bytes=None, allocator_model=True):
     """The predicted ledger for one audited training step.
 
     Args:
@@ -49,6 +49,8 @@ def predict(config=None, device=None, gaps_bytes=None):
         device: device_facts() dict; default an H100.
         gaps_bytes: measured allocator gaps at steady state, to use instead of the allocator
             model's (gap_sim.py); they depend on allocation history.
+        allocator_model: False skips gap_sim's model (a caller that replaces the allocated
+            and reserved totals with the shadow run's: stepped.py).
     Returns:
         {"config", "device", "ledger": [line...], "totals": {...}, "backward": {...}} with
         integer bytes.
@@ -67,20 +69,28 @@ def predict(config=None, device=None, gaps_bytes=None):
                                 tp_local)
     owned = [(n, fsdp.own_shape(sh, cfg)) for n, sh in tp_local]  # FSDP2: the unpadded rows this rank owns
     ledger = [plain(l) for l in steady_lines(s, cfg, dev, params, owned) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
-    totals = totals_of(ledger, params, dev, gaps_bytes, cfg)
+    totals = totals_of(ledger, params, dev, gaps_bytes, cfg, allocator_model)
     totals["recompute_flops"] = recompute_flops(s, cfg)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
     return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward}
 
 
-def predict_run(config=None, device=None, gaps_bytes=None, plan=None):
+def predict_run(config=None, device=None, gaps_bytes=None, plan=None, shadow=False, ledger_model=True):
     """predict() for any train.py config. A compiled run (compile=True) is predicted from
     inductor's own partition and memory plan (compiled_predict.py: needs torch and model.py;
-    `plan`: one made before for this config, e.g. stored with a sweep's row)."""
+    `plan`: one made before for this config, e.g. stored with a sweep's row). shadow=True: the
+    peak, the end and memory_reserved() from the shadow run's trace where it covers the config
+    (stepped.py: needs torch and model.py); totals["from"] says which. ledger_model=False skips
+    the ledger's own allocator model where the shadow's replay replaces it (fit, plan)."""
     if (config or {}).get("compile"):
         from .compiled_predict import predict_compiled
         return predict_compiled(config, device, plan=plan)
-    return predict(config, device, gaps_bytes)
+    if not shadow:
+        return predict(config, device, gaps_bytes)
+    from .stepped import uncovered, with_shadow
+    covered = uncovered(dict(DEFAULTS, **(config or {})), device or device_facts(), gaps_bytes) is None
+    pred = predict(config, device, gaps_bytes, allocator_model=ledger_model or not covered)
+    return with_shadow(pred, gaps_bytes, ledger=ledger_model)[0]
 
 
 # -- other published formulas, for the report's comparison columns ---------------------------

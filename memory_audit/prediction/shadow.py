@@ -110,15 +110,15 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     tensors and return the second (see _result). fake=False runs the same on real tensors (a
     check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
     view op through the tracker's whole path (the check of shadow_metacache and of that
-    shortcut); meta_cache: a MetaCache to share between runs. blocks=True tags each allocation
+    shortcut); meta_cache: a MetaCache (default: the process's, shadow_metacache.SHARED). blocks=True tags each allocation
     and event with its block (result["blocks"], for shadow_repeat). Raises ShadowError (one
     line) if the step cannot run."""
     tracker = Tracker()
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
     tracker.tagging = blocks
     if device_type == "cuda" and fake and cache:
-        from .shadow_metacache import MetaCache
-        tracker.meta_cache = meta_cache if meta_cache is not None else MetaCache()
+        from .shadow_metacache import SHARED
+        tracker.meta_cache = meta_cache if meta_cache is not None else SHARED
     return _one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
 
 
@@ -275,7 +275,7 @@ def snapshot(result):
 
 def replayed(cfg, device, repeat=True):
     """The shadow run of `cfg` on `device` (predict.device_facts' dict) counted as the device
-    counts it: {"steady_state", "before_backward", "peak", "end", "reserved"} of step 2, plus
+    counts it: {"steady_state", "before_backward", "peak", "peak_event", "end", "reserved"} of step 2, plus
     "result" (run()'s). On CUDA every request goes through the caching allocator's model from
     model.to(device) on (shadow_allocator.replay); a CPU step is its own bytes (reserved: None).
     repeat: a deep CUDA step from the shadow runs of 3 and 4 blocks (shadow_repeat) where the
@@ -287,7 +287,8 @@ def replayed(cfg, device, repeat=True):
             levels.append(levels[-1] + (nbytes if action == "alloc" else -nbytes))
         at = {phase: levels[i] for phase, i in result["phases"].items()}
         return {"steady_state": result["start_bytes"], "before_backward": at.get("step2_before_backward"),
-                "peak": result["peak"], "end": at["step2_end"], "reserved": None, "result": result}
+                "peak": result["peak"], "peak_event": levels.index(result["peak"]) - 1, "end": at["step2_end"],
+                "reserved": None, "result": result}
     kw = dict(sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
     result = repeated(cfg, **kw) if repeat and shadow_repeat.repeatable(cfg) else None
     if result is None:
@@ -299,9 +300,8 @@ def replayed(cfg, device, repeat=True):
 def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0):
     """run(cfg, "cuda") built from the shadow runs of 3 and 4 blocks (shadow_repeat), or None
     where the repeat rule does not hold for this config (then run every block)."""
-    from .shadow_metacache import MetaCache
-    cache, kw = MetaCache(), dict(sdpa_backend=sdpa_backend, workspace_bytes=workspace_bytes, blocks=True)
-    r3, r4 = (run(dict(cfg, n_layer=n), "cuda", meta_cache=cache, **kw) for n in shadow_repeat.SOURCE)
+    kw = dict(sdpa_backend=sdpa_backend, workspace_bytes=workspace_bytes, blocks=True)
+    r3, r4 = (run(dict(cfg, n_layer=n), "cuda", **kw) for n in shadow_repeat.SOURCE)
     return shadow_repeat.expand(r3, r4, cfg["n_layer"])
 
 

@@ -34,15 +34,19 @@ def play(result, expandable=False):
 
 def replay(result, expandable=False):
     """Plain numbers of step 2: {"steady_state", "before_backward", "end", "peak" (allocated
-    bytes as memory_allocated() counts them), "reserved" (the segments made by the end)}."""
-    levels, reserved = [0], 0  # memory_allocated() before each event, then after the last
+    bytes as memory_allocated() counts them), "peak_event" (the index of the step's event after
+    which it is reached; -1: the start), "reserved" (the segments made by the end),
+    "reserved_steady" (those made by the step's start)}."""
+    levels, reserved = [0], [0]  # memory_allocated() and memory_reserved() before each event, then after the last
     for _, action, _, _, block, _, seg in play(result, expandable):
         levels.append(levels[-1] + (block if action == "alloc" else -block))
-        reserved += seg[1] if seg else 0
+        reserved.append(reserved[-1] + (seg[1] if seg else 0))
     start = len(result["history"])
     at = {phase: levels[start + i] for phase, i in result["phases"].items()}
+    peak = max(levels[start:])
     return {"steady_state": at["step2_start"], "before_backward": at.get("step2_before_backward"),
-            "end": at["step2_end"], "peak": max(levels[start:]), "reserved": reserved}
+            "end": at["step2_end"], "peak": peak, "peak_event": levels.index(peak, start) - start - 1,
+            "reserved": reserved[-1], "reserved_steady": reserved[start]}
 
 
 def snapshot(result, expandable=False):

@@ -35,62 +35,61 @@ def repeatable(cfg):
 def expand(r3, r4, n_layer):
     """run()'s result for `n_layer` blocks from the results of 3 and 4 (run(..., blocks=True)),
     or None where the repeat rule does not hold (module docstring)."""
-    four = _emit(r3, 4, {})
+    source = _Source(r3)
+    four = source.emit(4, {})
     if four is None:
         return None
     growth = _growth(four, r4)
     if growth is None:
         return None
-    out = _emit(r3, n_layer, growth)
+    out = source.emit(n_layer, growth)
     return None if out is None else _result(*out)
 
 
-def _emit(r, n, growth):
-    """(events [(action, key, bytes, id)], sources [source id per event], phases {phase: index})
-    for n blocks, or None. growth: {source id: bytes per block beyond 3}."""
-    events = r["history"] + r["events"]
-    tags, blocks = r["blocks"]["events"], r["blocks"]["allocs"]
-    start = len(r["history"])
-    marks = {phase: start + i for phase, i in r["phases"].items()}
-    first = {e[3]: e for e in events if e[0] == "alloc"}
-    match = _Matcher(events, blocks)
-    runs = [(tag, len(list(g))) for tag, g in itertools.groupby(tags)]
-    out, sources, ids, at, lo = [], [], {}, {}, 0
-    for k, (tag, size) in enumerate(runs):
-        layers = _layers(tag, runs, k, n)
-        if layers is None:
-            return None
-        hi = lo + size
-        for j, real in enumerate(layers):
-            for i in range(lo, hi):
-                if j == 0:
-                    at[i] = len(out)
-                action, _, _, aid = events[i]
-                placed = _place(aid, blocks.get(aid), tag, real, n, match)
-                if placed is None or (action == "alloc") == (placed in ids):
-                    return None  # a free the rule cannot place, or an allocation made twice
-                ids.setdefault(placed, len(ids))
-                src, layer = placed
-                _, key, nbytes, _ = first[src]
-                out.append((action, _renamed(key, blocks.get(src), layer),
-                            nbytes + (n - SOURCE[0]) * growth.get(src, 0), ids[placed]))
-                sources.append(src)
-        lo = hi
-    at[len(events)] = len(out)
-    phases = {}
-    for phase, i in marks.items():
-        inside = [t for t, (lo_, hi_) in _spans(runs) if lo_ < i < hi_ and t == 1]
-        if inside or i not in at:
-            return None  # a phase inside a repeated run: no one place for it
-        phases[phase] = at[i]
-    return out, sources, phases
+class _Source:
+    """The 3-block step read once: its events, their runs by block, each allocation's block,
+    first event and counterparts in the other blocks."""
 
+    def __init__(self, r):
+        self.events = r["history"] + r["events"]
+        self.blocks = r["blocks"]["allocs"]
+        start = len(r["history"])
+        self.marks = {phase: start + i for phase, i in r["phases"].items()}
+        self.first = {e[3]: e for e in self.events if e[0] == "alloc"}
+        self.match = _Matcher(self.events, self.blocks)
+        self.runs = [(tag, len(list(g))) for tag, g in itertools.groupby(r["blocks"]["events"])]
+        self.names = {}  # (allocation, block) -> its key there
 
-def _spans(runs):
-    lo = 0
-    for tag, size in runs:
-        yield tag, (lo, lo + size)
-        lo += size
+    def key(self, src, layer):
+        k = (src, layer)
+        if k not in self.names:
+            self.names[k] = _renamed(self.first[src][1], self.blocks.get(src), layer)
+        return self.names[k]
+
+    def emit(self, n, growth):
+        """(events [(action, key, bytes, id)], sources [source id per event], phases {phase:
+        index}) for n blocks, or None. growth: {source id: bytes per block beyond 3}."""
+        out, sources, ids, at, lo = [], [], {}, {}, 0
+        extra = n - SOURCE[0]
+        for k, (tag, size) in enumerate(self.runs):
+            layers = _layers(tag, self.runs, k, n)
+            if layers is None or any(tag == 1 and lo < i < lo + size for i in self.marks.values()):
+                return None  # a run out of place, or a phase inside a repeated run
+            for j, real in enumerate(layers):
+                for i in range(lo, lo + size):
+                    if j == 0:
+                        at[i] = len(out)
+                    action, _, _, aid = self.events[i]
+                    placed = _place(aid, self.blocks.get(aid), tag, real, n, self.match)
+                    if placed is None or (action == "alloc") == (placed in ids):
+                        return None  # a free the rule cannot place, or an allocation made twice
+                    new = ids.setdefault(placed, len(ids))
+                    src = placed[0]
+                    out.append((action, self.key(*placed), self.first[src][2] + extra * growth.get(src, 0), new))
+                    sources.append(src)
+            lo += size
+        at[len(self.events)] = len(out)
+        return out, sources, {phase: at[i] for phase, i in self.marks.items()}
 
 
 def _layers(tag, runs, k, n):

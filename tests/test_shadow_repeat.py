@@ -1,0 +1,106 @@
+"""A deep CUDA step's shadow from the runs of 3 and 4 blocks (memory_audit/prediction/shadow_repeat.py),
+and the totals predict, fit and plan take from the shadow's replay (prediction/stepped.py)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from memory_audit.prediction.predict import DEFAULTS, device_facts
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from repeat_check import first_difference  # noqa: E402
+
+KW = dict(sdpa_backend="cudnn", workspace_bytes=8519680)
+
+
+def test_repeated_blocks_are_the_full_shadow_run_on_random_configs():
+    """On random configs over every knob (seed printed; SHADOW_SEED replays it), 8 to 14 blocks,
+    the step built from 3 and 4 blocks is the shadow run of all of them event by event (action,
+    key, bytes, which allocation), phase by phase, start and peak; never refused when every
+    block is alike."""
+    from memory_audit.prediction import shadow, shadow_repeat
+    from memory_audit.comparison.sweep import random_config
+    seed = int(os.environ.get("SHADOW_SEED") or random.SystemRandom().randrange(10 ** 6))
+    rng = random.Random(seed)
+    for i, dtype in enumerate(("float16", "bfloat16", "float32")):
+        cfg = dict(DEFAULTS, **dict(random_config(rng), dtype=dtype, n_layer=rng.randint(8, 14), ac_every=1))
+        print(f"repeat seed {seed} (replay: SHADOW_SEED={seed}), config {i}: {cfg}")
+        assert shadow_repeat.repeatable(cfg)
+        rep = shadow.repeated(cfg, **KW)
+        assert rep is not None, f"seed {seed} config {i}: refused"
+        assert first_difference(rep, shadow.run(cfg, "cuda", **KW)) is None, f"seed {seed} config {i}"
+
+
+def test_a_wrong_repeat_is_refused_not_returned():
+    """The 4-block run checks the rule: a 3-block run whose middle block's events were changed
+    (one allocation 512 B larger) no longer expands to the 4-block run, and expand returns None
+    (the caller then runs every block)."""
+    from memory_audit.prediction import shadow, shadow_repeat
+    cfg = dict(DEFAULTS, n_layer=10, n_head=2, n_embd=64, block_size=32, vocab_size=97, batch_size=2)
+    r3, r4 = (shadow.run(dict(cfg, n_layer=n), "cuda", blocks=True, **KW) for n in (3, 4))
+    assert shadow_repeat.expand(r3, r4, 10) is not None
+    i = next(i for i, e in enumerate(r3["events"]) if e[0] == "alloc" and r3["blocks"]["allocs"][e[3]] == 1)
+    aid = r3["events"][i][3]
+    bumped = [(a, k, n + 512 if x == aid else n, x) for a, k, n, x in r3["events"]]
+    assert shadow_repeat.expand(dict(r3, events=bumped), r4, 10) is None
+
+
+def test_every_other_block_checkpointed_is_not_repeated():
+    from memory_audit.prediction import shadow_repeat
+    assert not shadow_repeat.repeatable(dict(DEFAULTS, n_layer=12, activation_checkpointing="full", ac_every=2))
+    assert shadow_repeat.repeatable(dict(DEFAULTS, n_layer=12, activation_checkpointing="full", ac_every=1))
+    assert not shadow_repeat.repeatable(dict(DEFAULTS, n_layer=7))
+
+
+def test_predict_takes_the_peak_and_reserved_from_the_shadow_replay():
+    """predict's totals where the shadow covers the config are the replay's, to the byte, with
+    the ledger's own beside them; where it does not (torchrun strategies), the ledger's, saying
+    why."""
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import predict_run
+    dev = device_facts()
+    cfg = dict(DEFAULTS, n_layer=9, n_head=4, n_embd=128, block_size=128, vocab_size=512, batch_size=3,
+               dtype="bfloat16", attention="manual")
+    r = shadow.replayed(cfg, dev, repeat=False)
+    t = predict_run(cfg, dev, shadow=True)["totals"]
+    assert t["from"] == "shadow run (blocks repeated)"
+    assert (t["peak_allocated_bytes"], t["reserved_peak_bytes"], t["before_backward_allocated"], t["end_allocated"]) \
+        == (r["peak"], r["reserved"], r["before_backward"], r["end"])
+    assert t["ledger"]["peak_allocated_bytes"] == predict_run(cfg, dev)["totals"]["peak_allocated_bytes"]
+    ddp = predict_run(dict(cfg, parallel="ddp", world_size=2), dev, shadow=True)["totals"]
+    assert ddp["from"].startswith("ledger (parallel=ddp") and "ledger" not in ddp
+
+
+def test_predict_cli_names_the_source_of_its_totals():
+    """`predict` prints where its peak came from and the event it peaks at, --json carries the
+    ledger's own totals beside; --ledger runs no shadow and imports no torch."""
+    args = ["predict", "--preset=gpt2", "--batch_size=2", "--block_size=128"]
+    cmd = [sys.executable, "-m", "memory_audit"] + args
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "peak, end and reserved from: shadow run (blocks repeated)" in out.stdout
+    assert "peak at: event " in out.stdout
+    js = json.loads(subprocess.run(cmd + ["--json"], cwd=ROOT, capture_output=True, text=True, timeout=300).stdout)
+    assert js["totals"]["from"] == "shadow run (blocks repeated)" and js["backward"]["peak_at"].startswith("event ")
+    assert set(js["totals"]["ledger"]) == {"steady_state_allocated", "steady_state_gaps", "before_backward_allocated",
+                                           "peak_allocated_bytes", "end_allocated", "reserved_steady_bytes",
+                                           "reserved_peak_bytes"}
+    probe = ("import sys, runpy\nsys.argv = ['memory_audit'] + sys.argv[1:]\ntry:\n"
+             "    runpy.run_module('memory_audit', run_name='__main__', alter_sys=True)\nexcept SystemExit:\n    pass\n"
+             "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)")
+    led = subprocess.run([sys.executable, "-c", probe] + args + ["--ledger", "--json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert "torch imported: False" in led.stderr, led.stderr
+    assert "from" not in json.loads(led.stdout)["totals"]
+
+
+@pytest.mark.parametrize("args", [["--ledger", "--trace=x.pickle"]])
+def test_trace_needs_the_shadow(args):
+    p = subprocess.run([sys.executable, "-m", "memory_audit", "predict", "--preset=gpt2"] + args, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "drop --ledger" in p.stderr and "Traceback" not in p.stderr
