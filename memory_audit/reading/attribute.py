@@ -197,9 +197,31 @@ def phase_names(meta, phase):
     return by_addr
 
 
+def earlier_names(snap, meta, phase):
+    """{address: (name, rule)} for the allocations live in this phase's snapshot that an earlier
+    phase of the same run named: the same allocation (made before that phase's position in the
+    trace, not freed since) keeps its name, such as the previous step's loss and output a loop
+    still holds before backward. Needs each phase's trace position (meta.json)."""
+    phases = (meta or {}).get("phases", {})
+    here = phases.get(phase, {}).get("trace_entries")
+    earlier = sorted(((info["trace_entries"], name) for name, info in phases.items()
+                      if info.get("trace_entries") is not None and here is not None and info["trace_entries"] < here
+                      and not info.get("ring_buffer_full")), reverse=True)  # the latest name first
+    out = {}
+    for trace in snap.get("device_traces", [])[:1] if earlier else []:
+        live = live_at_end(trace)  # address -> index of its alloc entry
+        for at, name in earlier:
+            for addr, named in phase_names(meta, name).items():
+                if addr in live and live[addr] < at:
+                    out.setdefault(addr, (named[0], f"{named[1]}@{name}"))
+    return out
+
+
 def block_namer(snap, meta=None, phase=None):
     """Return name(block) -> (name, rule), built for one snapshot and its phase."""
     by_addr = phase_names(meta, phase)
+    for addr, hit in earlier_names(snap, meta, phase).items():
+        by_addr.setdefault(addr, hit)
     workspaces = set()
     for trace in snap.get("device_traces", []):
         workspaces |= trace_workspaces(trace, meta)

@@ -248,6 +248,33 @@ def _rng_states_seen(note):
 
 
 @contextmanager
+def _checkpoint_regions(windows):
+    """Note every non-reentrant checkpoint region of the audited forward, model.py's or a loop's
+    own torch.utils.checkpoint call (its saved-tensor hooks are entered around the region): the
+    autograd sequence numbers its nodes take. The graph walk must not read their saved tensors:
+    reading one runs the recomputation and keeps what it made until backward."""
+    from torch.utils import checkpoint as ckpt
+    hook = getattr(ckpt, "_checkpoint_hook", None)
+    if hook is None or "__enter__" in vars(hook) or "__exit__" in vars(hook):
+        yield  # a torch whose checkpoint is built otherwise: only model.py's regions are known
+        return
+    enter, leave = hook.__enter__, hook.__exit__
+
+    def __enter__(self):
+        self.audit_start = torch._C._autograd._get_sequence_nr()
+        return enter(self)
+
+    def __exit__(self, *exc):
+        windows.append((self.audit_start, torch._C._autograd._get_sequence_nr()))
+        return leave(self, *exc)
+    hook.__enter__, hook.__exit__ = __enter__, __exit__
+    try:
+        yield
+    finally:
+        del hook.__enter__, hook.__exit__
+
+
+@contextmanager
 def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: None):
     """For the audited forward, wrap every checkpointing module's `ac_context_fn` (model.py's
     convention) so its region is noted and its recomputation labelled, let SAC blocks report
@@ -267,7 +294,7 @@ def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: 
         if hasattr(m, "sac_observer"):
             m.sac_observer = keep
     try:
-        with _rng_states_seen(rng_state) if wrapped else nullcontext():
+        with _rng_states_seen(rng_state), _checkpoint_regions(windows):
             yield
     finally:
         for m, fn, observer in wrapped:
