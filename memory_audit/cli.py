@@ -55,6 +55,12 @@ def cmd_attribute(args):
                     print(table(("category", "bytes", "MiB", "share"),
                                 [(c, f"{v:,}", f"{v / 2**20:.2f}", f"{100 * v / total:.2f}%")
                                  for c, v in r["categories"].items() if v]))
+                pk = r.get("peak_in_trace") or {}
+                if phase == pairs[-1][0] and pk.get("index") is not None:  # the step's peak, not only its end
+                    cats = sorted((pk.get("categories") or {}).items(), key=lambda kv: -kv[1])
+                    print(f"peak since step2_start (replayed from this trace): {fmt_bytes(pk['bytes'])} "
+                          f"({pk['bytes']:,} B) at trace entry {pk['index']:,}: "
+                          + ", ".join(f"{c} {fmt_bytes(v)}" for c, v in cats if v))
                 if r["unattributed"]:
                     print("largest unattributed blocks: " + "; ".join(
                         f"{b['size']:,} B at {b['frames'] or '(no frames)'} ({b['why']})" for b in r["unattributed"][:3]))
