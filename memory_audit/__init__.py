@@ -10,6 +10,8 @@ from the base modules schema.py and text.py; tests/test_layout.py holds it to th
   cli.py        python -m memory_audit ..., on top of them all
 
 `from memory_audit import Audit` imports torch; reading snapshots does not (it stays light).
+`from memory_audit import predict_loop` predicts any model's training step before it runs
+(prediction/shadow.py's run_loop: the loop shadow-run on fake tensors; CPU).
 """
 
 
@@ -20,4 +22,7 @@ def __getattr__(name):  # the recorder (and torch) only for those who record
     if name == "AuditError":
         from .recording.recorder import AuditError
         return AuditError
+    if name == "predict_loop":
+        from .prediction.shadow import run_loop
+        return run_loop
     raise AttributeError(f"module 'memory_audit' has no attribute {name!r}")

@@ -1,9 +1,11 @@
-"""Check shadow_repeat on random configs: the CUDA shadow of n blocks built from 3 and 4 against
-the shadow run of all n, event by event (action, key, bytes, which allocation) and phase by phase.
+"""Check shadow_repeat on random configs: the CUDA shadow of n blocks (and k micro-steps) built
+from runs of 3 and 4 against the shadow run of all of them, event by event (action, key, bytes,
+which allocation) and phase by phase.
 
     python scripts/repeat_check.py [--seed=N] [--configs=40] [--gpu=H100]
 
-Configs: comparison/sweep.random_config's space (every knob), fp16/bf16/fp32, 8 to 20 blocks.
+Configs: comparison/sweep.random_config's space (every knob), fp16/bf16/fp32, 8 to 20 blocks
+(or 2-4), 8 to 12 micro-steps in about a third.
 A new seed each run, printed; --seed replays it. Prints one line per config and a summary;
 exits 1 on any config where the repeat returns a different step (None, its refusal, is
 counted apart: the caller then runs every block).
@@ -50,8 +52,11 @@ def main():
     same = refused = differ = skipped = 0
     for i in range(args.configs):
         cfg = dict(DEFAULTS, **random_config(rng))
-        cfg.update(n_layer=rng.randint(8, 20), dtype=rng.choice(("float16", "bfloat16", "float32")))
-        if not shadow_repeat.repeatable(cfg):
+        cfg.update(n_layer=rng.choice((rng.randint(2, 4), rng.randint(8, 20), rng.randint(8, 20))),
+                   dtype=rng.choice(("float16", "bfloat16", "float32")))
+        if rng.random() < 0.3:  # many micro-steps: repeated too
+            cfg["gradient_accumulation_steps"] = rng.randint(8, 12)
+        if not (shadow_repeat.repeatable(cfg) or shadow_repeat.micro_repeatable(cfg)):
             skipped += 1
             print(f"{i:3d} not repeatable (ac_every={cfg['ac_every']}, {cfg['activation_checkpointing']})")
             continue
@@ -76,6 +81,7 @@ def main():
         else:
             differ += 1
         print(f"{i:3d} {'same' if diff is None else 'DIFFERENT: ' + diff}  n_layer {cfg['n_layer']}  "
+              f"micro-steps {cfg['gradient_accumulation_steps']}  "
               f"full {t_full:.2f}s repeated {t_rep:.2f}s  {cfg if diff else ''}")
     print(f"seed {seed}: same {same}, different {differ}, refused {refused}, not repeatable/not run {skipped}")
     return 1 if differ else 0

@@ -37,7 +37,7 @@ def test_llama_decoder_named_and_predicted_to_the_byte(tmp_path, dtype, checkpoi
     torch.utils.checkpoint called by the model itself the audit's graph walk must leave the
     regions' saved tensors alone: reading one runs the recomputation (it once held 21 MB more
     than the run without the audit)."""
-    from memory_audit.prediction import shadow
+    from memory_audit import predict_loop
     make, step = (lambda: llama_loop(checkpointing)), llama_step(dtype)
     plain = _train(make, step)
     assert _train(make, step, tmp_path / "run") == plain  # the audit only observes
@@ -45,7 +45,7 @@ def test_llama_decoder_named_and_predicted_to_the_byte(tmp_path, dtype, checkpoi
     m = measure(run)
     for phase, info in m["phases"].items():
         assert info["attribution"]["unattributed_bytes"] == 0, (phase, info["attribution"]["unattributed"])
-    r = shadow.run_loop(make, step)
+    r = predict_loop(make, step)  # the public name of prediction.shadow.run_loop
     live = {}
     for _, key, nbytes in r["pre"]:
         live[key] = live.get(key, 0) + nbytes

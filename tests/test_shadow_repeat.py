@@ -19,18 +19,20 @@ KW = dict(sdpa_backend="cudnn", workspace_bytes=8519680)
 
 
 def test_repeated_blocks_are_the_full_shadow_run_on_random_configs():
-    """On random configs over every knob (seed printed; SHADOW_SEED replays it), 8 to 14 blocks,
-    the step built from 3 and 4 blocks is the shadow run of all of them event by event (action,
-    key, bytes, which allocation), phase by phase, start and peak; never refused when every
-    block is alike."""
+    """On random configs over every knob (seed printed; SHADOW_SEED replays it), 8 to 14 blocks
+    (and one with 8-10 micro-steps), the step built from 3 and 4 blocks (micro-steps) is the
+    shadow run of all of them event by event (action, key, bytes, which allocation), phase by
+    phase, start and peak; never refused when every block is alike."""
     from memory_audit.prediction import shadow, shadow_repeat
     from memory_audit.comparison.sweep import random_config
     seed = int(os.environ.get("SHADOW_SEED") or random.SystemRandom().randrange(10 ** 6))
     rng = random.Random(seed)
-    for i, dtype in enumerate(("float16", "bfloat16", "float32")):
+    for i, dtype in enumerate(("float16", "bfloat16", "float32", "float16")):
         cfg = dict(DEFAULTS, **dict(random_config(rng), dtype=dtype, n_layer=rng.randint(8, 14), ac_every=1))
+        if i == 3:  # many micro-steps, repeated too, and few blocks
+            cfg.update(n_layer=rng.randint(2, 9), gradient_accumulation_steps=rng.randint(8, 10))
         print(f"repeat seed {seed} (replay: SHADOW_SEED={seed}), config {i}: {cfg}")
-        assert shadow_repeat.repeatable(cfg)
+        assert shadow_repeat.repeatable(cfg) or shadow_repeat.micro_repeatable(cfg)
         rep = shadow.repeated(cfg, **KW)
         assert rep is not None, f"seed {seed} config {i}: refused"
         assert first_difference(rep, shadow.run(cfg, "cuda", **KW)) is None, f"seed {seed} config {i}"
@@ -55,6 +57,8 @@ def test_every_other_block_checkpointed_is_not_repeated():
     assert not shadow_repeat.repeatable(dict(DEFAULTS, n_layer=12, activation_checkpointing="full", ac_every=2))
     assert shadow_repeat.repeatable(dict(DEFAULTS, n_layer=12, activation_checkpointing="full", ac_every=1))
     assert not shadow_repeat.repeatable(dict(DEFAULTS, n_layer=7))
+    assert shadow_repeat.micro_repeatable(dict(DEFAULTS, gradient_accumulation_steps=8))
+    assert not shadow_repeat.micro_repeatable(dict(DEFAULTS, gradient_accumulation_steps=7))
 
 
 def test_predict_takes_the_peak_and_reserved_from_the_shadow_replay():

@@ -161,6 +161,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
             if it == 1:
                 pre = _begin(tracker, _names(model, optimizer, _held(X, Y, loss, scaler)), phases)
             for micro in range(accum):
+                tracker.micro = micro
                 tracker.phase = "forward"
                 with autocast:
                     logits, loss = model(X, Y)
@@ -175,7 +176,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                 tracker.phase = "backward"
                 scaler.scale(loss).backward()
                 del logits
-            tracker.phase = "optimizer"
+            tracker.phase, tracker.micro = "optimizer", None
             if cfg["grad_clip"] != 0.0:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
@@ -215,7 +216,7 @@ def _result(tracker, pre, phases):
     """{"events": [(action, key, bytes, id)] of the step in order, "history": the same before it
     (a CUDA shadow records from model.to(device) on; empty on CPU), "pre": [(id, key, bytes)]
     live when it starts, "start_bytes", "phases": {phase: position in events}, "peak"}."""
-    events, cut, blocks = [], {}, []
+    events, cut, blocks, micros = [], {}, [], []
     for i, (action, aid) in enumerate(tracker.events):
         for phase, at in phases.items():
             if at == i:
@@ -223,9 +224,11 @@ def _result(tracker, pre, phases):
         if action is not None:
             key, nbytes = tracker.allocs[aid]
             events.append((action, key, nbytes, aid))
-            if tracker.tagging:  # a free in a block's op is that block's; else the allocation's
+            if tracker.tagging:  # a free in a block's (micro-step's) op is that one's; else the allocation's
                 blocks.append(tracker.event_tags[i] if action == "free" and tracker.event_tags[i] is not None
                               else tracker.block_of(aid))
+                micros.append(tracker.event_micro[i] if action == "free" and tracker.event_micro[i] is not None
+                              else tracker.micro_tags.get(aid))
     cut["step2_end"] = len(events)
     for phase in phases:
         cut.setdefault(phase, len(events))
@@ -244,6 +247,7 @@ def _result(tracker, pre, phases):
            "peak": start_bytes + peak}
     if tracker.tagging:  # each allocation's block and each event's (history, then step)
         out["blocks"] = {"allocs": {aid: tracker.block_of(aid) for aid in tracker.allocs}, "events": blocks}
+        out["micro"] = {"allocs": dict(tracker.micro_tags), "events": micros}
     return out
 
 
@@ -290,7 +294,8 @@ def replayed(cfg, device, repeat=True):
                 "peak": result["peak"], "peak_event": levels.index(result["peak"]) - 1, "end": at["step2_end"],
                 "reserved": None, "result": result}
     kw = dict(sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
-    result = repeated(cfg, **kw) if repeat and shadow_repeat.repeatable(cfg) else None
+    worth = shadow_repeat.repeatable(cfg) or shadow_repeat.micro_repeatable(cfg)
+    result = repeated(cfg, **kw) if repeat and worth else None
     if result is None:
         result = run(cfg, "cuda", **kw)
     from .shadow_allocator import replay
@@ -298,11 +303,22 @@ def replayed(cfg, device, repeat=True):
 
 
 def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0):
-    """run(cfg, "cuda") built from the shadow runs of 3 and 4 blocks (shadow_repeat), or None
-    where the repeat rule does not hold for this config (then run every block)."""
+    """run(cfg, "cuda") built by shadow_repeat from shadow runs of 3 and 4 blocks (and, with
+    many micro-steps, of 3 and 4 micro-steps at each depth), or None where the repeat rule does
+    not hold for this config (then run it whole)."""
     kw = dict(sdpa_backend=sdpa_backend, workspace_bytes=workspace_bytes, blocks=True)
-    r3, r4 = (run(dict(cfg, n_layer=n), "cuda", **kw) for n in shadow_repeat.SOURCE)
-    return shadow_repeat.expand(r3, r4, cfg["n_layer"])
+    k, micro = cfg["gradient_accumulation_steps"], shadow_repeat.micro_repeatable(cfg)
+
+    def at_depth(n):
+        c = dict(cfg, n_layer=n)
+        if not micro:
+            return run(c, "cuda", **kw)
+        m3, m4 = (run(dict(c, gradient_accumulation_steps=m), "cuda", **kw) for m in shadow_repeat.SOURCE)
+        return shadow_repeat.expand(m3, m4, k, "micro")
+    if not shadow_repeat.repeatable(cfg):
+        return at_depth(cfg["n_layer"]) if micro else None
+    d3, d4 = (at_depth(n) for n in shadow_repeat.SOURCE)
+    return None if d3 is None or d4 is None else shadow_repeat.expand(d3, d4, cfg["n_layer"])
 
 
 def run_loop(make, step, inputs=("inputs/x", "inputs/y"), audited=1):

@@ -17,6 +17,13 @@ by event (action, key, bytes, which allocation). Anything else (a block's run no
 neighbours, a free the rule cannot place, a mismatch with the 4-block run) returns None and the
 caller runs every block. Checkpointing every k-th block (ac_every > 1) is not uniform: not
 repeated.
+
+Micro-steps (gradient accumulation) are the second channel, repeated the same way from runs with
+3 and 4 of them (at each depth, before the blocks are): events tagged with the micro-step they
+happen in, micro-step 1's runs emitted for 1..k-2, a free in one micro-step of what the previous
+one made placed on the previous copy's, and a free in step 2 of what step 1 made (the last
+micro-step's batch and loss) placed on step 1's first or last micro-step's. Keys carry no
+micro-step, so none is renamed.
 """
 
 import itertools
@@ -32,43 +39,54 @@ def repeatable(cfg):
     return uniform and cfg["n_layer"] > sum(SOURCE)
 
 
-def expand(r3, r4, n_layer):
-    """run()'s result for `n_layer` blocks from the results of 3 and 4 (run(..., blocks=True)),
-    or None where the repeat rule does not hold (module docstring)."""
-    source = _Source(r3)
+def micro_repeatable(cfg):
+    """Whether the step has micro-steps enough for repeating them to save time."""
+    return cfg.get("gradient_accumulation_steps", 1) > sum(SOURCE)
+
+
+CHANNELS = ("blocks", "micro")  # what a run's events are tagged with (shadow.run(..., blocks=True))
+
+
+def expand(r3, r4, n, channel="blocks"):
+    """run()'s result for `n` blocks (channel "blocks") or micro-steps ("micro") from the
+    results of 3 and 4 (run(..., blocks=True)), or None where the repeat rule does not hold
+    (module docstring). The other channel's tags are carried over, for a second expansion."""
+    source = _Source(r3, channel)
     four = source.emit(4, {})
     if four is None:
         return None
-    growth = _growth(four, r4)
+    growth = _growth(four, r4, channel)
     if growth is None:
         return None
-    out = source.emit(n_layer, growth)
-    return None if out is None else _result(*out)
+    out = source.emit(n, growth)
+    return None if out is None else _result(source, *out)
 
 
 class _Source:
-    """The 3-block step read once: its events, their runs by block, each allocation's block,
-    first event and counterparts in the other blocks."""
+    """The 3-block (3-micro-step) run read once: its events, their runs by block, each
+    allocation's block, first event and counterparts in the other blocks."""
 
-    def __init__(self, r):
+    def __init__(self, r, channel):
+        self.r, self.channel = r, channel
         self.events = r["history"] + r["events"]
-        self.blocks = r["blocks"]["allocs"]
-        start = len(r["history"])
-        self.marks = {phase: start + i for phase, i in r["phases"].items()}
-        self.first = {e[3]: e for e in self.events if e[0] == "alloc"}
-        self.match = _Matcher(self.events, self.blocks)
-        self.runs = [(tag, len(list(g))) for tag, g in itertools.groupby(r["blocks"]["events"])]
+        self.start = len(r["history"])
+        self.blocks = r[channel]["allocs"]
+        self.marks = {phase: self.start + i for phase, i in r["phases"].items()}
+        self.made = {e[3]: i for i, e in enumerate(self.events) if e[0] == "alloc"}  # id -> its alloc's index
+        self.match = _Matcher(self.events, self.blocks, relative=channel == "blocks")
+        self.runs = [(tag, len(list(g))) for tag, g in itertools.groupby(r[channel]["events"])]
         self.names = {}  # (allocation, block) -> its key there
 
     def key(self, src, layer):
         k = (src, layer)
         if k not in self.names:
-            self.names[k] = _renamed(self.first[src][1], self.blocks.get(src), layer)
+            key = self.events[self.made[src]][1]
+            self.names[k] = _renamed(key, self.blocks.get(src), layer) if self.channel == "blocks" else key
         return self.names[k]
 
     def emit(self, n, growth):
-        """(events [(action, key, bytes, id)], sources [source id per event], phases {phase:
-        index}) for n blocks, or None. growth: {source id: bytes per block beyond 3}."""
+        """(events [(action, key, bytes, id)], [(source id, source event) per event], phases
+        {phase: index}) for n, or None. growth: {source id: bytes per block beyond 3}."""
         out, sources, ids, at, lo = [], [], {}, {}, 0
         extra = n - SOURCE[0]
         for k, (tag, size) in enumerate(self.runs):
@@ -80,13 +98,16 @@ class _Source:
                     if j == 0:
                         at[i] = len(out)
                     action, _, _, aid = self.events[i]
-                    placed = _place(aid, self.blocks.get(aid), tag, real, n, self.match)
+                    # a micro-step's allocation freed in the next step: the previous step's own
+                    across = self.channel == "micro" and (self.made[aid] < self.start) != (i < self.start)
+                    placed = _place(aid, self.blocks.get(aid), tag, real, n, self.match, across)
                     if placed is None or (action == "alloc") == (placed in ids):
                         return None  # a free the rule cannot place, or an allocation made twice
                     new = ids.setdefault(placed, len(ids))
                     src = placed[0]
-                    out.append((action, self.key(*placed), self.first[src][2] + extra * growth.get(src, 0), new))
-                    sources.append(src)
+                    out.append((action, self.key(*placed), self.events[self.made[src]][2] + extra * growth.get(src, 0),
+                                new))
+                    sources.append((src, i))
             lo += size
         at[len(self.events)] = len(out)
         return out, sources, {phase: at[i] for phase, i in self.marks.items()}
@@ -106,7 +127,7 @@ def _layers(tag, runs, k, n):
     return None
 
 
-def _place(aid, block, tag, real, n, match):
+def _place(aid, block, tag, real, n, match, across=False):
     """(source allocation, block at n) of an event of allocation `aid` (of block `block`) in a
     run of block `tag` standing for block `real`: the same allocation, or its counterpart in
     the source block that stands for the target block. None where it cannot be placed."""
@@ -114,7 +135,12 @@ def _place(aid, block, tag, real, n, match):
         return None if tag == 1 else (aid, None)  # one allocation freed in every repeated block: no
     if tag is None:  # cannot happen (an event outside every block is of an allocation outside them)
         return None
-    target = real + (block - tag)  # its own block's, or a neighbour's
+    if across and block != tag:  # made in the other step: its first or last micro-step's
+        target = {0: 0, 2: n - 1}.get(block)
+        if target is None:
+            return None
+    else:
+        target = real + (block - tag)  # its own block's, or a neighbour's
     if not 0 <= target < n:
         return None
     stands = 0 if target == 0 else 2 if target == n - 1 else 1
@@ -126,11 +152,11 @@ class _Matcher:
     """The allocation of one block that plays the same part as another block's: the same key
     (block number aside) and bytes, the same ordinal among those."""
 
-    def __init__(self, events, blocks):
+    def __init__(self, events, blocks, relative=True):
         self.by_role, self.role = {}, {}
         for action, key, nbytes, aid in events:
             if action == "alloc" and blocks.get(aid) is not None:
-                role = (_role(key, blocks[aid]), nbytes)
+                role = (_role(key, blocks[aid]) if relative else key, nbytes)
                 group = self.by_role.setdefault((blocks[aid], role), [])
                 self.role[aid] = (role, len(group))
                 group.append(aid)
@@ -155,7 +181,7 @@ def _role(key, block):
     return _BLOCK.sub(lambda m: f"{m.group(1)}{int(m.group(2)) - block:+d}", key)
 
 
-def _growth(four, r4):
+def _growth(four, r4, channel="blocks"):
     """{source id: bytes per block} from the 3-block step expanded to 4 against the 4-block
     run; None unless they agree event by event but for the sizes of allocations outside every
     block."""
@@ -165,19 +191,19 @@ def _growth(four, r4):
     if len(events) != len(actual) or phases != {p: start + i for p, i in r4["phases"].items()}:
         return None
     growth, same = {}, {}
-    for (action, key, nbytes, aid), (action4, key4, nbytes4, aid4), src in zip(events, actual, sources):
+    for (action, key, nbytes, aid), (action4, key4, nbytes4, aid4), (src, _) in zip(events, actual, sources):
         if action != action4 or key != key4 or same.setdefault(aid, aid4) != aid4:
             return None
         if nbytes != nbytes4:
-            if r4["blocks"]["allocs"].get(aid4) is not None:
+            if r4[channel]["allocs"].get(aid4) is not None:
                 return None
             growth[src] = nbytes4 - nbytes
     return growth
 
 
-def _result(events, _sources, phases):
+def _result(source, events, sources, phases):
     """shadow.run()'s dict from the expanded process: the history before step 2, its events,
-    what is live when it starts, the phases and the peak."""
+    what is live when it starts, the phases, the peak, and the other channel's tags."""
     start = phases["step2_start"]
     history, step = events[:start], events[start:]
     live = {}
@@ -192,5 +218,11 @@ def _result(events, _sources, phases):
     for action, _, nbytes, _ in step:
         level += nbytes if action == "alloc" else -nbytes
         peak = max(peak, level)
-    return {"events": step, "history": history, "pre": pre, "start_bytes": start_bytes,
-            "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True}
+    out = {"events": step, "history": history, "pre": pre, "start_bytes": start_bytes,
+           "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True}
+    for other in CHANNELS:
+        if other != source.channel and other in source.r:
+            tags = source.r[other]
+            out[other] = {"allocs": {aid: tags["allocs"].get(src) for (_, _, _, aid), (src, _) in zip(events, sources)},
+                          "events": [tags["events"][i] for _, i in sources]}
+    return out

@@ -72,6 +72,9 @@ class Tracker:
         self.tags = {}  # allocation id -> the block (transformer.h.N) it belongs to, or None
         self.event_tags = []  # parallel to events: the block of the op a free happened in (or None)
         self.context = None  # the block of the op running (or last run), or None
+        self.micro = None  # the micro-step running (shadow.py sets it), or None: the second channel
+        self.micro_tags = {}  # allocation id -> the micro-step it was made in
+        self.event_micro = []  # parallel to events: the micro-step a free happened in (or None)
 
     @property
     def op(self):
@@ -90,6 +93,7 @@ class Tracker:
         aid = len(self.allocs)
         self.allocs[aid] = [key, nbytes]
         self.tags[aid] = self.context if tag is None else tag
+        self.micro_tags[aid] = self.micro
         return aid, self._event("alloc", aid)
 
     def free(self, aid):
@@ -99,6 +103,7 @@ class Tracker:
         if self.recording:
             self.events.append([action, aid])
             self.event_tags.append(self.context if action == "free" else None)
+            self.event_micro.append(self.micro if action == "free" else None)
             return len(self.events) - 1
         return None
 
