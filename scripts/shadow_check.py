@@ -1,6 +1,6 @@
 """Random single-process CPU configs: the measured peak beside the shadow run's and the predictor's.
 
-    python scripts/shadow_check.py [--n=10] [--seed=S] [--out=FILE.jsonl] [--device=cuda --keep=DIR]
+    python scripts/shadow_check.py [--n=10] [--seed=S] [--dtype=float32] [--out=FILE.jsonl] [--device=cuda --keep=DIR]
     python scripts/shadow_check.py --rows snapshots/results/cpu-mini-ac.jsonl ...
 
 Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed replays one;
@@ -88,6 +88,8 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cpu", help="cuda: audit only (and --keep the runs), no shadow yet")
     p.add_argument("--keep", default=None, help="copy each run's step2_end snapshot, meta and report here")
+    p.add_argument("--dtype", default=None, help="run every drawn config at this dtype (float32 on a CPU whose "
+                   "bf16 matmuls go through oneDNN: docs/limits.md)")
     p.add_argument("--rows", nargs="+", default=None, help="instead: re-predict committed results rows "
                    "(snapshots/results/*.jsonl, single-process CPU ones) with the shadow run")
     args = p.parse_args()
@@ -99,7 +101,10 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.n):
-            row = check(random_config(rng), tmp, args.device, args.keep)
+            cfg = random_config(rng)
+            if args.dtype:
+                cfg["dtype"] = args.dtype
+            row = check(cfg, tmp, args.device, args.keep)
             rows.append(row)
             if "error" in row:
                 print(f"{i}: error {row['error']}", flush=True)

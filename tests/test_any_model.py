@@ -22,7 +22,7 @@ def _train(make, step, audit_dir=None, steps=3):
         if audit is None:
             kept = step(model, opt, x, y)
         else:
-            with audit.step(s, tensors={"inputs/x": x, "inputs/y": y}):
+            with audit.step(s):  # nothing named: the audit finds the batch itself
                 kept = step(model, opt, x, y, audit)
         losses.append(kept["temporary/loop/loss"].item())
     return losses
@@ -30,8 +30,9 @@ def _train(make, step, audit_dir=None, steps=3):
 
 @pytest.mark.parametrize("dtype, checkpointing", CASES, ids=lambda v: str(v))
 def test_llama_decoder_named_and_predicted_to_the_byte(tmp_path, dtype, checkpointing):
-    """Every phase 0 unattributed without tensors= (the previous step's loss and output, which
-    the loop still holds before backward, keep the names step2_start gave them); training
+    """Every phase 0 unattributed without tensors= (the batch found as what the model receives and
+    what the loss saved; the previous step's loss and output, which the loop still holds before
+    backward, keep the names step2_start gave them); training
     unchanged by the audit; what is live when the step starts, line by line, and the step's
     peak equal to the shadow run of the same loop (shadow.run_loop), to the byte. With
     torch.utils.checkpoint called by the model itself the audit's graph walk must leave the
@@ -45,7 +46,8 @@ def test_llama_decoder_named_and_predicted_to_the_byte(tmp_path, dtype, checkpoi
     m = measure(run)
     for phase, info in m["phases"].items():
         assert info["attribution"]["unattributed_bytes"] == 0, (phase, info["attribution"]["unattributed"])
-    r = predict_loop(make, step)  # the public name of prediction.shadow.run_loop
+    # the public name of prediction.shadow.run_loop; the batch by the names the audit found for it
+    r = predict_loop(make, step, inputs=("inputs/model.tokens", "inputs/loop/nll_loss.target"))
     live = {}
     for _, key, nbytes in r["pre"]:
         live[key] = live.get(key, 0) + nbytes

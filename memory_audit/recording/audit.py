@@ -289,7 +289,8 @@ def _arguments(module, args, kwargs):
 
 def _loss_inputs(root, returned_at, limit=64):
     """(op.attr, tensor) of leaf tensors that need no gradient, saved by the autograd nodes made
-    after the model returned (sequence number above `returned_at`: the loss's; at most `limit`)."""
+    after the model returned (sequence number above `returned_at`: the loss's; at most `limit`);
+    a saved view stands for its base tensor."""
     from .recorder import op_name, saved_values_of
     out, seen, todo = [], set(), [root]
     while todo and len(seen) < limit:
@@ -300,7 +301,8 @@ def _loss_inputs(root, returned_at, limit=64):
         for attr, value in saved_values_of(node, False):
             for t in value if isinstance(value, (list, tuple)) else [value]:
                 if torch.is_tensor(t) and t.grad_fn is None and not t.requires_grad and t.dim() > 0:
-                    out.append((op_name(node.name(), attr), t))
+                    # a view made for the loss (y.view(-1)) dies with the step: keep its base, the loop's
+                    out.append((op_name(node.name(), attr), t._base if t._base is not None else t))
         todo.extend(fn for fn, _ in node.next_functions)
     return out
 
