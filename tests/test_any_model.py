@@ -72,3 +72,34 @@ def test_checkpoint_regions_of_any_model_are_left_alone(tmp_path):
     # the head and the loss keep theirs: well under one block's unrecomputed activations
     assert acts < 200_000, acts
     assert torch.is_grad_enabled()
+
+
+def test_report_sets_the_loops_prediction_beside_the_measurement(tmp_path):
+    """Audit(predicted=predict_loop(...)) keeps the loop's shadow run in meta.json; `report` (no
+    torch) then shows it beside the measurement: the steady state and the peak predicted and
+    measured (equal, for the fp32 Llama loop), and step2_start's lines side by side."""
+    import json
+
+    from conftest import run_cli
+    from memory_audit import predict_loop
+    make, step = (lambda: llama_loop(False)), llama_step("float32")
+    predicted = predict_loop(make, step, inputs=("inputs/model.tokens", "inputs/loop/nll_loss.target"))
+    model, opt, x, y = make()
+    audit = Audit(model, opt, out_dir=str(tmp_path), predicted=predicted)
+    kept = None  # the loop holds each step's output and loss until the next, as predict_loop's does
+    for s in range(3):
+        with audit.step(s):
+            kept = step(model, opt, x, y, audit)
+    assert kept is not None
+    p = run_cli("report", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    with open(tmp_path / "report.json") as f:
+        rec = json.load(f)
+    assert rec["predicted"] and rec["predicted_by"].startswith("predict_loop")
+    for key in ("steady_state", "peak"):
+        assert rec["totals"][key]["diff"] == 0 and rec["totals"][key]["actual"] == predicted["summary"][key]
+    assert rec["phases"]["step2_start"]["predicted_lines"] == rec["phases"]["step2_start"]["lines"]
+    md = (tmp_path / "report.md").read_text()
+    assert "Predicted by predict_loop" in md and "| allocation | predicted | bytes |" in md
+    with pytest.raises(Exception, match="predicted= expects"):
+        Audit(model, opt, out_dir=str(tmp_path / "bad"), predicted={"peak": "many"})

@@ -123,22 +123,44 @@ def measured(run_dir):
     actual = {"steady_state": m["phases"].get(PHASES[0], {}).get("attribution", {}).get("allocated_bytes"),
               "activations": m["phases"].get(PHASES[1], {}).get("attribution", {}).get("categories", {}).get("activations"),
               "peak": rp.get("peak", {}).get("bytes")}
+    pred = meta.get("predicted") or {}  # Audit(predicted=predict_loop(...)): the loop's shadow run
+    guess = {"steady_state": pred.get("steady_state"), "activations": None, "peak": pred.get("peak")}
+    if pred:
+        start = phases.get(PHASES[0])
+        if start is not None:
+            start["predicted_lines"] = pred.get("lines", {})
     return {"run": os.path.basename(os.path.normpath(run_dir)), "config": meta["config"], "device": meta["device"],
-            "torch_version": meta["torch_version"], "predicted": False,
-            "totals": {k: {"predicted": None, "actual": v, "diff": None, "diff_pct": None} for k, v in actual.items()},
+            "torch_version": meta["torch_version"], "predicted": bool(pred), "predicted_by": pred.get("source"),
+            "totals": {k: _total(guess[k], v) for k, v in actual.items()},
             "unattributed_bytes": max((p["unattributed_bytes"] for p in phases.values()), default=0),
             "phases": phases, "peak": {k: v for k, v in rp.get("peak", {}).items()},
             "series": rp.get("series", []), "error": meta.get("error")}
 
 
+def _total(predicted, actual):
+    if predicted is None or actual is None:
+        return {"predicted": None, "actual": actual, "diff": None, "diff_pct": None}
+    return {"predicted": predicted, "actual": actual, "diff": actual - predicted,  # as reconcile's totals
+            "diff_pct": round(100.0 * (actual - predicted) / predicted, 4) if predicted else None}
+
+
 def measured_markdown(rec, top=15):
     c = rec["config"]
+    how = (f"Predicted by {rec['predicted_by']} (Audit(predicted=...)): the steady state and the peak."
+           if rec.get("predicted") else "Measured only: the ledger predictor models train.py's GPT; "
+           "memory_audit.predict_loop predicts any loop (docs/any_model.md).")
     lines = [f"# Memory report: {rec['run']}", "",
              f"{c.get('model_class', 'model')} with {c.get('optimizer_class', 'an optimizer')} on "
-             f"{rec['device'].get('name')}, torch {rec['torch_version']}. Measured only: the predictor "
-             "models train.py's GPT.", "", "## Totals", "", totals_table(rec), "",
-             f"Unattributed: {rec['unattributed_bytes']:,} B.", ""]
+             f"{rec['device'].get('name')}, torch {rec['torch_version']}. {how}", "", "## Totals", "",
+             totals_table(rec), "", f"Unattributed: {rec['unattributed_bytes']:,} B.", ""]
     for phase, ph in rec["phases"].items():
+        guess = ph.get("predicted_lines")
+        if guess is not None:
+            keys = list(dict.fromkeys(list(ph["lines"]) + list(guess)))
+            rows = [(k, f"{guess[k]:,}" if k in guess else "-", f"{ph['lines'][k]:,}" if k in ph["lines"] else "-")
+                    for k in keys[:top]]
+            lines += [f"## {phase}", "", table(("allocation", "predicted", "bytes"), rows), ""]
+            continue
         lines += [f"## {phase}", "", table(("allocation", "bytes"), [(k, f"{v:,}") for k, v in
                                                                       list(ph["lines"].items())[:top]]), ""]
     if rec["peak"].get("lines"):

@@ -365,4 +365,24 @@ def _run_loop(make, step, inputs, audited, tracker):
             for h in handles:
                 h.remove()
         _end(tracker, _names(model, optimizer, dict(held, **kept)))
-    return _result(tracker, pre, phases)
+    result = _result(tracker, pre, phases)
+    result["summary"] = loop_summary(result)
+    return result
+
+
+def loop_summary(result):
+    """A loop's shadow run as plain numbers an Audit keeps in meta.json (Audit(predicted=...))
+    and `report` sets beside the measurement: {"source", "steady_state", "before_backward",
+    "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}}."""
+    lines, level, at = {}, result["start_bytes"], {}
+    for _, key, nbytes in result["pre"]:
+        lines[key] = lines.get(key, 0) + nbytes
+    marks = {i: phase for phase, i in result["phases"].items()}
+    for i, (action, _, nbytes, _) in enumerate(result["events"]):
+        if i in marks:
+            at[marks[i]] = level
+        level += nbytes if action == "alloc" else -nbytes
+    at.setdefault("step2_end", level)
+    return {"source": "predict_loop: the loop's shadow run on fake tensors", "steady_state": result["start_bytes"],
+            "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": at["step2_end"],
+            "lines": lines}

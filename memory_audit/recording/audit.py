@@ -39,7 +39,7 @@ class Audit:
     """
 
     def __init__(self, model=None, optimizer=None, out_dir="snapshots/audit", *, step=1, scaler=None,
-                 device=None, config=None, max_entries=1_000_000, compiled=False):
+                 device=None, config=None, max_entries=1_000_000, compiled=False, predicted=None):
         if model is None and device is None:
             raise AuditError("Audit needs a model, or a device when it starts before the model exists")
         if model is not None:
@@ -62,6 +62,7 @@ class Audit:
         self._inputs = {}  # name -> weak reference: what the step was fed (the model's arguments, the loss's targets)
         self._returned_at = -1  # the autograd sequence number of the model output's node
         self.recording = AuditRecording(out_dir, device, config or {}, max_entries=max_entries, defer_cpu=compiled)
+        self.recording.predicted = _prediction(predicted)
         self.recording.__enter__()
         if model is not None:
             self.watch(model, optimizer, scaler, compiled)
@@ -305,6 +306,17 @@ def _loss_inputs(root, returned_at, limit=64):
                     out.append((op_name(node.name(), attr), t._base if t._base is not None else t))
         todo.extend(fn for fn, _ in node.next_functions)
     return out
+
+
+def _prediction(predicted):
+    """What `report` sets beside the measurement of a loop that is not train.py's GPT: the
+    summary of memory_audit.predict_loop(...) (its result, or the summary itself), or None."""
+    if predicted is None:
+        return None
+    summary = predicted.get("summary", predicted) if isinstance(predicted, dict) else None
+    if not isinstance(summary, dict) or not all(isinstance(summary.get(k), int) for k in ("steady_state", "peak")):
+        raise AuditError("predicted= expects what memory_audit.predict_loop(...) returned")
+    return summary
 
 
 def _model_device(model):

@@ -691,6 +691,8 @@ class AuditRecording:
             "error": self.error,
             "files": self.files,
         }
+        if getattr(self, "predicted", None) is not None:  # Audit(predicted=predict_loop(...))
+            meta["predicted"] = self.predicted
         path = os.path.join(self.run_dir, "meta.json")
         try:
             with open(path, "w") as f:
