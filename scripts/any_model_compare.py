@@ -21,26 +21,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from memory_audit import Audit  # noqa: E402
 from memory_audit.comparison.reconcile import measure  # noqa: E402
 
 
-def plain_step(model, opt, x, y, audit=None):
-    out = model(x)
-    loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    if audit is not None:
-        audit.before_backward(loss)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return {"temporary/loop/output": out, "temporary/loop/loss": loss}
-
-
 def loops():
     from llama import llama_loop, llama_step
     from test_api import conv_loop, lstm_loop
+    plain_step = llama_step("float32")  # forward, cross-entropy, backward, step, zero_grad: any model's
     yield "conv + BatchNorm + Adam", conv_loop, plain_step
     yield "LSTM + SGD momentum", lstm_loop, plain_step
     for dtype in ("float32", "bfloat16"):

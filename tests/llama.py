@@ -91,8 +91,9 @@ def llama_loop(checkpointing=False):
 
 
 def llama_step(dtype):
-    """One training step at `dtype` (float32, or bfloat16 under CPU autocast): returns what the
-    loop keeps until the next step, by the names an audit gives it."""
+    """One training step at `dtype` (float32, or bfloat16 under CPU autocast) of any model that
+    returns logits: returns what the loop keeps until the next step, by the names an audit
+    gives it."""
     def step(model, opt, x, y, audit=None):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             logits = model(x)

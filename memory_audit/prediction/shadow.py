@@ -104,21 +104,20 @@ class ShadowError(ValueError):
     """The step could not run on fake tensors; str() names the last op and the reason."""
 
 
-def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False,
-        meta_cache=None):
+def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see _result). fake=False runs the same on real tensors (a
     check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
     view op through the tracker's whole path (the check of shadow_metacache and of that
-    shortcut); meta_cache: a MetaCache (default: the process's, shadow_metacache.SHARED). blocks=True tags each allocation
-    and event with its block (result["blocks"], for shadow_repeat). Raises ShadowError (one
-    line) if the step cannot run."""
+    shortcut; otherwise the process's one cache, shadow_metacache.SHARED, answers). blocks=True
+    tags each allocation and event with its block and micro-step (result["blocks"],
+    result["micro"], for shadow_repeat). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
     tracker.tagging = blocks
     if device_type == "cuda" and fake and cache:
         from .shadow_metacache import SHARED
-        tracker.meta_cache = meta_cache if meta_cache is not None else SHARED
+        tracker.meta_cache = SHARED
     return _one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
 
 
@@ -286,9 +285,7 @@ def replayed(cfg, device, repeat=True):
     rule holds; repeat=False runs every block."""
     if device["type"] != "cuda":
         result = run(cfg)
-        levels = [result["start_bytes"]]  # bytes live before each event, then after the last
-        for action, _, nbytes, _ in result["events"]:
-            levels.append(levels[-1] + (nbytes if action == "alloc" else -nbytes))
+        levels = step_levels(result)
         at = {phase: levels[i] for phase, i in result["phases"].items()}
         return {"steady_state": result["start_bytes"], "before_backward": at.get("step2_before_backward"),
                 "peak": result["peak"], "peak_event": levels.index(result["peak"]) - 1, "end": at["step2_end"],
@@ -300,6 +297,15 @@ def replayed(cfg, device, repeat=True):
         result = run(cfg, "cuda", **kw)
     from .shadow_allocator import replay
     return dict(replay(result, device.get("expandable_segments", False)), result=result)
+
+
+def step_levels(result):
+    """[bytes live before each event of step 2, then after the last] of a run() result counted
+    as its own bytes (a CPU step: no allocator between)."""
+    levels = [result["start_bytes"]]
+    for action, _, nbytes, _ in result["events"]:
+        levels.append(levels[-1] + (nbytes if action == "alloc" else -nbytes))
+    return levels
 
 
 def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0):
@@ -374,15 +380,11 @@ def loop_summary(result):
     """A loop's shadow run as plain numbers an Audit keeps in meta.json (Audit(predicted=...))
     and `report` sets beside the measurement: {"source", "steady_state", "before_backward",
     "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}}."""
-    lines, level, at = {}, result["start_bytes"], {}
+    lines = {}
     for _, key, nbytes in result["pre"]:
         lines[key] = lines.get(key, 0) + nbytes
-    marks = {i: phase for phase, i in result["phases"].items()}
-    for i, (action, _, nbytes, _) in enumerate(result["events"]):
-        if i in marks:
-            at[marks[i]] = level
-        level += nbytes if action == "alloc" else -nbytes
-    at.setdefault("step2_end", level)
+    levels = step_levels(result)
+    at = {phase: levels[i] for phase, i in result["phases"].items()}
     return {"source": "predict_loop: the loop's shadow run on fake tensors", "steady_state": result["start_bytes"],
-            "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": at["step2_end"],
+            "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": levels[-1],
             "lines": lines}
