@@ -131,6 +131,7 @@ def measured(run_dir):
             start["predicted_lines"] = pred.get("lines", {})
     return {"run": os.path.basename(os.path.normpath(run_dir)), "config": meta["config"], "device": meta["device"],
             "torch_version": meta["torch_version"], "predicted": bool(pred), "predicted_by": pred.get("source"),
+            "probed": pred.get("probed", []), "unprobed": pred.get("unprobed", []),
             "totals": {k: _total(guess[k], v) for k, v in actual.items()},
             "unattributed_bytes": max((p["unattributed_bytes"] for p in phases.values()), default=0),
             "phases": phases, "peak": {k: v for k, v in rp.get("peak", {}).items()},
@@ -144,10 +145,21 @@ def _total(predicted, actual):
             "diff_pct": round(100.0 * (actual - predicted) / predicted, 4) if predicted else None}
 
 
+def _probes(rec):
+    """The kernels the prediction asked for their own buffers, and the ones it could not ask (their
+    buffers are missing from the prediction)."""
+    out = ""
+    if rec.get("probed"):
+        out += f" Kernels asked for their own buffers: {', '.join(rec['probed'])}."
+    if rec.get("unprobed"):
+        out += f" Not asked (their own buffers are missing from the prediction): {', '.join(rec['unprobed'])}."
+    return out
+
+
 def measured_markdown(rec, top=15):
     c = rec["config"]
     how = (f"Predicted by {rec['predicted_by']} (Audit(predicted=...)): the steady state and the peak."
-           if rec.get("predicted") else "Measured only: the ledger predictor models train.py's GPT; "
+           + _probes(rec) if rec.get("predicted") else "Measured only: the ledger predictor models train.py's GPT; "
            "memory_audit.predict_loop predicts any loop (docs/any_model.md).")
     lines = [f"# Memory report: {rec['run']}", "",
              f"{c.get('model_class', 'model')} with {c.get('optimizer_class', 'an optimizer')} on "

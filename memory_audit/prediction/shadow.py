@@ -214,7 +214,8 @@ def _end(tracker, names):
 def _result(tracker, pre, phases):
     """{"events": [(action, key, bytes, id)] of the step in order, "history": the same before it
     (a CUDA shadow records from model.to(device) on; empty on CPU), "pre": [(id, key, bytes)]
-    live when it starts, "start_bytes", "phases": {phase: position in events}, "peak"}."""
+    live when it starts, "start_bytes", "phases": {phase: position in events}, "peak", "probed"
+    and "unprobed": the ops whose kernels a probe asked, and those it could not (shadow_probe)}."""
     events, cut, blocks, micros = [], {}, [], []
     for i, (action, aid) in enumerate(tracker.events):
         for phase, at in phases.items():
@@ -243,7 +244,7 @@ def _result(tracker, pre, phases):
         level += nbytes if action == "alloc" else -nbytes
         peak = max(peak, level)
     out = {"events": events, "history": history, "pre": pre, "start_bytes": start_bytes, "phases": cut,
-           "peak": start_bytes + peak}
+           "peak": start_bytes + peak, "probed": sorted(tracker.probed), "unprobed": sorted(tracker.unprobed)}
     if tracker.tagging:  # each allocation's block and each event's (history, then step)
         out["blocks"] = {"allocs": {aid: tracker.block_of(aid) for aid in tracker.allocs}, "events": blocks}
         out["micro"] = {"allocs": dict(tracker.micro_tags), "events": micros}
@@ -334,8 +335,10 @@ def run_loop(make, step, inputs=("inputs/x", "inputs/y"), audited=1):
     step, zero_grad) and returns {ledger key: tensor} of what the loop keeps until the next step
     (its loss, its output). Steps 0..audited run; step `audited` is recorded, as Audit(step=...)
     records it, its before-backward moment at its last `.backward()`. Returns run()'s dict;
-    raises ShadowError (one line, naming the op) for a step fake tensors cannot run. Not yet:
-    the CPU kernels' own buffers outside the GPT's ops (oneDNN convolution, BatchNorm, LSTM)."""
+    raises ShadowError (one line, naming the op) for a step fake tensors cannot run. oneDNN's
+    kernels (LSTM layers, convolution, batch norm, bf16 matmuls on CPUs with native bf16) are
+    asked for their own buffers at the step's shapes (shadow_probe: one real kernel per call
+    signature); result["unprobed"] names those a probe could not ask (inside another profile)."""
     tracker = Tracker()
     return _one_line(tracker, _run_loop, make, step, inputs, audited, tracker)
 
@@ -379,7 +382,8 @@ def _run_loop(make, step, inputs, audited, tracker):
 def loop_summary(result):
     """A loop's shadow run as plain numbers an Audit keeps in meta.json (Audit(predicted=...))
     and `report` sets beside the measurement: {"source", "steady_state", "before_backward",
-    "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}}."""
+    "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}, "probed",
+    "unprobed" (the ops whose kernels were asked, and could not be: shadow_probe)}."""
     lines = {}
     for _, key, nbytes in result["pre"]:
         lines[key] = lines.get(key, 0) + nbytes
@@ -387,4 +391,4 @@ def loop_summary(result):
     at = {phase: levels[i] for phase, i in result["phases"].items()}
     return {"source": "predict_loop: the loop's shadow run on fake tensors", "steady_state": result["start_bytes"],
             "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": levels[-1],
-            "lines": lines}
+            "lines": lines, "probed": result.get("probed", []), "unprobed": result.get("unprobed", [])}

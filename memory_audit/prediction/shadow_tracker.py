@@ -26,6 +26,12 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       after its outputs and freed in reverse before it returns
   safe_softmax        CPU _safe_softmax (math SDPA) decomposes on real tensors: after the softmax,
                       isneginf, all and a 0-dim zero, freed in reverse before it returns
+  mean_divide         CPU mean (fp32/fp64) is a sum divided in place by the element count, a
+                      wrapped int64 scalar and its cast, made after the output, freed in reverse
+  embedding_grad      CPU embedding_dense_backward copies a non-contiguous gradient
+                      (grad.contiguous()) after its output, freed before it returns
+  kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
+                      CPUs with native bf16): their own buffers asked of the kernel (shadow_probe)
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -34,10 +40,10 @@ import math
 import re
 import weakref
 
-from . import shadow_cuda
+from . import shadow_cuda, shadow_probe
 
 RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers",
-         "safe_softmax")
+         "safe_softmax", "mean_divide", "embedding_grad", "kernel_probe")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
@@ -65,7 +71,7 @@ class Tracker:
         self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
         self.workspace_bytes = 0  # a cuBLAS workspace per thread (the shadow of a CUDA step)
-        self.in_sdpa = False  # inside F.scaled_dot_product_attention (a CPU shadow: cpu_rules)
+        self.adds_in_place = False  # inside F.scaled_dot_product_attention or F.linear (a CPU shadow: cpu_rules)
         self.meta_cache = None  # a shadow_metacache.MetaCache on meta tensors: kernels asked once,
         # and a view op (no storage, nothing pending) straight to its kernel
         self.tagging = False  # each allocation and event tagged with its block (shadow_repeat)
@@ -75,6 +81,8 @@ class Tracker:
         self.micro = None  # the micro-step running (shadow.py sets it), or None: the second channel
         self.micro_tags = {}  # allocation id -> the micro-step it was made in
         self.event_micro = []  # parallel to events: the micro-step a free happened in (or None)
+        self.real_shapes = {}  # storage id -> (shape, stride) a kernel probe found (shadow_probe)
+        self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
 
     @property
     def op(self):
@@ -94,10 +102,10 @@ class Tracker:
         self.allocs[aid] = [key, nbytes]
         self.tags[aid] = self.context if tag is None else tag
         self.micro_tags[aid] = self.micro
-        return aid, self._event("alloc", aid)
+        return aid, (self._event("alloc", aid) if nbytes else None)  # 0 bytes: no allocation
 
     def free(self, aid):
-        return self._event("free", aid)
+        return self._event("free", aid) if self.allocs[aid][1] else None
 
     def _event(self, action, aid):
         if self.recording:
@@ -149,6 +157,7 @@ class Tracker:
     def _freed(self, sid):
         self._settle_saved()  # a real tensor let go before this storage died is freed first
         entry = self.live.pop(sid, None)
+        self.real_shapes.pop(sid, None)
         if entry is not None:
             self.freed_at[sid] = self.free(entry[0])
 
@@ -325,7 +334,7 @@ def dispatch_mode(tracker, device_type):
                 tracker.free(aid)
             if scalars and isinstance(out, torch.Tensor):
                 tracker.pending_out = weakref.ref(out)
-            if func is torch.ops.aten.add.Tensor and (tracker.phase == "backward" or tracker.in_sdpa):
+            if func is torch.ops.aten.add.Tensor and (_summing(tracker) or tracker.adds_in_place):
                 _note_accumulate(tracker, args, out)
             return out
 
@@ -407,6 +416,8 @@ def _cpu_op(tracker, func, args, kwargs, key):
         else:
             held += ids
     out = func(*args, **kwargs)
+    if shadow_probe.wanted(_short_name(func), args):
+        _probed_op(tracker, func, args, kwargs, key, out)
     for t in tree_leaves(out):
         if isinstance(t, torch.Tensor):
             tracker.add(t.untyped_storage(), key)
@@ -414,10 +425,43 @@ def _cpu_op(tracker, func, args, kwargs, key):
     held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
     if func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
         held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
+    if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default) and out.dtype in (torch.float32, torch.float64):
+        scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, out)  # its sum divided in place by the count
+        held[:0] = [i for i in (cast, scalar) if i is not None]
+    if func is torch.ops.aten.embedding_dense_backward.default and not args[0].is_contiguous():
+        held.insert(0, tracker.alloc(f"{key}/buffer", args[0].numel() * args[0].element_size())[0])
     if func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
         x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
         held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
     return out, held, scalars
+
+
+def _probed_op(tracker, func, args, kwargs, key, out):
+    """The kernel's own allocations and frees around its outputs, in its order, as a kernel
+    probe found them (shadow_probe): an output at its real size (remembered when the fake one
+    differs, for the op that reads it next), a buffer as `key`/buffer."""
+    import torch
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def real_shape(t):
+        return tracker.real_shapes.get(t.untyped_storage()._cdata)
+    found = shadow_probe.sequence(func, args, kwargs, real_shape)
+    if found is None:
+        tracker.unprobed.add(_short_name(func))
+        return
+    tracker.probed.add(_short_name(func))
+    entries, shapes = found
+    ids = {}
+    for i, (action, which, nbytes) in enumerate(entries):
+        if action == "free":
+            tracker.free(ids[which])
+        elif action == "alloc" and which is None:
+            ids[i] = tracker.alloc(f"{key}/buffer", nbytes)[0]
+        elif action == "alloc" and isinstance(outs[which], torch.Tensor):
+            storage = outs[which].untyped_storage()
+            tracker.add(storage, key, nbytes)
+            if storage.nbytes() != nbytes:
+                tracker.real_shapes[storage._cdata] = shapes[which][:2]
 
 
 def op_block(tracker, args):
@@ -496,14 +540,24 @@ def block_tags(model, tracker):
     return handles
 
 
-def _note_accumulate(tracker, args, out):
-    """An add (autograd's gradient sum in backward; CPU math SDPA's mask add) whose first operand,
-    contiguous and not a view, may die with it: before_op folds the output into its memory."""
+def _summing(tracker):
+    """Whether an add may be autograd's gradient sum, which it does in place: in backward with
+    grad mode off (a checkpoint's recomputation runs with it on, and adds out of place)."""
     import torch
+    return tracker.phase == "backward" and not torch.is_grad_enabled()
+
+
+def _note_accumulate(tracker, args, out):
+    """An add (autograd's gradient sum in backward; CPU math SDPA's mask add, F.linear's bias add)
+    whose first operand may die with it: before_op folds the output into that operand's memory.
+    As autograd's InputBuffer decides: the operand non-overlapping and dense (not necessarily
+    contiguous), not a view, of the output's shape and dtype."""
+    import torch
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     first = tensors[0] if len(tensors) == 2 else None
     if (first is not None and isinstance(out, torch.Tensor) and first.shape == out.shape
-            and first.dtype == out.dtype and first.is_contiguous() and not first._is_view()):
+            and first.dtype == out.dtype and dense(first) and not first._is_view()):
         tracker.accumulate = (out.untyped_storage()._cdata, first.untyped_storage()._cdata)
 
 
@@ -523,25 +577,31 @@ def _is_view(func):
 
 @contextlib.contextmanager
 def cpu_rules(tracker):
-    """The CPU rules that need a hook outside the dispatcher: rng_states, and the SDPA region
-    (in_sdpa). CPU's math SDPA adds the mask in place to its scores (attn.add_(mask)), except on
-    a tensor subclass such as a fake tensor, where it adds out of place: an add inside SDPA
-    whose first operand dies with it took that operand's memory (the inplace_accumulate fold)."""
+    """The CPU rules that need a hook outside the dispatcher: rng_states, and the regions where
+    a real run adds in place what a tensor subclass (a fake tensor, or any tensor while a Python
+    dispatch mode runs) adds out of place (adds_in_place): CPU math SDPA's mask add
+    (attn.add_(mask)), and F.linear's bias add where its input is not flattened into one addmm
+    (a non-contiguous input: output.add_(bias) after the matmul). An add there whose first
+    operand dies with it took that operand's memory (the inplace_accumulate fold)."""
     import torch.nn.functional as F
-    original = F.scaled_dot_product_attention
+    originals = {name: getattr(F, name) for name in ("scaled_dot_product_attention", "linear")}
 
-    def sdpa(*args, **kwargs):
-        outer, tracker.in_sdpa = tracker.in_sdpa, True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            tracker.in_sdpa = outer
-    F.scaled_dot_product_attention = sdpa
+    def in_place(original):
+        def call(*args, **kwargs):
+            outer, tracker.adds_in_place = tracker.adds_in_place, True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                tracker.adds_in_place = outer
+        return call
+    for name, original in originals.items():
+        setattr(F, name, in_place(original))
     try:
         with rng_states(tracker):
             yield
     finally:
-        F.scaled_dot_product_attention = original
+        for name, original in originals.items():
+            setattr(F, name, original)
 
 
 @contextlib.contextmanager

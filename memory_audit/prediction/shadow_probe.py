@@ -1,0 +1,138 @@
+"""Kernel probes: what a CPU kernel allocates inside itself, asked of the kernel (issue #28).
+
+Fake tensors give an op's outputs, not what its kernel allocates while it runs, and oneDNN's
+kernels on CPU allocate by rules that depend on the CPU (its ISA, the primitive chosen, the
+thread count), not only on shapes: an LSTM layer's workspace is an output whose fake tensor has
+0 bytes (151,552 B real for a 12 x 4 x 48 layer), a convolution reorders its weight into a
+buffer before its output, batch norm's CPU kernel makes two statistics buffers beside its outputs,
+and on CPUs with native bf16 a bf16 matmul runs through oneDNN with scratch buffers after its
+output. For the ops in PROBED (and the bf16 matmuls where the CPU has that path) the shadow runs
+the real kernel once, at the same shapes, strides and dtypes, on zero-filled CPU tensors, under
+the profiler's memory events, and replays its allocations and frees in their order: which are
+its outputs (and their real size), which are its own buffers. The answer is cached per call
+signature and thread count for the process: GPT-2's 48 blocks ask once.
+
+What it costs: one real kernel per distinct call, at the size predicted (for a CPU step, the
+size it will run at). What it cannot do: probe inside another profile (an Audit recording on
+CPU), where the call keeps its fake sizes and the result lists it under "unprobed".
+Plain Python until called: torch is imported inside the functions.
+"""
+
+import contextlib
+
+PROBED = frozenset((
+    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward",  # LSTM/GRU layers: the workspace, weight reorders, scratch
+    "convolution", "convolution_backward",  # the weight's reorder into oneDNN's layout
+    "native_batch_norm", "native_batch_norm_backward",  # the CPU kernel's statistics buffers
+))
+# bf16/fp16 matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported())
+MATMULS = frozenset(("mm", "addmm", "bmm", "baddbmm"))
+
+_CACHE = {}  # call signature -> (entries, {output index: (shape, stride, dtype)})
+_NATIVE = []  # [whether bf16 matmuls go through oneDNN here], asked once
+
+
+@contextlib.contextmanager
+def plain_bf16():
+    """Predict as on a CPU whose bf16 matmuls do not go through oneDNN (where every committed CPU
+    row was measured), whatever this CPU does."""
+    saved = _NATIVE[:]
+    _NATIVE[:] = [False]
+    try:
+        yield
+    finally:
+        _NATIVE[:] = saved
+
+
+def wanted(name, args):
+    """Whether a CPU op (its short name) is one whose kernel the shadow asks."""
+    if name in PROBED:
+        return True
+    if name not in MATMULS:
+        return False
+    import torch
+    if not _NATIVE:
+        _NATIVE.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    low = (torch.bfloat16, torch.float16)
+    return _NATIVE[0] and any(isinstance(a, torch.Tensor) and a.dtype in low for a in args)
+
+
+def sequence(func, args, kwargs, real_shape):
+    """The kernel's allocations and frees at these arguments: ([("alloc", output index or None,
+    bytes) | ("free", index of the entry it frees)], {output index: (shape, stride, dtype) of the
+    real output}), or None where no probe can run (a profile is already recording).
+    real_shape(t) gives a fake tensor's real (shape, stride) where a probe learnt one that
+    differs (an LSTM workspace fed back to its backward), else None."""
+    import torch
+    from torch.utils._pytree import tree_map
+    if torch.autograd.profiler._is_profiler_enabled:
+        return None
+    if any(isinstance(a, torch.Tensor) and a.numel() == 0 and real_shape(a) is None for a in args):
+        return None  # a buffer whose real size no probe learnt: the kernel would read past it
+    key = _signature(func, args, kwargs, real_shape, torch)
+    if key not in _CACHE:
+        _CACHE[key] = _probe(func, args, kwargs, real_shape, torch, tree_map)
+    return _CACHE[key]
+
+
+def _signature(func, args, kwargs, real_shape, torch):
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            shape = real_shape(a) or (tuple(a.shape), tuple(a.stride()))
+            return ("T", shape, a.dtype, a.requires_grad)
+        if isinstance(a, (list, tuple)):
+            return tuple(one(x) for x in a)
+        return a
+    return (func, one(list(args)), one(sorted(kwargs.items())), torch.get_num_threads(), torch.is_grad_enabled())
+
+
+def _probe(func, args, kwargs, real_shape, torch, tree_map):
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def real(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        shape, stride = real_shape(a) or (a.shape, a.stride())
+        return torch.empty_strided(shape, stride, dtype=a.dtype, device="cpu").zero_()
+    # grad mode as the call has it: an LSTM layer makes its workspace only with grad enabled
+    with unset_fake_temporarily(), torch.autocast("cpu", enabled=False):
+        r_args, r_kwargs = tree_map(real, list(args)), tree_map(real, dict(kwargs))
+        events, out = _profiled(func, r_args, r_kwargs, torch)
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])]
+        at = {o.untyped_storage().data_ptr(): j for j, o in reversed(list(enumerate(outs)))
+              if isinstance(o, torch.Tensor) and o.untyped_storage().nbytes()}
+        shapes = {j: (tuple(o.shape), tuple(o.stride()), o.dtype) for j, o in enumerate(outs)
+                  if isinstance(o, torch.Tensor)}
+    return _entries(events, at), shapes
+
+
+def _profiled(func, args, kwargs, torch):
+    """[(ptr, bytes: + alloc, - free)] of the CPU allocations the call makes, in order, and its
+    result."""
+    from torch._C._profiler import _EventType
+    from torch.profiler._memory_profiler import OpTree
+    cpu = torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
+        out = func(*args, **kwargs)
+    events = [(e.extra_fields.ptr, e.extra_fields.alloc_size) for e in OpTree(prof.profiler.kineto_results).sorted_nodes
+              if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"]
+    return events, out
+
+
+def _entries(events, outputs):
+    """The probe's events as entries: an allocation still live at the end at an output's address
+    is that output; one freed inside is the kernel's own buffer; one neither (a cache the kernel
+    keeps past the call, made once per process) is left out (its action None)."""
+    entries, live = [], {}
+    for ptr, size in events:
+        if size > 0:
+            live[ptr] = len(entries)
+            entries.append(["alloc", None, size])
+        elif ptr in live:
+            entries.append(["free", live.pop(ptr), -size])
+    for ptr, i in live.items():
+        if ptr in outputs:
+            entries[i][1] = outputs[ptr]
+        else:
+            entries[i][0] = None
+    return [tuple(e) for e in entries]
