@@ -28,8 +28,9 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       isneginf, all and a 0-dim zero, freed in reverse before it returns
   mean_divide         CPU mean (fp32/fp64) is a sum divided in place by the element count, a
                       wrapped int64 scalar and its cast, made after the output, freed in reverse
-  embedding_grad      CPU embedding_dense_backward copies a non-contiguous gradient
-                      (grad.contiguous()) after its output, freed before it returns
+  embedding_copies    CPU embedding copies non-contiguous indices before its output, and its
+                      backward non-contiguous indices, then a non-contiguous gradient, after
+                      its output; each freed before it returns
   kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
                       CPUs with native bf16): their own buffers asked of the kernel (shadow_probe)
 Plain Python until a shadow run starts: torch is imported inside the functions.
@@ -43,7 +44,7 @@ import weakref
 from . import shadow_cuda, shadow_probe
 
 RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers",
-         "safe_softmax", "mean_divide", "embedding_grad", "kernel_probe")
+         "safe_softmax", "mean_divide", "embedding_copies", "kernel_probe")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
@@ -405,6 +406,8 @@ def _cpu_op(tracker, func, args, kwargs, key):
             held.insert(0 if _short_name(func) in _COMPARISONS else len(held), scalar)
     if local:
         scalars = []  # nothing for the output's autograd node to keep
+    if func is torch.ops.aten.embedding.default and not args[1].is_contiguous():  # indices.reshape(-1): a copy
+        held.append(tracker.alloc(f"{key}/indices", args[1].numel() * args[1].element_size())[0])
     for t, nbytes in _mixed_dtype_casts(func, tensors):
         held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
     per_tensor = _foreach_scalars(func, args)
@@ -428,8 +431,9 @@ def _cpu_op(tracker, func, args, kwargs, key):
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default) and out.dtype in (torch.float32, torch.float64):
         scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, out)  # its sum divided in place by the count
         held[:0] = [i for i in (cast, scalar) if i is not None]
-    if func is torch.ops.aten.embedding_dense_backward.default and not args[0].is_contiguous():
-        held.insert(0, tracker.alloc(f"{key}/buffer", args[0].numel() * args[0].element_size())[0])
+    if func is torch.ops.aten.embedding_dense_backward.default:  # indices.contiguous(), grad.contiguous()
+        copies = [t for t in (args[1], args[0]) if not t.is_contiguous()]
+        held[:0] = [tracker.alloc(f"{key}/buffer", t.numel() * t.element_size())[0] for t in copies][::-1]
     if func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
         x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
         held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
@@ -580,11 +584,15 @@ def cpu_rules(tracker):
     """The CPU rules that need a hook outside the dispatcher: rng_states, and the regions where
     a real run adds in place what a tensor subclass (a fake tensor, or any tensor while a Python
     dispatch mode runs) adds out of place (adds_in_place): CPU math SDPA's mask add
-    (attn.add_(mask)), and F.linear's bias add where its input is not flattened into one addmm
-    (a non-contiguous input: output.add_(bias) after the matmul). An add there whose first
+    (attn.add_(mask)), and at::linear's bias add where its input is not flattened into one addmm
+    (a non-contiguous input: output.add_(bias) after the matmul), from F.linear or from the
+    recurrent layers' input projections (torch._VF's rnn functions). An add there whose first
     operand dies with it took that operand's memory (the inplace_accumulate fold)."""
+    import torch
     import torch.nn.functional as F
-    originals = {name: getattr(F, name) for name in ("scaled_dot_product_attention", "linear")}
+    # the recurrent layers call at::linear from C++ (their input projections: mm, then the bias)
+    hooks = [(F, "scaled_dot_product_attention"), (F, "linear")] + [(torch._VF, n) for n in ("lstm", "gru", "rnn_tanh", "rnn_relu")]
+    originals = {(owner, name): getattr(owner, name) for owner, name in hooks}
 
     def in_place(original):
         def call(*args, **kwargs):
@@ -594,14 +602,14 @@ def cpu_rules(tracker):
             finally:
                 tracker.adds_in_place = outer
         return call
-    for name, original in originals.items():
-        setattr(F, name, in_place(original))
+    for (owner, name), original in originals.items():
+        setattr(owner, name, in_place(original))
     try:
         with rng_states(tracker):
             yield
     finally:
-        for name, original in originals.items():
-            setattr(F, name, original)
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
