@@ -133,3 +133,29 @@ def test_report_sets_the_loops_prediction_beside_the_measurement(tmp_path):
     assert "Predicted by predict_loop" in md and "| allocation | predicted | bytes |" in md
     with pytest.raises(Exception, match="predicted= expects"):
         Audit(model, opt, out_dir=str(tmp_path / "bad"), predicted={"peak": "many"})
+
+
+@pytest.mark.parametrize("spoil", ["item", "numpy", "nonzero"])
+def test_a_step_fake_tensors_cannot_run_is_one_line_and_the_audit_still_measures(tmp_path, spoil):
+    """A step that reads a value (loss.item(), .numpy()) or makes a data-dependent shape
+    (nonzero) cannot run on fake tensors: predict_loop raises one ShadowError line naming the op
+    it stopped at, never a number; an Audit of the same loop still measures it."""
+    from memory_audit import predict_loop
+    from memory_audit.prediction.shadow import ShadowError
+    plain = llama_step("float32")
+
+    def step(model, opt, x, y, audit=None):
+        kept = plain(model, opt, x, y, audit)
+        loss = kept["temporary/loop/loss"]
+        {"item": lambda: loss.item(), "numpy": lambda: loss.detach().numpy(),
+         "nonzero": lambda: torch.nonzero(x > 3)}[spoil]()
+        return kept
+    with pytest.raises(ShadowError) as e:
+        predict_loop(lambda: llama_loop(False), step)
+    assert str(e.value).count("\n") == 0 and str(e.value).startswith("the shadow run stopped at ")
+    model, opt, x, y = llama_loop(False)
+    audit = Audit(model, opt, out_dir=str(tmp_path))
+    for s in range(3):
+        with audit.step(s):
+            step(model, opt, x, y, audit)
+    assert measure(audit.run_dir)["phases"]["step2_end"]["replay"]["peak"]["bytes"] > 0

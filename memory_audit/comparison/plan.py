@@ -110,10 +110,10 @@ def parallel_candidates(cfg):
     return out
 
 
-def _option(name, cfg, overrides, dev, limit, base_flops, shadow=True):
+def _option(name, cfg, overrides, dev, limit, base_flops, shadow=True, needs=None):
     d = dict(dev, expandable_segments=overrides.get("expandable_segments", dev.get("expandable_segments", False)))
     c = dict(cfg, **{k: v for k, v in overrides.items() if k != "expandable_segments"})
-    n = need(c, d, shadow)
+    n = need(c, d, shadow) if needs is None else needs(c, d)
     extra = n["recompute_flops"] / (3 * base_flops) if base_flops else 0.0
     doublings = (c.get("gradient_accumulation_steps", 1) // max(cfg.get("gradient_accumulation_steps", 1), 1)).bit_length() - 1
     return {"option": name, "overrides": overrides, "allocated_peak": n["allocated"], "reserved_peak": n["reserved"],
@@ -127,9 +127,19 @@ def plan(cfg, dev, headroom, shadow=True):
     """{"budget", "baseline": {..., "fits"}, "options": [{..., "fits"}, ...]}: the options that fit
     first, cheapest first (one GPU before several); then the others, smallest need first."""
     limit = budget(dev, headroom)
-    base = need(cfg, dev, shadow)
-    baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"], shadow)
-    options = [_option(name, cfg, o, dev, limit, base["forward_flops"], shadow) for name, o in candidates(cfg)]
+    seen = {}
+
+    def needs(c, d):  # the baseline is asked twice; the same config on another device setting reuses its run
+        key = repr((sorted(c.items()), sorted(d.items())))
+        if key not in seen:
+            seen[key] = need(c, d, shadow)
+        return seen[key]
+    base = needs(cfg, dev)
+    baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"], shadow, needs)
+    todo = candidates(cfg)  # the allocator settings first: their step is the baseline's, still held (shadow._LAST)
+    first = sorted(range(len(todo)), key=lambda i: set(todo[i][1]) != {"expandable_segments"})
+    done = {i: _option(todo[i][0], cfg, todo[i][1], dev, limit, base["forward_flops"], shadow, needs) for i in first}
+    options = [done[i] for i in range(len(todo))]
     # more GPUs are a bigger change than any single-GPU lever: parallel options come after those that fit
     options.sort(key=lambda o: (not o["fits"], "parallel" in o["overrides"] if o["fits"] else False,
                                 o["cost"] if o["fits"] else o["need"], o["need"]))
