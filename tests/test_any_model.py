@@ -73,17 +73,25 @@ def test_any_loop_named_and_predicted_to_the_byte(tmp_path, loop):
                                     else {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"})
 
 
-def test_a_kernel_probe_inside_a_profile_is_named_not_guessed():
+def test_a_kernel_probe_inside_a_profile_is_named_not_guessed(tmp_path):
     """Inside another profile (an Audit recording on CPU) no probe can run: the LSTM's layers keep
-    their fake sizes (the workspace 0 B), and the result names them, so the report can say which
-    buffers the prediction lacks."""
-    import torch
+    their fake sizes (the workspace 0 B), the result names them, and `report` says which
+    kernels' buffers the prediction lacks."""
+    from conftest import run_cli
     from memory_audit import predict_loop
     step = llama_step("float32")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         r = predict_loop(lstm_loop, step)
     assert r["unprobed"] == ["mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"]
     assert r["peak"] < predict_loop(lstm_loop, step)["peak"]
+    model, opt, x, y = lstm_loop()
+    audit = Audit(model, opt, out_dir=str(tmp_path), predicted=r)
+    for s in range(3):
+        with audit.step(s):
+            step(model, opt, x, y, audit)
+    assert run_cli("report", str(tmp_path)).returncode == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "Not asked (their own buffers are missing from the prediction): mkldnn_rnn_layer, " in md
 
 
 def test_checkpoint_regions_of_any_model_are_left_alone(tmp_path):

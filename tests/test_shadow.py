@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import NATIVE_BF16, native_bf16_matmul, run_cli, run_train
+from conftest import run_cli, run_train
 from memory_audit.prediction.predict import DEFAULTS
 from memory_audit.prediction.shadow_probe import plain_bf16
 from memory_audit.comparison.reconcile import first_divergence, step_events
@@ -33,9 +33,6 @@ def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
     rng = random.Random(SEED)
     for _ in range(i + 1):
         cfg = random_config(rng)
-    if cfg["dtype"] == "bfloat16" and native_bf16_matmul():
-        cfg["dtype"] = "float32"
-        print(f"bf16 drawn, fp32 run: {NATIVE_BF16}")
     print(f"shadow seed {SEED} (replay: SHADOW_SEED={SEED}), config {i}: {cfg}")
     p = run_train("--audit", "--device=cpu", "--preset=cpu-tiny", f"--audit_dir={tmp_path}", "--run_name=r",
                   *[f"--{k}={v}" for k, v in cfg.items()], timeout=600)
