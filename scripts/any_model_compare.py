@@ -48,6 +48,21 @@ def on(device, made):
     return (model, type(opt)(model.parameters(), **opt.defaults), *[b.to(device) for b in batch])
 
 
+# the groups a row of the per-category table compares: ours (the audit's categories, the shadow's
+# key prefixes) and MemTracker's; "the rest" is everything else (activations, inputs, temporaries)
+GROUPS = (("weights and buffers", ("weights", "buffers"), ("param", "buffer")),
+          ("gradients", ("grads",), ("grad",)), ("optimizer state", ("optimizer",), ("opt",)))
+
+
+def grouped(cats, ours=True):
+    """{group: bytes} of a category dict (ours, or MemTracker's), "the rest" for the others."""
+    out, rest = {}, dict(cats)
+    for name, mine, theirs in GROUPS:
+        out[name] = sum(rest.pop(c, 0) for c in (mine if ours else theirs))
+    out["the rest"] = sum(rest.values())
+    return out
+
+
 def measured_peak(make, step, device):
     model, opt, x, y = on(device, make())
     with tempfile.TemporaryDirectory() as d:
@@ -57,7 +72,8 @@ def measured_peak(make, step, device):
             with audit.step(s, tensors={"inputs/x": x, "inputs/y": y}):
                 kept = step(model, opt, x, y, audit)
         m = measure(d)
-    return m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+    peak = m["phases"]["step2_end"]["replay"]["peak"]
+    return peak["bytes"], peak["categories"]
 
 
 def memtracker_peak(make, step, device):
@@ -75,9 +91,10 @@ def memtracker_peak(make, step, device):
 
 def shadow_peak(make, step, device):
     if device != "cpu":
-        return None
+        return None, {}
     from memory_audit.prediction import shadow
-    return shadow.run_loop(make, step)["peak"]
+    r = shadow.run_loop(make, step)
+    return r["peak"], shadow.peak_categories(r)
 
 
 def main():
@@ -89,15 +106,23 @@ def main():
           + (" (bf16 matmuls through oneDNN: see docs/limits.md)" if native else ""))
     print("| loop | measured peak | shadow run (ours) | MemTracker | MemTracker at its peak |")
     print("| --- | --- | --- | --- | --- |")
+    by_category = []
     for name, make, step in loops():
-        m = measured_peak(make, step, args.device)
-        ours = shadow_peak(make, step, args.device)
+        m, measured_cats = measured_peak(make, step, args.device)
+        ours, our_cats = shadow_peak(make, step, args.device)
         theirs, cats = memtracker_peak(make, step, args.device)
 
         def err(p):
             return "not yet (CPU only)" if p is None else f"{p - m:+,} B ({100 * (p - m) / m:+.2f}%)"
         print(f"| {name} | {m:,} B | {err(ours)} | {err(theirs)} | "
               f"{', '.join(f'{k} {v:,}' for k, v in cats.items())} |", flush=True)
+        a, b, c = grouped(measured_cats), grouped(our_cats), grouped(cats, ours=False)
+        by_category += [(name, g, a[g], b[g] - a[g] if ours is not None else None, c[g] - a[g]) for g in a]
+    print("\nAt each one's peak, by category (measured: the audit's; the rest: activations, inputs, temporaries):\n")
+    print("| loop | category | measured | ours | MemTracker |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, g, m, ours, theirs in by_category:
+        print(f"| {name} | {g} | {m:,} B | {'-' if ours is None else f'{ours:+,} B'} | {theirs:+,} B |")
 
 
 if __name__ == "__main__":

@@ -62,9 +62,11 @@ def test_any_loop_named_and_predicted_to_the_byte(tmp_path, loop):
     for _, key, nbytes in r["pre"]:
         live[key] = live.get(key, 0) + nbytes
     assert live == m["phases"]["step2_start"]["attribution"]["lines"]
-    measured = m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+    peak = m["phases"]["step2_end"]["replay"]["peak"]
     divergence = first_divergence(step_events(run), r["events"])
-    assert measured == r["peak"], (measured, r["peak"], divergence)
+    assert peak["bytes"] == r["peak"], (peak["bytes"], r["peak"], divergence)
+    # at the peak, category by category (a parameter's gradient named from its making on)
+    assert r["summary"]["peak_categories"] == peak["categories"]
     if dtype == "float32":
         assert divergence is None
     assert r["unprobed"] == []

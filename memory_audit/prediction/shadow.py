@@ -356,7 +356,7 @@ def run_loop(make, step, inputs=("inputs/x", "inputs/y"), audited=1):
 def _run_loop(make, step, inputs, audited, tracker):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    phases, original = {}, torch.Tensor.backward
+    phases, original, made = {}, torch.Tensor.backward, {}
 
     def backward(self, *args, **kwargs):  # the last one in the audited step: before backward
         if tracker.recording:
@@ -367,8 +367,10 @@ def _run_loop(make, step, inputs, audited, tracker):
             return original(self, *args, **kwargs)
         finally:
             tracker.phase = "optimizer"
+            _name_grads(tracker, made["model"])
     with FakeTensorMode(), dispatch_mode(tracker, "cpu"), cpu_rules(tracker):
         model, optimizer, *batch = make()
+        made["model"] = model
         handles = module_labels(model, tracker, root=type(model).__name__.lower())
         held, kept = dict(zip(inputs, batch)), {}
         torch.Tensor.backward = backward
@@ -389,10 +391,36 @@ def _run_loop(make, step, inputs, audited, tracker):
     return result
 
 
+def _name_grads(tracker, model):
+    """After a backward, each parameter's gradient names its allocation from its making on, as
+    the audit names it (a gradient zero_grad lets go has no name at the step's end)."""
+    for name, p in model.named_parameters():
+        entry = None if p.grad is None else tracker.live.get(p.grad.untyped_storage()._cdata)
+        if entry is not None:
+            tracker.allocs[entry[0]][0] = f"grads/{name}"
+
+
+def peak_categories(result):
+    """{category: bytes} live at the step's peak (the first level of each allocation's name)."""
+    level, best, now = 0, -1, {}
+    for _, key, nbytes in result["pre"]:
+        now[key.split("/")[0]] = now.get(key.split("/")[0], 0) + nbytes
+    at = dict(now)
+    for action, key, nbytes, aid in result["events"]:
+        c = key.split("/")[0]
+        step = nbytes if action == "alloc" else -nbytes
+        now[c] = now.get(c, 0) + step
+        level += step
+        if level > best:
+            best, at = level, dict(now)
+    return {c: v for c, v in at.items() if v}
+
+
 def loop_summary(result):
     """A loop's shadow run as plain numbers an Audit keeps in meta.json (Audit(predicted=...))
     and `report` sets beside the measurement: {"source", "steady_state", "before_backward",
-    "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}, "probed",
+    "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}, "peak_categories",
+    "probed",
     "unprobed" (the ops whose kernels were asked, and could not be: shadow_probe)}."""
     lines = {}
     for _, key, nbytes in result["pre"]:
@@ -401,4 +429,5 @@ def loop_summary(result):
     at = {phase: levels[i] for phase, i in result["phases"].items()}
     return {"source": "predict_loop: the loop's shadow run on fake tensors", "steady_state": result["start_bytes"],
             "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": levels[-1],
-            "lines": lines, "probed": result.get("probed", []), "unprobed": result.get("unprobed", [])}
+            "lines": lines, "peak_categories": peak_categories(result), "probed": result.get("probed", []),
+            "unprobed": result.get("unprobed", [])}
