@@ -6,9 +6,9 @@
 Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed replays one;
 the seed is printed first), audits each with `train.py --audit` on CPU, shadow-runs it
 (memory_audit/prediction/shadow.py) and prints, per config, the measured peak, the shadow's and the
-ledger predictor's (report.json), and for a shadow miss the first event where the two traces
-part (measured trace of step 2 against the shadow's events, by action and bytes). Not a test:
-each config takes ~10 s.
+ledger predictor's (report.json), the lines the ledger names that differ from the audit's (every
+phase), and for a shadow miss the first event where the two traces part (measured trace of step 2
+against the shadow's events, by action and bytes). Not a test: each config takes ~10 s.
 """
 
 import argparse
@@ -51,7 +51,9 @@ def check(cfg, tmp, device="cpu", keep=None):
         return {"config": cfg, "measured": peak["actual"], "shadow": None, "shadow_error": str(e),
                 "predictor": peak["predicted"]}
     row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"],
-           "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"]}
+           "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"],
+           # the ledger's lines (what predict names) against the audit's, every phase
+           "lines": len(report["rows"]), "lines_off": [f"{r['phase']}:{r['key']} {r['diff']:+,}" for r in report["rows"] if r.get("diff")]}
     divergence = first_divergence(step_events(run), sh["result"]["events"])
     row["events_agree"] = divergence is None  # every allocation and free of step 2, in order
     if divergence is not None:
@@ -112,11 +114,13 @@ def main():
             d = lambda v: "-" if v is None else f"{v - row['measured']:+,}"  # noqa: E731
             print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  predictor {d(row['predictor'])}"
                   + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
+                  + (f"  lines off {row['lines_off'][:4]}" if row.get("lines_off") else "")
                   + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
     ok = [r for r in rows if "error" not in r]
     print(f"peak exact: shadow {sum(r['shadow'] == r['measured'] for r in ok if r['shadow'] is not None)}/{len(ok)}, "
           f"predictor {sum(r['predictor'] == r['measured'] for r in ok)}/{len(ok)}; step 2 event by event: shadow "
-          f"{sum(r.get('events_agree', False) for r in ok)}/{len(ok)} (seed {seed})")
+          f"{sum(r.get('events_agree', False) for r in ok)}/{len(ok)}; every line exact: "
+          f"{sum(not r.get('lines_off', [None]) for r in ok)}/{len(ok)} (seed {seed})")
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:

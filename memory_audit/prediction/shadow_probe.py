@@ -61,8 +61,9 @@ def sequence(func, args, kwargs, real_shape):
     """The kernel's allocations and frees at these arguments: ([("alloc", output index or None,
     bytes) | ("free", index of the entry it frees)], {output index: (shape, stride, dtype) of the
     real output}), or None where no probe can run (a profile is already recording).
-    real_shape(t) gives a fake tensor's real (shape, stride) where a probe learnt one that
-    differs (an LSTM workspace fed back to its backward), else None."""
+    real_shape(t) gives a fake tensor's real (shape, stride, dtype) where a probe learnt one that
+    differs (an LSTM workspace fed back to its backward), else None. None also where the real
+    kernel refuses the arguments the fake kernels made."""
     import torch
     from torch.utils._pytree import tree_map
     if torch.autograd.profiler._is_profiler_enabled:
@@ -72,14 +73,13 @@ def sequence(func, args, kwargs, real_shape):
     key = _signature(func, args, kwargs, real_shape, torch)
     if key not in _CACHE:
         _CACHE[key] = _probe(func, args, kwargs, real_shape, torch, tree_map)
-    return _CACHE[key]
+    return _CACHE[key]  # None: the kernel refused the call
 
 
 def _signature(func, args, kwargs, real_shape, torch):
     def one(a):
         if isinstance(a, torch.Tensor):
-            shape = real_shape(a) or (tuple(a.shape), tuple(a.stride()))
-            return ("T", shape, a.dtype, a.requires_grad)
+            return ("T", real_shape(a) or (tuple(a.shape), tuple(a.stride()), a.dtype), a.requires_grad)
         if isinstance(a, (list, tuple)):
             return tuple(one(x) for x in a)
         return a
@@ -92,12 +92,15 @@ def _probe(func, args, kwargs, real_shape, torch, tree_map):
     def real(a):
         if not isinstance(a, torch.Tensor):
             return a
-        shape, stride = real_shape(a) or (a.shape, a.stride())
-        return torch.empty_strided(shape, stride, dtype=a.dtype, device="cpu").zero_()
+        shape, stride, dtype = real_shape(a) or (a.shape, a.stride(), a.dtype)
+        return torch.empty_strided(shape, stride, dtype=dtype, device="cpu").zero_()
     # grad mode as the call has it: an LSTM layer makes its workspace only with grad enabled
     with unset_fake_temporarily(), torch.autocast("cpu", enabled=False):
         r_args, r_kwargs = tree_map(real, list(args)), tree_map(real, dict(kwargs))
-        events, out = _profiled(func, r_args, r_kwargs, torch)
+        try:
+            events, out = _profiled(func, r_args, r_kwargs, torch)
+        except Exception:  # the kernel refuses what the fake kernels made (a dtype): not asked
+            return None
         outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])]
         at = {o.untyped_storage().data_ptr(): j for j, o in reversed(list(enumerate(outs)))
               if isinstance(o, torch.Tensor) and o.untyped_storage().nbytes()}

@@ -82,7 +82,7 @@ class Tracker:
         self.micro = None  # the micro-step running (shadow.py sets it), or None: the second channel
         self.micro_tags = {}  # allocation id -> the micro-step it was made in
         self.event_micro = []  # parallel to events: the micro-step a free happened in (or None)
-        self.real_shapes = {}  # storage id -> (shape, stride) a kernel probe found (shadow_probe)
+        self.real_shapes = {}  # storage id -> (shape, stride, dtype) a kernel probe found (shadow_probe)
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
 
     @property
@@ -425,25 +425,31 @@ def _cpu_op(tracker, func, args, kwargs, key):
         if isinstance(t, torch.Tensor):
             tracker.add(t.untyped_storage(), key)
     # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse
-    held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
+    held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
     if func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
-        held[:0] = [tracker.alloc(f"{key}/buffer", n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
+        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default) and out.dtype in (torch.float32, torch.float64):
         scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, out)  # its sum divided in place by the count
         held[:0] = [i for i in (cast, scalar) if i is not None]
     if func is torch.ops.aten.embedding_dense_backward.default:  # indices.contiguous(), grad.contiguous()
         copies = [t for t in (args[1], args[0]) if not t.is_contiguous()]
-        held[:0] = [tracker.alloc(f"{key}/buffer", t.numel() * t.element_size())[0] for t in copies][::-1]
+        held[:0] = [tracker.alloc(_buffer(key), t.numel() * t.element_size())[0] for t in copies][::-1]
     if func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
         x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
-        held.insert(0, tracker.alloc(f"{key}/buffer", 2 * torch.get_num_threads() * n * x.element_size())[0])
+        held.insert(0, tracker.alloc(_buffer(key), 2 * torch.get_num_threads() * n * x.element_size())[0])
     return out, held, scalars
+
+
+def _buffer(key):
+    """The name of a kernel's own buffer, made and freed inside the op: a temporary in any phase,
+    as the audit names it (a forward op's buffer is no activation)."""
+    return ("temporary/forward/" + key[len("activations/"):] if key.startswith("activations/") else key) + "/buffer"
 
 
 def _probed_op(tracker, func, args, kwargs, key, out):
     """The kernel's own allocations and frees around its outputs, in its order, as a kernel
     probe found them (shadow_probe): an output at its real size (remembered when the fake one
-    differs, for the op that reads it next), a buffer as `key`/buffer."""
+    differs, for the op that reads it next), a buffer as a temporary (_buffer)."""
     import torch
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
 
@@ -460,12 +466,12 @@ def _probed_op(tracker, func, args, kwargs, key, out):
         if action == "free":
             tracker.free(ids[which])
         elif action == "alloc" and which is None:
-            ids[i] = tracker.alloc(f"{key}/buffer", nbytes)[0]
+            ids[i] = tracker.alloc(_buffer(key), nbytes)[0]
         elif action == "alloc" and isinstance(outs[which], torch.Tensor):
-            storage = outs[which].untyped_storage()
+            t, storage = outs[which], outs[which].untyped_storage()
             tracker.add(storage, key, nbytes)
-            if storage.nbytes() != nbytes:
-                tracker.real_shapes[storage._cdata] = shapes[which][:2]
+            if (tuple(t.shape), tuple(t.stride()), t.dtype) != shapes[which]:  # what the next probe must feed it
+                tracker.real_shapes[storage._cdata] = shapes[which]
 
 
 def op_block(tracker, args):
