@@ -25,23 +25,27 @@ PROBED = frozenset((
     "convolution", "convolution_backward",  # the weight's reorder into oneDNN's layout
     "native_batch_norm", "native_batch_norm_backward",  # the CPU kernel's statistics buffers
 ))
-# bf16/fp16 matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported())
+# bf16 (fp16) matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+# _is_mkldnn_fp16_supported())
 MATMULS = frozenset(("mm", "addmm", "bmm", "baddbmm"))
 
 _CACHE = {}  # call signature -> (entries, {output index: (shape, stride, dtype)})
-_NATIVE = []  # [whether bf16 matmuls go through oneDNN here], asked once
+_NATIVE = {}  # dtype -> whether its matmuls go through oneDNN here, asked once
 
 
 @contextlib.contextmanager
 def plain_bf16():
     """Predict as on a CPU whose bf16 matmuls do not go through oneDNN (where every committed CPU
     row was measured), whatever this CPU does."""
-    saved = _NATIVE[:]
-    _NATIVE[:] = [False]
+    import torch
+    native(torch.bfloat16)
+    saved = dict(_NATIVE)
+    _NATIVE[torch.bfloat16] = False
     try:
         yield
     finally:
-        _NATIVE[:] = saved
+        _NATIVE.clear()
+        _NATIVE.update(saved)
 
 
 def wanted(name, args):
@@ -51,10 +55,17 @@ def wanted(name, args):
     if name not in MATMULS:
         return False
     import torch
-    if not _NATIVE:
-        _NATIVE.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-    low = (torch.bfloat16, torch.float16)
-    return _NATIVE[0] and any(isinstance(a, torch.Tensor) and a.dtype in low for a in args)
+    return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) and native(a.dtype)
+               for a in args)
+
+
+def native(dtype):
+    """Whether this CPU runs `dtype` (bf16, fp16) matmuls through oneDNN."""
+    if dtype not in _NATIVE:
+        import torch
+        ask = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+        _NATIVE[dtype] = bool(getattr(torch.ops.mkldnn, ask)())
+    return _NATIVE[dtype]
 
 
 def sequence(func, args, kwargs, real_shape):
