@@ -13,15 +13,16 @@ its outputs (and their real size), which are its own buffers. The answer is cach
 signature and thread count for the process: GPT-2's 48 blocks ask once.
 
 What it costs: one real kernel per distinct call, at the size predicted (for a CPU step, the
-size it will run at). What it cannot do: probe inside another profile (an Audit recording on
-CPU), where the call keeps its fake sizes and the result lists it under "unprobed".
+size it will run at), on inputs of at most LIMIT bytes. What it cannot do: probe a larger call,
+or inside another profile (an Audit recording on CPU): such a call keeps its fake sizes and the
+result lists it under "unprobed".
 Plain Python until called: torch is imported inside the functions.
 """
 
 import contextlib
 
 PROBED = frozenset((
-    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward",  # LSTM/GRU layers: the workspace, weight reorders, scratch
+    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward",  # LSTM layers: the workspace, weight reorders, scratch
     "convolution", "convolution_backward",  # the weight's reorder into oneDNN's layout
     "native_batch_norm", "native_batch_norm_backward",  # the CPU kernel's statistics buffers
 ))
@@ -29,6 +30,7 @@ PROBED = frozenset((
 # _is_mkldnn_fp16_supported())
 MATMULS = frozenset(("mm", "addmm", "bmm", "baddbmm"))
 
+LIMIT = 256 << 20  # a call whose inputs take more is not run (its buffers left out, named in "unprobed")
 _CACHE = {}  # call signature -> (entries, {output index: (shape, stride, dtype)})
 _NATIVE = {}  # dtype -> whether its matmuls go through oneDNN here, asked once
 
@@ -81,6 +83,9 @@ def sequence(func, args, kwargs, real_shape):
         return None
     if any(isinstance(a, torch.Tensor) and a.numel() == 0 and real_shape(a) is None for a in args):
         return None  # a buffer whose real size no probe learnt: the kernel would read past it
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if sum(a.untyped_storage().nbytes() for a in tensors) > LIMIT:
+        return None  # too large to run for a prediction: left unasked (the result says so)
     key = _signature(func, args, kwargs, real_shape, torch)
     if key not in _CACHE:
         _CACHE[key] = _probe(func, args, kwargs, real_shape, torch, tree_map)

@@ -51,7 +51,9 @@ def with_shadow(pred, gaps_bytes=None, ledger=True):
               "before_backward_allocated": r["before_backward"], "peak_allocated_bytes": r["peak"],
               "end_allocated": r["end"], "reserved_steady_bytes": r["steady_state"] if cpu else r["reserved_steady"],
               "reserved_peak_bytes": r["peak"] if cpu else r["reserved"],
-              "from": "shadow run" + (" (blocks repeated)" if r["result"].get("repeated") else "")})
+              "from": "shadow run" + (" (blocks repeated)" if r["result"].get("repeated") else "")
+              + (f" (kernels not asked for their own buffers: {', '.join(r['result']['unprobed'])})"
+                 if r["result"].get("unprobed") else "")})
     pred["backward"] = dict(pred["backward"], peak_at=busiest(r))
     return pred, r
 
