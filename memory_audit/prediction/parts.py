@@ -138,12 +138,16 @@ def math_sdpa(s, h):
     """CPU SDPA with dropout in training runs the math fallback, in fp32 even under autocast."""
     B, T, d, nh, Ne, Na = s["B"], s["T"], s["d"], s["nh"], s["Ne"], s["Na"]
     core = dict(region="core")
+    if _views(s) and not s["autocast"]:  # fp32 v folds to 3-D without a copy: c_attn's output is saved
+        v = act(s, f"{h}.attn/bmm.mat2#2", 4 * 3 * Ne, "float32", [B, T, 3 * d], "4*3*B*T*d",
+                "v: a view of the c_attn output (one head or batch 1: no copy)", input_alias="core", **core)
+    else:
+        v = act(s, f"{h}.attn/bmm.mat2#2", 4 * Ne, "float32", [B * nh, T, d // nh], "4*B*T*d", "v (math SDPA)", **core)
     return [act(s, f"{h}.attn/bmm.self", 4 * Ne, "float32", [B * nh, T, d // nh], "4*B*T*d", "q (math SDPA)", **core),
             act(s, f"{h}.attn/bmm.mat2", 4 * Ne, "float32", [B * nh, d // nh, T], "4*B*T*d", "k^T (math SDPA)", **core),
             act(s, f"{h}.attn/safe_softmax.result", 4 * Na, "float32", [B, nh, T, T], "4*B*n_head*T^2", **core),
             act(s, f"{h}.attn/mul.other", 4 * Na, "float32", [B, nh, T, T], "4*B*n_head*T^2", "dropout noise", **core),
-            act(s, f"{h}.attn/bmm.mat2#2", 4 * Ne, "float32", [B * nh, T, d // nh], "4*B*T*d", "v (math SDPA)", **core),
-            act(s, f"{h}.attn/bmm.self#2", 4 * Na, "float32", [B * nh, T, T], "4*B*n_head*T^2", "dropout output", **core)
+            v, act(s, f"{h}.attn/bmm.self#2", 4 * Na, "float32", [B * nh, T, T], "4*B*n_head*T^2", "dropout output", **core)
             ] + linear(s, f"{h}.attn.c_proj", d, d, input_note="attention output, back in the autocast dtype")
 
 
