@@ -7,8 +7,9 @@ prediction's difference and the first event where the two steps part.
 Families: a Llama-style decoder (tests/llama.py: dims, heads, grouped KV heads, depth, sequence,
 batch, vocabulary, checkpointing, fp32 or bf16 autocast, AdamW/Adam/SGD momentum), a recurrent
 tagger (LSTM or GRU, depth, width, bidirectional, batch_first, sequence, batch) and a conv net
-(channels, kernel, stride, batch norm or not, image size, batch, Adam/SGD). The seed is new each
-run and printed; --seed replays it.
+(channels, kernel, stride, batch norm or not, image size, batch, Adam/SGD); the last two in fp32
+or bf16 autocast, some with their whole forward checkpointed. The seed is new each run and
+printed; --seed replays it.
 """
 
 import argparse
@@ -46,6 +47,18 @@ class Recurrent(nn.Module):
         x = self.embed(tokens if self.batch_first else tokens.t())
         h, _ = self.rnn(x)
         return self.out(h if self.batch_first else h.transpose(0, 1))
+
+
+class Checkpointed(nn.Module):
+    """A model whose whole forward is one torch.utils.checkpoint region."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, x, use_reentrant=False)
 
 
 class Conv(nn.Module):
@@ -86,24 +99,26 @@ def draw(rng):
         kw = dict(cell=rng.choice([nn.LSTM, nn.GRU]), vocab=rng.choice([30, 100]), embed=rng.choice([8, 32]),
                   hidden=rng.choice([16, 33, 48]), layers=rng.randint(1, 3), bidirectional=rng.random() < 0.4,
                   batch_first=rng.random() < 0.5, classes=rng.choice([5, 7]))
-        T, B = rng.randint(5, 20), rng.randint(1, 4)
+        T, B, ck, dtype = rng.randint(5, 20), rng.randint(1, 4), rng.random() < 0.3, rng.choice(["float32", "bfloat16"])
 
         def make():
             torch.manual_seed(seed)
             model = Recurrent(**kw)
+            model = Checkpointed(model) if ck else model
             return (model, optimizer(random.Random(seed), model.parameters()),
                     torch.randint(kw["vocab"], (B, T)), torch.randint(kw["classes"], (B, T)))
-        return f"recurrent {dict(kw, cell=kw['cell'].__name__)} T {T} batch {B}", make, "float32"
+        return f"recurrent {dict(kw, cell=kw['cell'].__name__)} T {T} batch {B} {dtype}{' checkpointed' if ck else ''}", make, dtype
     kw = dict(channels=(rng.choice([4, 8, 16]), rng.choice([8, 16, 32])), kernel=rng.choice([1, 3, 5]),
               stride=rng.choice([1, 2]), norm=rng.random() < 0.6, size=rng.choice([8, 12, 16]), classes=10)
-    B = rng.randint(1, 8)
+    B, ck, dtype = rng.randint(1, 8), rng.random() < 0.3, rng.choice(["float32", "bfloat16"])
 
     def make():
         torch.manual_seed(seed)
         model = Conv(**kw)
+        model = Checkpointed(model) if ck else model
         return (model, optimizer(random.Random(seed), model.parameters()),
                 torch.randn(B, 3, kw["size"], kw["size"]), torch.randint(10, (B,)))
-    return f"conv {kw} batch {B}", make, "float32"
+    return f"conv {kw} batch {B} {dtype}{' checkpointed' if ck else ''}", make, dtype
 
 
 def check(make, step):

@@ -26,8 +26,9 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       after its outputs and freed in reverse before it returns
   safe_softmax        CPU _safe_softmax (math SDPA) decomposes on real tensors: after the softmax,
                       isneginf, all and a 0-dim zero, freed in reverse before it returns
-  mean_divide         CPU mean (fp32/fp64) is a sum divided in place by the element count, a
-                      wrapped int64 scalar and its cast, made after the output, freed in reverse
+  mean_divide         CPU mean is a sum divided in place by the element count, a wrapped int64
+                      scalar and its cast, made after the output, freed in reverse; in bf16/fp16
+                      the sum runs in fp32 (an fp32 result, the input cast to fp32) first
   embedding_copies    CPU embedding copies non-contiguous indices before its output, and its
                       backward non-contiguous indices, then a non-contiguous gradient, after
                       its output; each freed before it returns
@@ -428,9 +429,8 @@ def _cpu_op(tracker, func, args, kwargs, key):
     held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
     if func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
-    if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default) and out.dtype in (torch.float32, torch.float64):
-        scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, out)  # its sum divided in place by the count
-        held[:0] = [i for i in (cast, scalar) if i is not None]
+    if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
+        held[:0] = _mean_buffers(tracker, key, args[0], out)
     if func is torch.ops.aten.embedding_dense_backward.default:  # indices.contiguous(), grad.contiguous()
         copies = [t for t in (args[1], args[0]) if not t.is_contiguous()]
         held[:0] = [tracker.alloc(_buffer(key), t.numel() * t.element_size())[0] for t in copies][::-1]
@@ -444,6 +444,26 @@ def _buffer(key):
     """The name of a kernel's own buffer, made and freed inside the op: a temporary in any phase,
     as the audit names it (a forward op's buffer is no activation)."""
     return ("temporary/forward/" + key[len("activations/"):] if key.startswith("activations/") else key) + "/buffer"
+
+
+def _mean_buffers(tracker, key, x, out):
+    """CPU mean: its sum divided in place by the element count (a wrapped int64 and its cast,
+    freed in reverse as it returns: the ids returned). For bf16/fp16 the sum runs in fp32: an fp32
+    result, the input cast to fp32 (freed after the sum), the divide, then the result freed."""
+    import types
+
+    import torch
+    if out.dtype in (torch.float32, torch.float64):
+        scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, out)
+        return [i for i in (cast, scalar) if i is not None]
+    if out.dtype not in (torch.bfloat16, torch.float16):
+        return []
+    result = tracker.alloc(_buffer(key), out.numel() * 4)[0]
+    tracker.free(tracker.alloc(_buffer(key), x.numel() * 4)[0])
+    scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, types.SimpleNamespace(dtype=torch.float32, element_size=lambda: 4))
+    for i in (cast, scalar, result):
+        tracker.free(i)
+    return []
 
 
 def _probed_op(tracker, func, args, kwargs, key, out):
