@@ -35,16 +35,16 @@ def pytest_sessionstart(session):
 
 def native_bf16_matmul():
     """Whether this CPU runs bf16 matmuls through oneDNN (avx512_bf16 or AMX: PyTorch's mkldnn
-    bf16 path, e.g. AMD EPYC Zen 4). Those kernels allocate scratch buffers that neither
-    predictor models yet (34,432 B after cpu-tiny's first c_attn mm at batch 1; docs/limits.md),
-    so a CPU bf16 audit is held to the byte only on CPUs without it, where every committed CPU
-    row was measured."""
+    bf16 path, e.g. AMD EPYC Zen 4). Those kernels allocate scratch buffers the ledger does not
+    model (34,432 B after cpu-tiny's first c_attn mm at batch 1; docs/limits.md; the shadow run
+    asks the kernels, shadow_probe), so the ledger's CPU bf16 predictions are held to the byte
+    only on CPUs without it, where every committed CPU row was measured."""
     import torch
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-NATIVE_BF16 = ("this CPU runs bf16 matmuls through oneDNN, whose scratch buffers no rule models yet "
-               "(docs/limits.md); CPU bf16 audits are checked to the byte on CPUs without it")
+NATIVE_BF16 = ("this CPU runs bf16 matmuls through oneDNN, whose scratch buffers the ledger does not model "
+               "(docs/limits.md); its CPU bf16 predictions are checked to the byte on CPUs without it")
 plain_bf16 = pytest.mark.skipif(native_bf16_matmul(), reason=NATIVE_BF16)
 
 
