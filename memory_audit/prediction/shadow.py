@@ -402,7 +402,7 @@ def _name_grads(tracker, model):
 
 def peak_categories(result):
     """{category: bytes} live at the step's peak (the first level of each allocation's name)."""
-    level, best, now = 0, -1, {}
+    level, best, now = 0, 0, {}  # the start is the peak unless an event goes above it
     for _, key, nbytes in result["pre"]:
         now[key.split("/")[0]] = now.get(key.split("/")[0], 0) + nbytes
     at = dict(now)
@@ -420,8 +420,7 @@ def loop_summary(result):
     """A loop's shadow run as plain numbers an Audit keeps in meta.json (Audit(predicted=...))
     and `report` sets beside the measurement: {"source", "steady_state", "before_backward",
     "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}, "peak_categories",
-    "probed",
-    "unprobed" (the ops whose kernels were asked, and could not be: shadow_probe)}."""
+    "probed", "unprobed" (the ops whose kernels were asked, and could not be: shadow_probe)}."""
     lines = {}
     for _, key, nbytes in result["pre"]:
         lines[key] = lines.get(key, 0) + nbytes
