@@ -13,7 +13,7 @@ its outputs (and their real size), which are its own buffers. The answer is cach
 signature and thread count for the process: GPT-2's 48 blocks ask once.
 
 What it costs: one real kernel per distinct call, at the size predicted (for a CPU step, the
-size it will run at), on inputs of at most LIMIT bytes. What it cannot do: probe a larger call,
+size it will run at), its inputs and outputs at most LIMIT bytes. What it cannot do: probe a larger call,
 or inside another profile (an Audit recording on CPU): such a call keeps its fake sizes and the
 result lists it under "unprobed".
 Plain Python until called: torch is imported inside the functions.
@@ -30,7 +30,7 @@ PROBED = frozenset((
 # _is_mkldnn_fp16_supported())
 MATMULS = frozenset(("mm", "addmm", "bmm", "baddbmm"))
 
-LIMIT = 256 << 20  # a call whose inputs take more is not run (its buffers left out, named in "unprobed")
+LIMIT = 256 << 20  # a call whose inputs and outputs take more is not run (named in "unprobed")
 _CACHE = {}  # call signature -> (entries, {output index: (shape, stride, dtype)})
 _NATIVE = {}  # dtype -> whether its matmuls go through oneDNN here, asked once
 
@@ -70,13 +70,14 @@ def native(dtype):
     return _NATIVE[dtype]
 
 
-def sequence(func, args, kwargs, real_shape):
+def sequence(func, args, kwargs, real_shape, out_bytes=0):
     """The kernel's allocations and frees at these arguments: ([("alloc", output index or None,
     bytes) | ("free", index of the entry it frees)], {output index: (shape, stride, dtype) of the
     real output}), or None where no probe can run (a profile is already recording).
     real_shape(t) gives a fake tensor's real (shape, stride, dtype) where a probe learnt one that
     differs (an LSTM workspace fed back to its backward), else None. None also where the real
-    kernel refuses the arguments the fake kernels made."""
+    kernel refuses the arguments the fake kernels made, or where its inputs and outputs
+    (out_bytes, the fake outputs') take more than LIMIT."""
     import torch
     from torch.utils._pytree import tree_map
     if torch.autograd.profiler._is_profiler_enabled:
@@ -84,7 +85,7 @@ def sequence(func, args, kwargs, real_shape):
     if any(isinstance(a, torch.Tensor) and a.numel() == 0 and real_shape(a) is None for a in args):
         return None  # a buffer whose real size no probe learnt: the kernel would read past it
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if sum(a.untyped_storage().nbytes() for a in tensors) > LIMIT:
+    if sum(a.untyped_storage().nbytes() for a in tensors) + out_bytes > LIMIT:
         return None  # too large to run for a prediction: left unasked (the result says so)
     key = _signature(func, args, kwargs, real_shape, torch)
     if key not in _CACHE:

@@ -475,7 +475,8 @@ def _probed_op(tracker, func, args, kwargs, key, out):
 
     def real_shape(t):
         return tracker.real_shapes.get(t.untyped_storage()._cdata)
-    found = shadow_probe.sequence(func, args, kwargs, real_shape)
+    made = sum(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
+    found = shadow_probe.sequence(func, args, kwargs, real_shape, made)
     if found is None:
         tracker.unprobed.add(_short_name(func))
         return
