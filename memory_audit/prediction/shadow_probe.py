@@ -10,7 +10,8 @@ output. For the ops in PROBED (and the bf16 matmuls where the CPU has that path)
 the real kernel once, at the same shapes, strides and dtypes, on zero-filled CPU tensors, under
 the profiler's memory events, and replays its allocations and frees in their order: which are
 its outputs (and their real size), which are its own buffers. The answer is cached per call
-signature and thread count for the process: GPT-2's 48 blocks ask once.
+signature, thread count, grad mode and whether oneDNN is on, for the process: GPT-2's 48
+blocks ask once.
 
 What it costs: one real kernel per distinct call, at the size predicted (for a CPU step, the
 size it will run at), its inputs and outputs at most LIMIT bytes. What it cannot do: probe a larger call,
@@ -100,7 +101,8 @@ def _signature(func, args, kwargs, real_shape, torch):
         if isinstance(a, (list, tuple)):
             return tuple(one(x) for x in a)
         return a
-    return (func, one(list(args)), one(sorted(kwargs.items())), torch.get_num_threads(), torch.is_grad_enabled())
+    return (func, one(list(args)), one(sorted(kwargs.items())), torch.get_num_threads(), torch.is_grad_enabled(),
+            torch.backends.mkldnn.enabled)  # oneDNN switched off: PyTorch's own CPU kernels answer
 
 
 def _probe(func, args, kwargs, real_shape, torch, tree_map):
