@@ -49,18 +49,6 @@ class Recurrent(nn.Module):
         return self.out(h if self.batch_first else h.transpose(0, 1))
 
 
-class Checkpointed(nn.Module):
-    """A model whose whole forward is one torch.utils.checkpoint region."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        return checkpoint(self.inner, x, use_reentrant=False)
-
-
 class Conv(nn.Module):
     def __init__(self, channels, kernel, stride, norm, size, classes):
         super().__init__()
@@ -79,6 +67,7 @@ class Conv(nn.Module):
 
 def draw(rng):
     """(description, make, dtype) of one loop."""
+    from test_api import Checkpointed
     family, seed = rng.choice(["llama", "recurrent", "conv"]), rng.randrange(1 << 30)
     if family == "llama":
         from llama import Llama

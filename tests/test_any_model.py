@@ -5,31 +5,10 @@ API without naming anything, and predicted before it runs by the shadow run of i
 import pytest
 import torch
 
-from torch.utils.checkpoint import checkpoint
-
 from llama import llama_loop, llama_step
-from test_api import conv_loop, lstm_loop
+from test_api import checkpointed, conv_loop, lstm_loop
 from memory_audit import Audit
 from memory_audit.comparison.reconcile import first_divergence, measure, step_events
-
-class Checkpointed(torch.nn.Module):
-    """A model whose whole forward is one torch.utils.checkpoint region (recomputed in backward)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return checkpoint(self.inner, x, use_reentrant=False)
-
-
-def checkpointed(make):
-    def made():
-        model, opt, x, y = make()
-        outer = Checkpointed(model)
-        return outer, type(opt)(outer.parameters(), **opt.defaults), x, y
-    return made
-
 
 LOOPS = {}  # name: (make, dtype, the names the audit finds for the batch)
 for _dtype in ("float32", "bfloat16"):

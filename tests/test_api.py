@@ -36,6 +36,27 @@ class Tagger(nn.Module):
         return self.out(h)
 
 
+class Checkpointed(nn.Module):
+    """A model whose whole forward is one torch.utils.checkpoint region (recomputed in backward)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def checkpointed(make):
+    """A loop maker like conv_loop's whose model is wrapped in Checkpointed (its optimizer made again)."""
+    def made():
+        model, opt, x, y = make()
+        outer = Checkpointed(model)
+        return outer, type(opt)(outer.parameters(), **opt.defaults), x, y
+    return made
+
+
 def conv_loop():
     torch.manual_seed(0)
     model = ConvNet()

@@ -99,10 +99,18 @@ def _totals_rows(pred, actual):
         a = actual.get(key)
         if key == "reserved" and (key not in actual or pred["device"]["type"] == "cpu"):
             continue  # a stored report from before reserved was measured; CPU: no caching allocator
-        diff = None if a is None else a - t[pkey]
-        out[key] = {"predicted": t[pkey], "actual": a, "diff": diff,
-                    "diff_pct": None if diff is None else round(100.0 * diff / t[pkey], 4)}
+        out[key] = total_row(t[pkey], a)
     return out
+
+
+def total_row(predicted, actual):
+    """A total beside its measurement: {predicted, actual, diff (actual - predicted), diff_pct (of
+    the predicted)}; diff None where a side is missing."""
+    if predicted is None or actual is None:
+        return {"predicted": predicted, "actual": actual, "diff": None, "diff_pct": None}
+    diff = actual - predicted
+    return {"predicted": predicted, "actual": actual, "diff": diff,
+            "diff_pct": round(100.0 * diff / predicted, 4) if predicted else None}
 
 
 def refresh_predictions(rec):

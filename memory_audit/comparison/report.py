@@ -4,7 +4,7 @@ import json
 import os
 
 from ..reading.loader import load_meta
-from .reconcile import measure, reconcile
+from .reconcile import measure, reconcile, total_row
 from ..schema import PHASES
 from ..text import GiB, MiB, fmt_bytes, fmt_pct, table  # noqa: F401  (callers import them from here too)
 
@@ -132,17 +132,10 @@ def measured(run_dir):
     return {"run": os.path.basename(os.path.normpath(run_dir)), "config": meta["config"], "device": meta["device"],
             "torch_version": meta["torch_version"], "predicted": bool(pred), "predicted_by": pred.get("source"),
             "probed": pred.get("probed", []), "unprobed": pred.get("unprobed", []),
-            "totals": {k: _total(guess[k], v) for k, v in actual.items()},
+            "totals": {k: total_row(guess[k], v) for k, v in actual.items()},
             "unattributed_bytes": max((p["unattributed_bytes"] for p in phases.values()), default=0),
             "phases": phases, "peak": {k: v for k, v in rp.get("peak", {}).items()},
             "series": rp.get("series", []), "error": meta.get("error")}
-
-
-def _total(predicted, actual):
-    if predicted is None or actual is None:
-        return {"predicted": None, "actual": actual, "diff": None, "diff_pct": None}
-    return {"predicted": predicted, "actual": actual, "diff": actual - predicted,  # as reconcile's totals
-            "diff_pct": round(100.0 * (actual - predicted) / predicted, 4) if predicted else None}
 
 
 def _probes(rec):

@@ -450,8 +450,6 @@ def _mean_buffers(tracker, key, x, out):
     """CPU mean: its sum divided in place by the element count (a wrapped int64 and its cast,
     freed in reverse as it returns: the ids returned). For bf16/fp16 the sum runs in fp32: an fp32
     result, the input cast to fp32 (freed after the sum), the divide, then the result freed."""
-    import types
-
     import torch
     if out.dtype in (torch.float32, torch.float64):
         scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, out)
@@ -460,8 +458,8 @@ def _mean_buffers(tracker, key, x, out):
         return []
     result = tracker.alloc(_buffer(key), out.numel() * 4)[0]
     tracker.free(tracker.alloc(_buffer(key), x.numel() * 4)[0])
-    scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, types.SimpleNamespace(dtype=torch.float32, element_size=lambda: 4))
-    for i in (cast, scalar, result):
+    scalar, cast = (tracker.alloc(f"{key}/div_/{name}", n)[0] for name, n in (("scalar", 8), ("scalar_cast", 4)))
+    for i in (cast, scalar, result):  # the int64 count and its fp32 cast, then the fp32 result
         tracker.free(i)
     return []
 
