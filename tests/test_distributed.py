@@ -57,6 +57,19 @@ def assert_peak(rec):
                       f"{json.dumps(peak.get('lines'))}")
 
 
+def assert_shadow_exact(run_dir):
+    """The shadow run of this rank (shadow_dist: a fake process group standing for it) against its
+    audit: the step's start and peak to the byte, every allocation and free in order."""
+    from memory_audit.comparison.reconcile import first_divergence, step_events
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import DEFAULTS
+    rec = json.load(open(os.path.join(run_dir, "report.json")))
+    result = shadow.run(dict(DEFAULTS, **{k: v for k, v in rec["config"].items() if k in DEFAULTS}))
+    t = rec["totals"]
+    assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), run_dir
+    assert first_divergence(step_events(run_dir), result["events"]) is None, run_dir
+
+
 def test_default_accumulation_under_torchrun_is_one_micro_step_per_rank(tmp_path):
     """No --gradient_accumulation_steps under torchrun: one micro-step on each rank, said once
     (nanoGPT's meaning, the total, stays for an explicit value: 3 over 2 ranks still fails)."""
@@ -202,6 +215,27 @@ def test_committed_torchrun_rows_are_predicted_to_the_byte():
     assert_repredicted_exactly(rows)
 
 
+def test_committed_torchrun_rows_are_shadow_run_to_the_byte():
+    """Each rank of the committed fsdp, tp and tp-sp runs (cpu-parallel.jsonl, cpu-long.jsonl:
+    measured under torchrun with gloo, one thread per rank) shadow-run as that rank on a fake
+    process group in this process, one after another: the step's start and its peak equal the
+    measurement (bf16 rows only where this CPU runs bf16 matmuls as theirs did: through oneDNN)."""
+    import torch
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import DEFAULTS
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    done = []
+    for r in committed_rows("cpu-parallel.jsonl") + committed_rows("cpu-long.jsonl"):
+        rc = r["resolved_config"]
+        if rc.get("parallel") not in ("fsdp", "tp", "tp-sp") or (rc["dtype"] != "float32" and not native):
+            continue
+        result = shadow.run(dict(DEFAULTS, **{k: v for k, v in rc.items() if k in DEFAULTS}))
+        t = r["totals"]
+        assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), rc
+        done.append(rc["parallel"])
+    assert {"fsdp", "tp", "tp-sp"} <= set(done) and len(done) >= 12, done
+
+
 def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
     """parallel=fsdp on 2 gloo ranks, two micro-steps each: padded shards, the root unsharded
     before backward, the first micro-step's gradients accumulated whole (no reduce-scatter until
@@ -231,6 +265,8 @@ def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
     assert coords[0]["dim_names"] == ["dp"] and coords[0]["shape"] == [2]
     side = open(tmp_path / "fsdp" / "report.md").read()
     assert "DeviceMesh: dp 2." in side and "| 1 | dp 1 |" in side
+    for r in (0, 1):  # the shadow of each rank, event by event
+        assert_shadow_exact(tmp_path / "fsdp" / f"rank{r}")
 
 
 FSDP_UNEVEN = {  # issue #27's random configs: dims that do not split over 2 ranks
@@ -265,6 +301,9 @@ def test_fsdp2_with_dimensions_that_do_not_split_evenly(tmp_path):
     units = [r["key"] for r in runs["kept"][0]["rows"] if r["phase"] == "step2_start" and r["key"].endswith("/shards")]
     assert units == ["grads/root/shards"] + [f"grads/transformer.h.{b}/shards" for b in range(4)], units
     assert all(r["cost"]["peak_at"] == "tied gradients summed" for r in runs["kept"])
+    for name in FSDP_UNEVEN:  # the shadow of each rank: _chunk_cat's padded rows, gloo's buffers
+        for r in (0, 1):
+            assert_shadow_exact(tmp_path / name / f"rank{r}")
 
 
 def test_fsdp_across_tensor_parallel_groups_on_a_2d_mesh(tmp_path):

@@ -17,7 +17,7 @@ counts them as the device would; snapshot() writes a CPU step in the snapshot sc
 
 import contextlib
 
-from . import shadow_cuda, shadow_repeat
+from . import shadow_cuda, shadow_dist, shadow_repeat
 from ..schema import PREDICTED_FRAME
 from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, module_labels
 
@@ -27,8 +27,8 @@ def _names(model, optimizer, held):
     out = {}
 
     def put(t, name):
-        if isinstance(t, torch.Tensor):
-            out.setdefault(t.untyped_storage()._cdata, name)
+        if isinstance(t, torch.Tensor):  # a DTensor's memory is its shard's
+            out.setdefault(shadow_dist.local(t).untyped_storage()._cdata, name)
     param_name = {}
     for name, p in model.named_parameters():
         param_name[id(p)] = name
@@ -62,6 +62,7 @@ def _setup(cfg, device_type, fake=True):
     where = torch.device("meta") if device_type == "cuda" and fake else contextlib.nullcontext()
     with _no_init() if fake else contextlib.nullcontext(), where:
         model = GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}))
+        shadow_dist.parallelize(model, cfg)  # torchrun's strategies: this rank's shards
     # the values do not change memory; train.py's defaults
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), cfg["optimizer_impl"])
     B, T, V = cfg["batch_size"], cfg["block_size"], cfg["vocab_size"]
@@ -143,7 +144,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
         base = shadow_cuda.meta() if device_type == "cuda" else FakeTensorMode()
     # the CPU rules outside the dispatcher (RNG states, the SDPA region); a CUDA run's RNG states are host memory
     rules = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
-    with base, dispatch_mode(tracker, device_type), rules, cuda:
+    with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda:
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
         handles = module_labels(model, tracker)
         if tracker.tagging:  # each event's block, for shadow_repeat
@@ -161,6 +162,8 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                 pre = _begin(tracker, _names(model, optimizer, _held(X, Y, loss, scaler)), phases)
             for micro in range(accum):
                 tracker.micro = micro
+                if cfg.get("parallel", "none").startswith("fsdp"):  # gradients reduced after the last only
+                    model.set_requires_gradient_sync(micro == accum - 1)
                 tracker.phase = "forward"
                 with autocast:
                     logits, loss = model(X, Y)

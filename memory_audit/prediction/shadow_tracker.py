@@ -34,6 +34,11 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       its output; each freed before it returns
   kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
                       CPUs with native bf16): their own buffers asked of the kernel (shadow_probe)
+  gloo_collectives    under torchrun on CPU, gloo's buffers in FSDP2's collectives (_gloo_buffers)
+                      and CPU _chunk_cat's padded copies of uneven gradients (_chunk_cat_pads)
+  storage_resize      untyped_storage().resize_ (FSDP2's unsharded parameters: freed with
+                      resize_(0), made again with resize_(n)) frees the storage's allocation and
+                      makes one of the new size; no op the dispatcher sees
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -45,7 +50,7 @@ import weakref
 from . import shadow_cuda, shadow_probe
 
 RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers",
-         "safe_softmax", "mean_divide", "embedding_copies", "kernel_probe")
+         "safe_softmax", "mean_divide", "embedding_copies", "kernel_probe", "gloo_collectives", "storage_resize")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
@@ -125,6 +130,17 @@ class Tracker:
             return
         self.live[sid] = list(self.alloc(key, storage.nbytes() if nbytes is None else nbytes, tag))
         weakref.finalize(storage, self._freed, sid)
+
+    def resized(self, storage, nbytes):
+        """A storage resized in place (FSDP2 frees and re-makes an unsharded parameter's memory
+        with untyped_storage().resize_): its allocation freed, a new one of `nbytes` made under
+        the same name."""
+        entry = self.live.get(storage._cdata)
+        if entry is None:
+            return self.add(storage, self.key("resize_"), nbytes)
+        key = self.allocs[entry[0]][0]
+        self.free(entry[0])
+        self.live[storage._cdata] = list(self.alloc(key, nbytes))
 
     def block_of(self, aid):
         """An allocation's block: the one it was made in, else the one its name says (a
@@ -272,6 +288,40 @@ def _flash_cpu_buffers(func, args):
     return out + [4 * qs]
 
 
+def _gloo_buffers(func, args):
+    """[[bytes]]: the groups of buffers gloo makes in a collective FSDP2 calls, one group after
+    the other, each made in order and let go in reverse (measured on CPU audits under torchrun):
+    all_gather_into_tensor stages a flat output on the calling thread, then gloo's thread makes
+    another (each the output's size); reduce_scatter_tensor stages its input while gloo's thread
+    divides the result by the world size (ReduceOp.AVG) through a wrapped scalar (8 B) and its
+    cast to the output's dtype. The functional collectives of tensor parallelism make none that
+    the audit sees."""
+    import torch
+    c10d = getattr(torch.ops, "c10d", None)
+    if c10d is None or func not in (c10d._allgather_base_.default, c10d._reduce_scatter_base_.default):
+        return []
+    out, inp = args[0], args[1]
+    if func is c10d._allgather_base_.default:
+        return [[_nbytes(out)], [_nbytes(out)]]
+    return [[_nbytes(inp), 8, out.element_size()]]
+
+
+def _chunk_cat_pads(tensors, dim, chunks):
+    """[bytes] of the padded copies CPU _chunk_cat makes (FSDP2's reduce-scatter input: each
+    gradient split into `chunks` rows of the buffer) of the tensors whose size along `dim` the
+    chunks do not divide: padded up to the next multiple, made in order, freed as it returns."""
+    out = []
+    for t in tensors:
+        size = t.shape[dim]
+        if size % chunks:
+            out.append(_nbytes(t) // max(size, 1) * (-(-size // chunks) * chunks))
+    return out
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
 def _safe_softmax_buffers(x, out):
     """[bytes] of what CPU's _safe_softmax makes after its softmax output, in order (freed in
     reverse before it returns; measured on CPU audits of math SDPA): x.isneginf() (a bool per
@@ -323,6 +373,8 @@ def dispatch_mode(tracker, device_type):
             kwargs = kwargs or {}
             if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **kwargs)
+            if any(t not in _PLAIN for t in types):  # a DTensor: its own dispatch runs the ops on
+                return NotImplemented  # its shards, and those come back through this mode
             if tracker.tagging:
                 tracker.context = op_block(tracker, args)
             if (tracker.meta_cache is not None and _is_view(func) and not tracker.pending and tracker.accumulate is None
@@ -340,9 +392,13 @@ def dispatch_mode(tracker, device_type):
                 _note_accumulate(tracker, args, out)
             return out
 
+    global _PLAIN
+    from torch._subclasses.fake_tensor import FakeTensor
+    _PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
     return _Mode()
 
 
+_PLAIN = ()  # the tensor types the tracker records ops on (dispatch_mode sets them)
 _SHORT = {}  # op -> its name without the overload ("mm" for aten.mm.default)
 
 
@@ -419,7 +475,8 @@ def _cpu_op(tracker, func, args, kwargs, key):
                 tracker.free(aid)
         else:
             held += ids
-    out = func(*args, **kwargs)
+    # a functional collective's wait returns the tensor it waited on (the fake kernel, a new one)
+    out = args[0] if func.namespace == "_c10d_functional" and _short_name(func) == "wait_tensor" else func(*args, **kwargs)
     if shadow_probe.wanted(_short_name(func), args):
         _probed_op(tracker, func, args, kwargs, key, out)
     for t in tree_leaves(out):
@@ -431,6 +488,11 @@ def _cpu_op(tracker, func, args, kwargs, key):
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
         held[:0] = _mean_buffers(tracker, key, args[0], out)
+    if getattr(func, "namespace", "") == "fsdp" and _short_name(func) == "chunk_cat":  # uneven shards padded
+        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _chunk_cat_pads(args[0], args[1], args[2])]
+    for group in _gloo_buffers(func, args):  # each group made in order, let go in reverse
+        for aid in [tracker.alloc(_buffer(key), n)[0] for n in group][::-1]:
+            tracker.free(aid)
     if func is torch.ops.aten.embedding_dense_backward.default:  # indices.contiguous(), grad.contiguous()
         copies = [t for t in (args[1], args[0]) if not t.is_contiguous()]
         held[:0] = [tracker.alloc(_buffer(key), t.numel() * t.element_size())[0] for t in copies][::-1]
@@ -629,10 +691,18 @@ def cpu_rules(tracker):
         return call
     for (owner, name), original in originals.items():
         setattr(owner, name, in_place(original))
+    resize = torch.UntypedStorage.resize_
+
+    def resized(storage, nbytes):  # storage_resize: no op the dispatcher sees
+        tracker.before_op()
+        resize(storage, nbytes)
+        tracker.resized(storage, nbytes)
+    torch.UntypedStorage.resize_ = resized
     try:
         with rng_states(tracker):
             yield
     finally:
+        torch.UntypedStorage.resize_ = resize
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
 

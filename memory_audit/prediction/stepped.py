@@ -8,12 +8,13 @@ memory_reserved() are taken instead from the shadow's trace replayed as the devi
 (shadow.replayed: the caching allocator's model on CUDA). The ledger's own numbers stay beside
 them under totals["ledger"], and totals["from"] says which one the totals are.
 
-Where it does not cover the config (torchrun strategies, torch.compile, measured gaps given,
+Under torchrun on CPU the shadow runs one rank of FSDP2, tp or tp-sp (shadow_dist). Where it does
+not cover the config (DDP, the 2-D mesh, torchrun on a GPU, torch.compile, measured gaps given,
 flash attention on older GPUs), the totals stay the ledger's and totals["from"] says why. A
 step the shadow cannot run (ShadowError) is an error, never a number.
 """
 
-from . import shadow
+from . import shadow, shadow_dist
 
 # the ledger's totals a replay of the trace replaces
 REPLACED = ("steady_state_allocated", "steady_state_gaps", "before_backward_allocated", "peak_allocated_bytes",
@@ -22,8 +23,11 @@ REPLACED = ("steady_state_allocated", "steady_state_gaps", "before_backward_allo
 
 def uncovered(cfg, dev, gaps_bytes=None):
     """Why the shadow run does not give this config's totals, or None when it does."""
-    if cfg.get("parallel", "none") != "none":
-        return f"parallel={cfg['parallel']}: the shadow run covers one process"
+    parallel = cfg.get("parallel", "none")
+    if parallel != "none" and parallel not in shadow_dist.COVERED:
+        return f"parallel={parallel}: {shadow_dist.NOT_COVERED.get(parallel, 'not in the shadow run')}"
+    if parallel != "none" and dev["type"] == "cuda":
+        return f"parallel={parallel} on a GPU: the shadow's collectives are gloo's (CPU audits); no NCCL trace is committed"
     if cfg.get("compile"):
         return "compile=True: inductor's own plan predicts it"
     if gaps_bytes is not None:

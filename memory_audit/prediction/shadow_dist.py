@@ -1,0 +1,106 @@
+"""The shadow run of one rank under torchrun: the process group a fake one, the mesh real.
+
+train.py's strategies (parallelize.py: FSDP2, tensor parallelism, the 2-D mesh) run on fake
+tensors in one process that stands for rank `rank` of `world_size`: torch.distributed's "fake"
+backend answers every collective at once without moving data (the buffers FSDP2 and DTensor
+make for them are ordinary ops the tracker sees), and each DeviceMesh (and each part of a 2-D
+one), whose small tensor of rank ids it reads values from, is made on real tensors outside the
+fake mode. DDP is not here: its C++ reducer reads tensor data (bucket indices on rebuild, unused-parameter flags)
+that fake tensors cannot give (docs/limits.md).
+
+A rank runs on the threads torchrun gives it: OMP_NUM_THREADS where it is set, else 1 (torchrun
+sets 1 when it starts more than one process per node). The CPU kernels' own buffers (oneDNN's
+bf16 matmul scratch, LayerNorm's backward, flash attention's) are per thread, so the shadow runs
+on that many threads too.
+"""
+
+import contextlib
+import os
+
+COVERED = ("fsdp", "tp", "tp-sp")  # what predict takes from the shadow (stepped.uncovered)
+# why the others are not: in words
+NOT_COVERED = {
+    "ddp": "DDP's C++ reducer reads tensor data (bucket indices, unused-parameter flags) that fake tensors cannot give",
+    "fsdp+tp": "the 2-D mesh runs, but a second rank's shadow in one process is handed the first one's sub-mesh groups",
+    "fsdp+tp-sp": "the 2-D mesh runs, but a second rank's shadow in one process is handed the first one's sub-mesh groups",
+}
+
+
+@contextlib.contextmanager
+def rank_of(cfg):
+    """Inside: torch.distributed initialised as rank cfg["rank"] of cfg["world_size"] (a fake
+    group) where cfg["parallel"] is a strategy, else nothing changes."""
+    if cfg.get("parallel", "none") == "none":
+        yield
+        return
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise ValueError("a shadow run of a rank needs a process with no process group of its own")
+    made, init = device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__
+
+    def real(fn):  # a mesh's rank table on real tensors: the mesh reads their values
+        def call(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return call
+    import sys
+    import torch
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank<r>]" to every traceback
+    _forget_meshes()
+    dist.init_process_group("fake", rank=cfg["rank"], world_size=cfg["world_size"], store=FakeStore())
+    device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = real(made), real(init)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = made, init
+        dist.destroy_process_group()
+        sys.excepthook = hook
+        _forget_meshes()
+
+
+def _forget_meshes():
+    """Clear DTensor's caches: they key on meshes by their layout, not their process groups, so a
+    second shadow run of a rank in one process would get the first one's (destroyed) groups."""
+    import sys
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed.tensor") or module is None:
+            continue
+        for value in list(vars(module).values()):  # functools caches, of the module and its classes
+            for f in [value] + (list(vars(value).values()) if isinstance(value, type) else []):
+                f = getattr(f, "__func__", f)
+                if callable(getattr(f, "cache_clear", None)) and not isinstance(f, type):
+                    f.cache_clear()
+    from torch.distributed.tensor import DTensor
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
+def rank_threads(env=None):
+    """The threads a rank's CPU ops run on: torchrun's OMP_NUM_THREADS, 1 unless set."""
+    value = (os.environ if env is None else env).get("OMP_NUM_THREADS", "")
+    return int(value) if value.strip().isdigit() and int(value) > 0 else 1
+
+
+def tp_size(cfg):
+    """The tensor-parallel group's size train.py resolves (tp, tp-sp: the world), else 0."""
+    if "tp" not in cfg["parallel"]:
+        return 0
+    return cfg.get("tp_size") or cfg["world_size"]
+
+
+def parallelize(model, cfg):
+    """Shard `model` as train.py does for cfg's strategy (parallelize.py), in place."""
+    if cfg.get("parallel", "none") == "none":
+        return model
+    from parallelize import parallelize as shard
+    return shard(model, cfg["parallel"], "cpu", cfg["world_size"], tp_size(cfg))
+
+
+def local(t):
+    """A DTensor's shard on this rank (what holds its memory), any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
