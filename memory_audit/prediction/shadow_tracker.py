@@ -294,9 +294,14 @@ def _gloo_buffers(func, args):
     all_gather_into_tensor stages a flat output on the calling thread, then gloo's thread makes
     another (each the output's size); reduce_scatter_tensor stages its input while gloo's thread
     divides the result by the world size (ReduceOp.AVG) through a wrapped scalar (8 B) and its
-    cast to the output's dtype. The functional collectives of tensor parallelism make none that
-    the audit sees."""
+    cast to the output's dtype. Sequence parallelism's functional all_gather_into_tensor stages
+    its input, then gloo's thread makes one of the output's size; its reduce_scatter_tensor
+    stages its input."""
     import torch
+    if func.namespace == "_c10d_functional" and _short_name(func) == "all_gather_into_tensor":
+        return [[_nbytes(args[0])], [_nbytes(args[0]) * args[1]]]  # input, args[1] ranks
+    if func.namespace == "_c10d_functional" and _short_name(func) == "reduce_scatter_tensor":
+        return [[_nbytes(args[0])]]
     c10d = getattr(torch.ops, "c10d", None)
     if c10d is None or func not in (c10d._allgather_base_.default, c10d._reduce_scatter_base_.default):
         return []
