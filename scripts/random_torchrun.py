@@ -24,9 +24,18 @@ from memory_audit.comparison.sweep import random_config, repredict_lines  # noqa
 
 
 def draw(rng, strategies):
-    cfg = dict(preset="cpu-tiny", device="cpu", nproc=2, parallel=rng.choice(strategies), **random_config(rng))
-    cfg["gradient_accumulation_steps"] = 2 * rng.choice((1, 1, 2))  # a multiple of the world size
-    return cfg
+    """A config the strategy can run: tensor parallelism's draws are redrawn until they pass its
+    rule (tensor_parallel.check: heads split over the ranks, no dropout, tp-sp's set_to_none)."""
+    from memory_audit.prediction.tensor_parallel import check
+    parallel = rng.choice(strategies)
+    while True:
+        cfg = dict(preset="cpu-tiny", device="cpu", nproc=2, parallel=parallel, **random_config(rng))
+        cfg["gradient_accumulation_steps"] = 2 * rng.choice((1, 1, 2))  # a multiple of the world size
+        try:
+            check(dict(cfg, world_size=2))
+            return cfg
+        except ValueError:
+            continue
 
 
 def main():

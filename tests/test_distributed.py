@@ -216,10 +216,11 @@ def test_committed_torchrun_rows_are_predicted_to_the_byte():
 
 
 def test_committed_torchrun_rows_are_shadow_run_to_the_byte():
-    """Each rank of the committed fsdp, tp and tp-sp runs (cpu-parallel.jsonl, cpu-long.jsonl:
-    measured under torchrun with gloo, one thread per rank) shadow-run as that rank on a fake
-    process group in this process, one after another: the step's start and its peak equal the
-    measurement (bf16 rows only where this CPU runs bf16 matmuls as theirs did: through oneDNN)."""
+    """Each rank of the committed fsdp, tp, tp-sp and 2-D mesh runs (cpu-parallel.jsonl,
+    cpu-long.jsonl: measured under torchrun with gloo, one thread per rank) shadow-run as that
+    rank on a fake process group in this process, one after another (a 2-D mesh's rank 2 after
+    its rank 0 and 1): the step's start and its peak equal the measurement (bf16 rows only where
+    this CPU runs bf16 matmuls as theirs did: through oneDNN)."""
     import torch
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import DEFAULTS
@@ -227,13 +228,13 @@ def test_committed_torchrun_rows_are_shadow_run_to_the_byte():
     done = []
     for r in committed_rows("cpu-parallel.jsonl") + committed_rows("cpu-long.jsonl"):
         rc = r["resolved_config"]
-        if rc.get("parallel") not in ("fsdp", "tp", "tp-sp") or (rc["dtype"] != "float32" and not native):
+        if rc.get("parallel") in ("none", "ddp") or (rc["dtype"] != "float32" and not native):
             continue
         result = shadow.run(dict(DEFAULTS, **{k: v for k, v in rc.items() if k in DEFAULTS}))
         t = r["totals"]
         assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), rc
         done.append(rc["parallel"])
-    assert {"fsdp", "tp", "tp-sp"} <= set(done) and len(done) >= 12, done
+    assert set(done) == {"fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp"} and len(done) >= 24, done
 
 
 def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):

@@ -120,3 +120,16 @@ def test_unknown_grid_is_one_line():
     p = run_cli("sweep", "--grid=nope")
     assert p.returncode == 2 and "unknown grid" in p.stderr
 
+
+
+def test_a_refused_torchrun_config_keeps_its_own_error_line():
+    """Under torchrun each rank prints train.py's one line and torchrun ends its log with a rule
+    of '=': the row keeps the rank's line (it once kept the rule, and 8 refused configs of a
+    random grid said nothing)."""
+    from memory_audit.comparison.sweep import error_line
+    log = ("iter 0\nerror: parallel=tp-sp needs set_to_none=True: the sequence-parallel LayerNorms' gradients are Partial\n"
+           "error: parallel=tp-sp needs set_to_none=True: the sequence-parallel LayerNorms' gradients are Partial\n"
+           "Root Cause (first observed failure):\n============================================================\n")
+    assert error_line(log) == "error: parallel=tp-sp needs set_to_none=True: the sequence-parallel LayerNorms' gradients are Partial"
+    assert error_line("step 1\nRuntimeError: boom\n") == "RuntimeError: boom"
+    assert error_line("") == ""

@@ -177,6 +177,14 @@ def rows_for(cfg, status, run_dir, log, wall, plain):
             for r in range(cfg["nproc"])]
 
 
+def error_line(log):
+    """The child's own one-line error (train.py's `error: ...`, the first when torchrun's ranks
+    each said it), else its last line (torchrun's summary ends in a rule of '=')."""
+    lines = [line.strip() for line in log.strip().splitlines()]
+    own = next((line for line in lines if line.startswith("error: ")), None)
+    return (own or (lines or [""])[-1])[:300]
+
+
 def row_for(cfg, status, run_dir, log, wall, plain):
     from .reconcile import mismatched, reconcile
     row = {"config": cfg, "status": status, "wall_s": round(wall, 1)}
@@ -184,7 +192,7 @@ def row_for(cfg, status, run_dir, log, wall, plain):
     row["step_ms"] = {"audited_step2": audited.get(2), "after_recording_step3": audited.get(3),
                       "plain_step2": plain.get(2), "plain_step3": plain.get(3), "plain_step4": plain.get(4)}
     if status != "ok":
-        row["error"] = (log.strip().splitlines() or [""])[-1][:300]
+        row["error"] = error_line(log)
         return row
     rec = reconcile(run_dir)
     a = rec["config"].get("audit_step", 2)  # compiled CPU audits record step 3

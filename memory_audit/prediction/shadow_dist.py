@@ -17,12 +17,10 @@ on that many threads too.
 import contextlib
 import os
 
-COVERED = ("fsdp", "tp", "tp-sp")  # what predict takes from the shadow (stepped.uncovered)
+COVERED = ("fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")  # what predict takes from the shadow (stepped.uncovered)
 # why the others are not: in words
 NOT_COVERED = {
     "ddp": "DDP's C++ reducer reads tensor data (bucket indices, unused-parameter flags) that fake tensors cannot give",
-    "fsdp+tp": "the 2-D mesh runs, but a second rank's shadow in one process is handed the first one's sub-mesh groups",
-    "fsdp+tp-sp": "the 2-D mesh runs, but a second rank's shadow in one process is handed the first one's sub-mesh groups",
 }
 
 
@@ -65,8 +63,9 @@ def rank_of(cfg):
 
 
 def _forget_meshes():
-    """Clear DTensor's caches: they key on meshes by their layout, not their process groups, so a
-    second shadow run of a rank in one process would get the first one's (destroyed) groups."""
+    """Clear DTensor's caches (Python's and the C++ fast path's sharding propagation): they key on
+    meshes by their layout, not their process groups, so a second shadow run in one process (a
+    2-D mesh's rank 2 after its rank 0) would get the first one's (destroyed) groups."""
     import sys
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch.distributed.tensor") or module is None:
@@ -76,8 +75,12 @@ def _forget_meshes():
                 f = getattr(f, "__func__", f)
                 if callable(getattr(f, "cache_clear", None)) and not isinstance(f, type):
                     f.cache_clear()
+    import torch
     from torch.distributed.tensor import DTensor
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear is not None:
+        clear()
 
 
 def rank_threads(env=None):
