@@ -8,8 +8,8 @@ memory_reserved() are taken instead from the shadow's trace replayed as the devi
 (shadow.replayed: the caching allocator's model on CUDA). The ledger's own numbers stay beside
 them under totals["ledger"], and totals["from"] says which one the totals are.
 
-Under torchrun on CPU the shadow runs one rank of FSDP2, tp or tp-sp (shadow_dist). Where it does
-not cover the config (DDP, the 2-D mesh, torchrun on a GPU, torch.compile, measured gaps given,
+Under torchrun on CPU the shadow runs one rank of FSDP2, tp, tp-sp or the 2-D mesh (shadow_dist).
+Where it does not cover the config (DDP, torchrun on a GPU, torch.compile, measured gaps given,
 flash attention on older GPUs), the totals stay the ledger's and totals["from"] says why. A
 step the shadow cannot run (ShadowError) is an error, never a number.
 """
