@@ -5,8 +5,7 @@
 Draws --n configs with sweep.random_config (a new seed each run unless --seed replays one; the
 seed is printed first), runs each under `torchrun --nproc_per_node=2` through the sweep (one
 row per rank) and prints, per rank, the mismatched lines and the peak's difference (measured
-minus predicted: the shadow run of that rank where predict takes it, FSDP2/tp/tp-sp; else the
-ledger's). Exit 1 when any rank is not exact (every line, 0 unattributed, the peak).
+minus predicted: the shadow run of that rank, as predict takes it on CPU). Exit 1 when any rank is not exact (every line, 0 unattributed, the peak).
 """
 
 import argparse

@@ -146,6 +146,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     rules = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
     with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda:
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
+        train_model = shadow_dist.wrap(model, cfg, tracker)  # DDP around it, as train.py does
         handles = module_labels(model, tracker)
         if tracker.tagging:  # each event's block, for shadow_repeat
             handles += block_tags(model, tracker)
@@ -165,8 +166,9 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                 if cfg.get("parallel", "none").startswith("fsdp"):  # gradients reduced after the last only
                     model.set_requires_gradient_sync(micro == accum - 1)
                 tracker.phase = "forward"
-                with autocast:
-                    logits, loss = model(X, Y)
+                sync = train_model.no_sync() if train_model is not model and micro < accum - 1 else contextlib.nullcontext()
+                with sync, autocast:
+                    logits, loss = train_model(X, Y)
                     loss = loss / accum
                 if not cfg["keep_logits"]:
                     logits = None

@@ -5,8 +5,13 @@ tensors in one process that stands for rank `rank` of `world_size`: torch.distri
 backend answers every collective at once without moving data (the buffers FSDP2 and DTensor
 make for them are ordinary ops the tracker sees), and each DeviceMesh (and each part of a 2-D
 one), whose small tensor of rank ids it reads values from, is made on real tensors outside the
-fake mode. DDP is not here: its C++ reducer reads tensor data (bucket indices on rebuild, unused-parameter flags)
-that fake tensors cannot give (docs/limits.md).
+fake mode. DDP runs its own C++ reducer: where it reads tensor data (the parameter shapes it
+checks at construction, the bucket indices it broadcasts when it rebuilds its buckets in the
+second step's forward) the small integer tensors it makes are real (reducer_reads). A comm hook
+hands each bucket back (the fake group all-reduces nothing); with no hook of its own the reducer
+scales each gradient by 1/world_size as it copies it into its bucket, through a wrapped scalar
+and its cast (8 B and the gradient's element size, made and freed in the gradient's
+accumulation: measured), which a hook after each accumulation adds.
 
 A rank runs on the threads torchrun gives it: OMP_NUM_THREADS where it is set, else 1 (torchrun
 sets 1 when it starts more than one process per node). The CPU kernels' own buffers (oneDNN's
@@ -17,11 +22,7 @@ on that many threads too.
 import contextlib
 import os
 
-COVERED = ("fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")  # what predict takes from the shadow (stepped.uncovered)
-# why the others are not: in words
-NOT_COVERED = {
-    "ddp": "DDP's C++ reducer reads tensor data (bucket indices, unused-parameter flags) that fake tensors cannot give",
-}
+COVERED = ("ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")  # what predict takes from the shadow (stepped.uncovered)
 
 
 @contextlib.contextmanager
@@ -102,6 +103,54 @@ def parallelize(model, cfg):
         return model
     from parallelize import parallelize as shard
     return shard(model, cfg["parallel"], "cpu", cfg["world_size"], tp_size(cfg))
+
+
+def wrap(model, cfg, tracker):
+    """The module train.py trains: DDP around the model for parallel=ddp (its buckets made here,
+    with the reducer's own reads on real tensors), else the model itself."""
+    if cfg.get("parallel") != "ddp":
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+    with reducer_reads(tracker):
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=cfg.get("ddp_bucket_view", False))
+    ddp.register_comm_hook(None, _handed_back)
+    forward, syncs = ddp._pre_forward, [False]
+
+    def pre_forward(*args, **kwargs):  # the bucket rebuild of the second step reads its indices
+        syncs[0] = ddp.require_backward_grad_sync  # this forward's backward reduces (not no_sync)
+        with reducer_reads(tracker):
+            return forward(*args, **kwargs)
+    ddp._pre_forward = pre_forward
+
+    def scaled(param):  # the reducer's 1/world_size for this gradient, a wrapped scalar and its cast
+        if syncs[0]:
+            key = f"temporary/backward/{tracker.label or 'gpt'}/ddp_scale"
+            wrapped, cast = (tracker.alloc(f"{key}/scalar", 8)[0], tracker.alloc(f"{key}/scalar_cast", param.element_size())[0])
+            tracker.free(cast)
+            tracker.free(wrapped)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(scaled)
+    return ddp
+
+
+def _handed_back(state, bucket):
+    """The all-reduce of a bucket: the fake group moves nothing, so the bucket comes back as it is."""
+    import torch
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+@contextlib.contextmanager
+def reducer_reads(tracker):
+    """Inside: the ops the tracker sees on real tensors only, and the empty integer tensors made
+    with no tensor argument, run on real tensors (the reducer fills and reads them)."""
+    tracker.real_ints = True
+    try:
+        yield
+    finally:
+        tracker.real_ints = False
 
 
 def local(t):

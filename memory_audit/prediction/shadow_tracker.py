@@ -90,6 +90,7 @@ class Tracker:
         self.event_micro = []  # parallel to events: the micro-step a free happened in (or None)
         self.real_shapes = {}  # storage id -> (shape, stride, dtype) a kernel probe found (shadow_probe)
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
+        self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
 
     @property
     def op(self):
@@ -388,7 +389,12 @@ def dispatch_mode(tracker, device_type):
             tracker.before_op()
             tracker.last = (func, tracker.label)  # named if the step fails here
             key = tracker.key(_short_name(func))
-            out, held, scalars = (_cpu_op if cpu else _device_op)(tracker, func, args, kwargs, key)
+            if tracker.real_ints and _reducer_read(func, args, kwargs):  # DDP's reducer reads these
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+                with unset_fake_temporarily():
+                    out, held, scalars = _cpu_op(tracker, func, args, kwargs, key)
+            else:
+                out, held, scalars = (_cpu_op if cpu else _device_op)(tracker, func, args, kwargs, key)
             for aid in held:
                 tracker.free(aid)
             if scalars and isinstance(out, torch.Tensor):
@@ -401,6 +407,18 @@ def dispatch_mode(tracker, device_type):
     from torch._subclasses.fake_tensor import FakeTensor
     _PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
     return _Mode()
+
+
+def _reducer_read(func, args, kwargs):
+    """An op DDP's reducer runs on tensors it reads (shadow_dist.reducer_reads): every tensor
+    argument real, or an empty integer tensor made from nothing."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if tensors:
+        return not any(isinstance(t, FakeTensor) for t in tensors)
+    return func is torch.ops.aten.empty.memory_format and kwargs.get("dtype") in (torch.int32, torch.int64)
 
 
 _PLAIN = ()  # the tensor types the tracker records ops on (dispatch_mode sets them)

@@ -8,8 +8,8 @@ memory_reserved() are taken instead from the shadow's trace replayed as the devi
 (shadow.replayed: the caching allocator's model on CUDA). The ledger's own numbers stay beside
 them under totals["ledger"], and totals["from"] says which one the totals are.
 
-Under torchrun on CPU the shadow runs one rank of FSDP2, tp, tp-sp or the 2-D mesh (shadow_dist).
-Where it does not cover the config (DDP, torchrun on a GPU, torch.compile, measured gaps given,
+Under torchrun on CPU the shadow runs one rank of any strategy (shadow_dist). Where it does not
+cover the config (torchrun on a GPU, torch.compile, measured gaps given,
 flash attention on older GPUs), the totals stay the ledger's and totals["from"] says why. A
 step the shadow cannot run (ShadowError) is an error, never a number.
 """
@@ -25,7 +25,7 @@ def uncovered(cfg, dev, gaps_bytes=None):
     """Why the shadow run does not give this config's totals, or None when it does."""
     parallel = cfg.get("parallel", "none")
     if parallel != "none" and parallel not in shadow_dist.COVERED:
-        return f"parallel={parallel}: {shadow_dist.NOT_COVERED.get(parallel, 'not in the shadow run')}"
+        return f"parallel={parallel}: not in the shadow run"
     if parallel != "none" and dev["type"] == "cuda":
         return f"parallel={parallel} on a GPU: the shadow's collectives are gloo's (CPU audits); no NCCL trace is committed"
     if cfg.get("compile"):
