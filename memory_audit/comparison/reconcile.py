@@ -230,7 +230,7 @@ def step_events(run_dir, phase="step2_start"):
     return out
 
 
-SHADOW_SCOPE = "the shadow run covers train.py's GPT in one process, eager"
+SHADOW_SCOPE = "the shadow run covers train.py's GPT, eager, one process or one torchrun rank on CPU"
 
 
 def against_shadow(run_dir, rec):
@@ -240,13 +240,15 @@ def against_shadow(run_dir, rec):
     cannot run."""
     from ..prediction.predict import DEFAULTS
     from ..prediction.shadow import ShadowError, replayed
-    c = rec["config"]
-    if c.get("world_size", 1) > 1 or c.get("parallel", "none") != "none" or c.get("compile"):
-        return {"error": SHADOW_SCOPE}
+    from ..prediction.stepped import uncovered
+    cfg = dict(DEFAULTS, **{k: v for k, v in rec["config"].items() if k in DEFAULTS})
     dev = device_from_meta({"device": rec["device"], "torch_version": rec.get("torch_version", ""),
                             "env": rec.get("env")})
+    why = uncovered(cfg, dev) if not rec["config"].get("compile") else "compile=True"
+    if why is not None:
+        return {"error": f"{SHADOW_SCOPE}: not {why}"}
     try:
-        sh = replayed(dict(DEFAULTS, **{k: v for k, v in c.items() if k in DEFAULTS}), dev)
+        sh = replayed(cfg, dev)
     except (ShadowError, ValueError) as e:
         return {"error": str(e)}
     measured = step_events(run_dir)
