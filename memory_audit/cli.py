@@ -401,8 +401,8 @@ def main(argv=None):
     r = sub.add_parser("report", help="predicted vs actual for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
-    r.add_argument("--trace", action="store_true", help="also shadow-run the step (one process, eager, CPU or "
-                   "CUDA; imports torch) and name the first event where it and the measured trace part")
+    r.add_argument("--trace", action="store_true", help="also shadow-run the step (eager; one process on CPU "
+                   "or CUDA, or one torchrun rank on CPU; imports torch) and name the first event where it and the measured trace part")
     df = sub.add_parser("diff", help="two audits (or an audit and a `predict --json` file) line by line")
     df.add_argument("a", help="run directory or prediction JSON (the baseline)")
     df.add_argument("b", help="run directory or prediction JSON (with the lever)")
