@@ -63,8 +63,8 @@ def test_every_other_block_checkpointed_is_not_repeated():
 
 def test_predict_takes_the_peak_and_reserved_from_the_shadow_replay():
     """predict's totals where the shadow covers the config are the replay's, to the byte, with
-    the ledger's own beside them; where it does not (torchrun strategies), the ledger's, saying
-    why."""
+    the ledger's own beside them; where it does not (torchrun strategies on a GPU), the ledger's,
+    saying why; a torchrun rank on CPU is the shadow run of that rank."""
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import predict_run
     dev = device_facts()
@@ -77,7 +77,10 @@ def test_predict_takes_the_peak_and_reserved_from_the_shadow_replay():
         == (r["peak"], r["reserved"], r["before_backward"], r["end"])
     assert t["ledger"]["peak_allocated_bytes"] == predict_run(cfg, dev)["totals"]["peak_allocated_bytes"]
     ddp = predict_run(dict(cfg, parallel="ddp", world_size=2), dev, shadow=True)["totals"]
-    assert ddp["from"].startswith("ledger (parallel=ddp") and "ledger" not in ddp
+    assert ddp["from"].startswith("ledger (parallel=ddp on a GPU") and "ledger" not in ddp
+    rank = dict(cfg, n_layer=2, parallel="ddp", world_size=2, rank=1)
+    cpu = predict_run(rank, device_facts("cpu"), shadow=True)["totals"]
+    assert cpu["from"] == "shadow run" and cpu["peak_allocated_bytes"] == shadow.run(rank)["peak"]
 
 
 def test_predict_cli_names_the_source_of_its_totals():
