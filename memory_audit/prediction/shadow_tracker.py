@@ -91,6 +91,7 @@ class Tracker:
         self.real_shapes = {}  # storage id -> (shape, stride, dtype) a kernel probe found (shadow_probe)
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
         self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
+        self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
 
     @property
     def op(self):
@@ -380,7 +381,9 @@ def dispatch_mode(tracker, device_type):
             if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **kwargs)
             if any(t not in _PLAIN for t in types):  # a DTensor: its own dispatch runs the ops on
-                return NotImplemented  # its shards, and those come back through this mode
+                tracker.subclass_op = func  # its shards, and those come back through this mode
+                return NotImplemented
+            on_shards, tracker.subclass_op = tracker.subclass_op is func, (None if tracker.subclass_op is func else tracker.subclass_op)
             if tracker.tagging:
                 tracker.context = op_block(tracker, args)
             if (tracker.meta_cache is not None and _is_view(func) and not tracker.pending and tracker.accumulate is None
@@ -399,7 +402,9 @@ def dispatch_mode(tracker, device_type):
                 tracker.free(aid)
             if scalars and isinstance(out, torch.Tensor):
                 tracker.pending_out = weakref.ref(out)
-            if func is torch.ops.aten.add.Tensor and (_summing(tracker) or tracker.adds_in_place):
+            # autograd steals only a gradient with storage of its own: a DTensor's sum, run on
+            # its shards, is out of place (measured under tp: the tied embedding's gradients)
+            if func is torch.ops.aten.add.Tensor and not on_shards and (_summing(tracker) or tracker.adds_in_place):
                 _note_accumulate(tracker, args, out)
             return out
 
