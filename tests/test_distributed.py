@@ -195,6 +195,19 @@ def test_tensor_parallel_composes_with_activation_checkpointing(tmp_path):
         assert rec["config"]["activation_checkpointing"] == ac
 
 
+def test_sequence_parallel_with_batch_one_is_audited_and_shadow_run(tmp_path):
+    """tp-sp with batch 1: the all-gather of the sequence hands c_attn a functional collective's
+    result not yet waited on (no cat to make), which linear saves; the audit names its buffer
+    (it once stopped the step: "invalid python storage"). Every line exact on both ranks, and
+    the shadow of each rank (its DTensor gradient sums out of place) equal at its start and peak."""
+    p = _torchrun("--parallel=tp-sp", "--batch_size=1", "--block_size=64", "--n_head=2", "--vocab_size=1000",
+                  "--audit", f"--audit_dir={tmp_path}", "--run_name=b1", accumulation=2)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    _tp_ranks(tmp_path, "b1")
+    for r in (0, 1):
+        assert_shadow_exact(tmp_path / "b1" / f"rank{r}", events=False)
+
+
 def test_fsdp2_composes_with_activation_checkpointing(tmp_path):
     """FSDP2 with checkpointing moves the peak into the blocks' backward, where FSDP2 holds the
     block's all-gathered parameters, the next one's prefetch (on CPU with gloo's staging copy)

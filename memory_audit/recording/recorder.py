@@ -47,8 +47,11 @@ def _write_pickle(obj, path):
 
 def local_tensor(t):
     """The tensor whose memory this rank holds: a DTensor's (FSDP2's sharded parameters, their
-    gradients and Adam state) local shard, else the tensor itself."""
-    return getattr(t, "_local_tensor", t)
+    gradients and Adam state) local shard, a functional collective's result not yet waited on
+    (sequence parallelism's all-gather with batch 1 hands linear one to save) its buffer, else
+    the tensor itself."""
+    t = getattr(t, "_local_tensor", t)
+    return t.elem if type(t).__name__ == "AsyncCollectiveTensor" else t
 
 
 def _tensor_entry(name, t):
