@@ -153,6 +153,57 @@ def reducer_reads(tracker):
         tracker.real_ints = False
 
 
+def reducer_read(func, args, kwargs):
+    """An op DDP's reducer runs on tensors it reads (shadow_dist.reducer_reads): every tensor
+    argument real, or an empty integer tensor made from nothing."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if tensors:
+        return not any(isinstance(t, FakeTensor) for t in tensors)
+    return func is torch.ops.aten.empty.memory_format and kwargs.get("dtype") in (torch.int32, torch.int64)
+
+
+def gloo_buffers(func, args):
+    """[[bytes]]: the groups of buffers gloo makes in a collective FSDP2 calls, one group after
+    the other, each made in order and let go in reverse (measured on CPU audits under torchrun):
+    all_gather_into_tensor stages a flat output on the calling thread, then gloo's thread makes
+    another (each the output's size); reduce_scatter_tensor stages its input while gloo's thread
+    divides the result by the world size (ReduceOp.AVG) through a wrapped scalar (8 B) and its
+    cast to the output's dtype. Sequence parallelism's functional all_gather_into_tensor stages
+    its input, then gloo's thread makes one of the output's size; its reduce_scatter_tensor
+    stages its input."""
+    import torch
+    if func.namespace == "_c10d_functional" and func.__name__.startswith("all_gather_into_tensor."):
+        return [[_nbytes(args[0])], [_nbytes(args[0]) * args[1]]]  # input, args[1] ranks
+    if func.namespace == "_c10d_functional" and func.__name__.startswith("reduce_scatter_tensor."):
+        return [[_nbytes(args[0])]]
+    c10d = getattr(torch.ops, "c10d", None)
+    if c10d is None or func not in (c10d._allgather_base_.default, c10d._reduce_scatter_base_.default):
+        return []
+    out, inp = args[0], args[1]
+    if func is c10d._allgather_base_.default:
+        return [[_nbytes(out)], [_nbytes(out)]]
+    return [[_nbytes(inp), 8, out.element_size()]]
+
+
+def chunk_cat_pads(tensors, dim, chunks):
+    """[bytes] of the padded copies CPU _chunk_cat makes (FSDP2's reduce-scatter input: each
+    gradient split into `chunks` rows of the buffer) of the tensors whose size along `dim` the
+    chunks do not divide: padded up to the next multiple, made in order, freed as it returns."""
+    out = []
+    for t in tensors:
+        size = t.shape[dim]
+        if size % chunks:
+            out.append(_nbytes(t) // max(size, 1) * (-(-size // chunks) * chunks))
+    return out
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
 def local(t):
     """A DTensor's shard on this rank (what holds its memory), any other tensor itself."""
     return getattr(t, "_local_tensor", t)

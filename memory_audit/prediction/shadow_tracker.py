@@ -6,7 +6,9 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
   inplace_accumulate  autograd's gradient sum (an add during backward whose first operand, not a
                       view and contiguous, dies with it) reuses that operand's memory; autograd
                       decides so only for a tensor Python has never seen, so watching prevents it;
-                      so does CPU math SDPA's mask add (in place on real tensors: cpu_rules)
+                      so does CPU math SDPA's mask add (in place on real tensors: cpu_rules); a
+                      DTensor's sum (run on its shards) never: autograd steals only a gradient
+                      with storage of its own
   wrapped_scalar      a Python number passed for a Tensor argument (and the Scalar overloads of
                       the arithmetic and comparison ops) is an 8 B CPU tensor (1 B for a bool)
                       made before the op and freed after it unless its autograd node saves it;
@@ -34,8 +36,8 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       its output; each freed before it returns
   kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
                       CPUs with native bf16): their own buffers asked of the kernel (shadow_probe)
-  gloo_collectives    under torchrun on CPU, gloo's buffers in FSDP2's collectives (_gloo_buffers)
-                      and CPU _chunk_cat's padded copies of uneven gradients (_chunk_cat_pads)
+  gloo_collectives    under torchrun on CPU, gloo's buffers in the collectives and CPU _chunk_cat's
+                      padded copies of uneven gradients (shadow_dist.gloo_buffers, chunk_cat_pads)
   storage_resize      untyped_storage().resize_ (FSDP2's unsharded parameters: freed with
                       resize_(0), made again with resize_(n)) frees the storage's allocation and
                       makes one of the new size; no op the dispatcher sees
@@ -47,7 +49,7 @@ import math
 import re
 import weakref
 
-from . import shadow_cuda, shadow_probe
+from . import shadow_cuda, shadow_dist, shadow_probe
 
 RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers",
          "safe_softmax", "mean_divide", "embedding_copies", "kernel_probe", "gloo_collectives", "storage_resize")
@@ -290,45 +292,6 @@ def _flash_cpu_buffers(func, args):
     return out + [4 * qs]
 
 
-def _gloo_buffers(func, args):
-    """[[bytes]]: the groups of buffers gloo makes in a collective FSDP2 calls, one group after
-    the other, each made in order and let go in reverse (measured on CPU audits under torchrun):
-    all_gather_into_tensor stages a flat output on the calling thread, then gloo's thread makes
-    another (each the output's size); reduce_scatter_tensor stages its input while gloo's thread
-    divides the result by the world size (ReduceOp.AVG) through a wrapped scalar (8 B) and its
-    cast to the output's dtype. Sequence parallelism's functional all_gather_into_tensor stages
-    its input, then gloo's thread makes one of the output's size; its reduce_scatter_tensor
-    stages its input."""
-    import torch
-    if func.namespace == "_c10d_functional" and _short_name(func) == "all_gather_into_tensor":
-        return [[_nbytes(args[0])], [_nbytes(args[0]) * args[1]]]  # input, args[1] ranks
-    if func.namespace == "_c10d_functional" and _short_name(func) == "reduce_scatter_tensor":
-        return [[_nbytes(args[0])]]
-    c10d = getattr(torch.ops, "c10d", None)
-    if c10d is None or func not in (c10d._allgather_base_.default, c10d._reduce_scatter_base_.default):
-        return []
-    out, inp = args[0], args[1]
-    if func is c10d._allgather_base_.default:
-        return [[_nbytes(out)], [_nbytes(out)]]
-    return [[_nbytes(inp), 8, out.element_size()]]
-
-
-def _chunk_cat_pads(tensors, dim, chunks):
-    """[bytes] of the padded copies CPU _chunk_cat makes (FSDP2's reduce-scatter input: each
-    gradient split into `chunks` rows of the buffer) of the tensors whose size along `dim` the
-    chunks do not divide: padded up to the next multiple, made in order, freed as it returns."""
-    out = []
-    for t in tensors:
-        size = t.shape[dim]
-        if size % chunks:
-            out.append(_nbytes(t) // max(size, 1) * (-(-size // chunks) * chunks))
-    return out
-
-
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
 def _safe_softmax_buffers(x, out):
     """[bytes] of what CPU's _safe_softmax makes after its softmax output, in order (freed in
     reverse before it returns; measured on CPU audits of math SDPA): x.isneginf() (a bool per
@@ -383,7 +346,9 @@ def dispatch_mode(tracker, device_type):
             if any(t not in _PLAIN for t in types):  # a DTensor: its own dispatch runs the ops on
                 tracker.subclass_op = func  # its shards, and those come back through this mode
                 return NotImplemented
-            on_shards, tracker.subclass_op = tracker.subclass_op is func, (None if tracker.subclass_op is func else tracker.subclass_op)
+            on_shards = tracker.subclass_op is func  # the DTensor op handed back, run on its shards
+            if on_shards:
+                tracker.subclass_op = None
             if tracker.tagging:
                 tracker.context = op_block(tracker, args)
             if (tracker.meta_cache is not None and _is_view(func) and not tracker.pending and tracker.accumulate is None
@@ -392,7 +357,7 @@ def dispatch_mode(tracker, device_type):
             tracker.before_op()
             tracker.last = (func, tracker.label)  # named if the step fails here
             key = tracker.key(_short_name(func))
-            if tracker.real_ints and _reducer_read(func, args, kwargs):  # DDP's reducer reads these
+            if tracker.real_ints and shadow_dist.reducer_read(func, args, kwargs):  # DDP's reducer reads these
                 from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():
                     out, held, scalars = _cpu_op(tracker, func, args, kwargs, key)
@@ -412,18 +377,6 @@ def dispatch_mode(tracker, device_type):
     from torch._subclasses.fake_tensor import FakeTensor
     _PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
     return _Mode()
-
-
-def _reducer_read(func, args, kwargs):
-    """An op DDP's reducer runs on tensors it reads (shadow_dist.reducer_reads): every tensor
-    argument real, or an empty integer tensor made from nothing."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._pytree import tree_leaves
-    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    if tensors:
-        return not any(isinstance(t, FakeTensor) for t in tensors)
-    return func is torch.ops.aten.empty.memory_format and kwargs.get("dtype") in (torch.int32, torch.int64)
 
 
 _PLAIN = ()  # the tensor types the tracker records ops on (dispatch_mode sets them)
@@ -517,8 +470,8 @@ def _cpu_op(tracker, func, args, kwargs, key):
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
         held[:0] = _mean_buffers(tracker, key, args[0], out)
     if getattr(func, "namespace", "") == "fsdp" and _short_name(func) == "chunk_cat":  # uneven shards padded
-        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _chunk_cat_pads(args[0], args[1], args[2])]
-    for group in _gloo_buffers(func, args):  # each group made in order, let go in reverse
+        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in shadow_dist.chunk_cat_pads(args[0], args[1], args[2])]
+    for group in shadow_dist.gloo_buffers(func, args):  # each group made in order, let go in reverse
         for aid in [tracker.alloc(_buffer(key), n)[0] for n in group][::-1]:
             tracker.free(aid)
     if func is torch.ops.aten.embedding_dense_backward.default:  # indices.contiguous(), grad.contiguous()
