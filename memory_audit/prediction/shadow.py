@@ -7,8 +7,9 @@ a CUDA one), under shadow_tracker's dispatch mode, which records each new storag
 The order and the lifetimes are PyTorch's own; nothing here knows which op saves what. What the
 dispatcher cannot see is added by rules: shadow_tracker.RULES (measured on CPU audits) and, for
 a GPU, shadow_cuda.RULES (read from the tiny CUDA audits); a CUDA step's whole process is then
-played through the caching allocator's model (shadow_allocator). One process, eager; torchrun
-and torch.compile are not in it. run_loop() shadow-runs any model's loop (a first cut, CPU).
+played through the caching allocator's model (shadow_allocator). Eager: one process, or on CPU
+one rank of a torchrun strategy (shadow_dist); torch.compile is not in it. run_loop()
+shadow-runs any model's loop (a first cut, CPU).
 
 run() returns plain data: the step's events [(action, key, bytes, id)] in order (and on CUDA the
 history before it), what is live when it starts, the phase positions, the peak; replayed()

@@ -2,8 +2,8 @@
 
 The ledger (predict.py) names every byte that is live at the phases an audit snapshots; its peak
 is the largest of a list of candidate moments and its memory_reserved() a second model of the
-same timeline (gap_sim). Where the shadow run covers a config (one process, eager; on a GPU the
-kernels shadow_cuda knows), the peak, the moments before backward and at the end, and
+same timeline (gap_sim). Where the shadow run covers a config (eager; one process or one torchrun
+rank on CPU; on a GPU the kernels shadow_cuda knows), the peak, the moments before backward and at the end, and
 memory_reserved() are taken instead from the shadow's trace replayed as the device counts it
 (shadow.replayed: the caching allocator's model on CUDA). The ledger's own numbers stay beside
 them under totals["ledger"], and totals["from"] says which one the totals are.
