@@ -520,3 +520,37 @@ def test_parallel_prediction_per_rank_and_plan_options():
     assert all(o["comm_bytes_per_step"] == 0 for o in r["options"] if not o["overrides"].get("parallel"))
     rows = tensor_parallel.korthikanti_rows(dict(base, block_size=1024, parallel="tp", world_size=4), {}, {})
     assert rows[-1][2] == 1024 * 8 * 1024 * (10 + 24 // 4) + 5 * 16 * 1024 * 1024 * 8 // 4  # sbh(10+24/t)+5as^2b/t
+
+
+SEED = int(os.environ.get("SHADOW_SEED") or __import__("random").SystemRandom().randrange(10 ** 6))
+
+
+def test_random_torchrun_config_is_predicted_per_rank(tmp_path):
+    """One config drawn at random over ddp, fsdp, tp and tp-sp at 2 ranks (scripts/random_torchrun's
+    draw; the seed is new each run and printed, SHADOW_SEED=N replays it), audited under torchrun:
+    on each rank every line exact, 0 unattributed, and the step's start and peak equal the shadow
+    run of that rank. A rank whose measured peak misses is measured once more: gloo's thread made
+    two of 142 committed rank rows flaky, and both came out exact when re-measured."""
+    import random
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from random_torchrun import draw
+    cfg = draw(random.Random(SEED), ["ddp", "fsdp", "tp", "tp-sp"])
+    print(f"torchrun seed {SEED} (replay: SHADOW_SEED={SEED}): {cfg}")
+    args = [f"--{k}={v}" for k, v in cfg.items() if k not in ("preset", "device", "nproc", "gradient_accumulation_steps")]
+    for attempt in (1, 2):
+        p = _torchrun(*args, "--audit", f"--audit_dir={tmp_path}", f"--run_name=r{attempt}",
+                      accumulation=cfg["gradient_accumulation_steps"], timeout=600)
+        assert p.returncode == 0, f"seed {SEED}: " + p.stdout[-2000:] + p.stderr[-2000:]
+        missed = []
+        for rank in (0, 1):
+            run = tmp_path / f"r{attempt}" / f"rank{rank}"
+            rec = json.load(open(run / "report.json"))
+            assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"]) == [], (SEED, rank)
+            try:
+                assert_shadow_exact(run)
+            except AssertionError as e:
+                missed.append((rank, str(e)[:300]))
+        if not missed:
+            return
+        print(f"seed {SEED} attempt {attempt}: measured peak missed on {missed}")
+    raise AssertionError(f"seed {SEED}: the shadow's peak missed twice: {missed}")
