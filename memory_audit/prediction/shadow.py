@@ -25,11 +25,12 @@ from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, modul
 def _names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
     import torch
+    from ..recording.recorder import local_tensor
     out = {}
 
     def put(t, name):
-        if isinstance(t, torch.Tensor):  # a DTensor's memory is its shard's
-            out.setdefault(shadow_dist.local(t).untyped_storage()._cdata, name)
+        if isinstance(t, torch.Tensor):  # a DTensor's memory is its shard's, as the audit names it
+            out.setdefault(local_tensor(t).untyped_storage()._cdata, name)
     param_name = {}
     for name, p in model.named_parameters():
         param_name[id(p)] = name

@@ -67,15 +67,6 @@ def _forget_meshes():
     """Clear DTensor's caches (Python's and the C++ fast path's sharding propagation): they key on
     meshes by their layout, not their process groups, so a second shadow run in one process (a
     2-D mesh's rank 2 after its rank 0) would get the first one's (destroyed) groups."""
-    import sys
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("torch.distributed.tensor") or module is None:
-            continue
-        for value in list(vars(module).values()):  # functools caches, of the module and its classes
-            for f in [value] + (list(vars(value).values()) if isinstance(value, type) else []):
-                f = getattr(f, "__func__", f)
-                if callable(getattr(f, "cache_clear", None)) and not isinstance(f, type):
-                    f.cache_clear()
     import torch
     from torch.distributed.tensor import DTensor
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
@@ -202,8 +193,3 @@ def chunk_cat_pads(tensors, dim, chunks):
 
 def _nbytes(t):
     return t.numel() * t.element_size()
-
-
-def local(t):
-    """A DTensor's shard on this rank (what holds its memory), any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
