@@ -71,15 +71,13 @@ def main():
 
 
 def predicted_peak(row):
-    """The peak predict gives this rank: the shadow run of the rank where it covers the strategy
-    (stepped.uncovered), else the ledger's (the sweep's report). Notes which in row["peak_from"]."""
-    from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import DEFAULTS, device_facts
-    from memory_audit.prediction.stepped import uncovered
-    cfg = dict(DEFAULTS, **{k: v for k, v in row["resolved_config"].items() if k in DEFAULTS})
-    why = uncovered(cfg, device_facts("cpu"))
-    row["peak_from"] = "shadow" if why is None else "ledger"
-    return shadow.run(cfg)["peak"] if why is None else row["totals"]["peak"]["predicted"]
+    """The peak `predict` gives this rank (predict_run on CPU: the shadow run of the rank where it
+    covers the strategy, else the ledger's), noting which in row["peak_from"]."""
+    from memory_audit.prediction.predict import DEFAULTS, device_facts, predict_run
+    cfg = {k: v for k, v in row["resolved_config"].items() if k in DEFAULTS}
+    t = predict_run(cfg, device_facts("cpu"), shadow=True)["totals"]
+    row["peak_from"] = "shadow" if t["from"].startswith("shadow") else "ledger"
+    return t["peak_allocated_bytes"]
 
 
 if __name__ == "__main__":
