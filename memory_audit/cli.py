@@ -251,7 +251,9 @@ def cmd_fit(args, extra):
 def cmd_plan(args, extra):
     from .comparison.plan import plan, smallest_miss
     cfg, dev = _gpu_config(args, extra)
-    r = plan(cfg, dev, args.headroom, shadow=not args.ledger)
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs={args.jobs}: at least 1")
+    r = plan(cfg, dev, args.headroom, shadow=not args.ledger, jobs=args.jobs)
     if not r["baseline"]["fits"] and not any(o["fits"] for o in r["options"]):
         raise ValueError(smallest_miss(r))
     if args.json:
@@ -394,6 +396,9 @@ def main(argv=None):
         q.add_argument("--ledger", action="store_true", help="the ledger's candidate moments and allocator model "
                        "alone (no shadow run: no torch import); by default the peak, the end and memory_reserved() "
                        "come from the shadow run's trace where it covers the config")
+        if name == "plan":
+            q.add_argument("--jobs", type=int, default=None, help="options shadow-run at once, each in a forked "
+                           "process (default: every CPU this process may use)")
         if name == "predict":
             q.add_argument("--trace", default=None, metavar="FILE.pickle",
                            help="write the shadow run's step (on a GPU through the caching allocator's model) as a "

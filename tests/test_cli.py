@@ -108,6 +108,30 @@ def test_plan_names_what_fits_and_what_it_costs():
     assert "baseline does not fit" in text.stdout and "attention=sdpa" in text.stdout
 
 
+def test_plan_on_forked_workers_is_the_plan_of_one_process():
+    from memory_audit.comparison.plan import plan
+    from memory_audit.prediction.predict import DEFAULTS, device_facts
+    cfg = dict(DEFAULTS, n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, batch_size=4,
+               attention="manual")
+    dev = device_facts(gpu="H100")
+    one, two = plan(cfg, dev, 0.02, jobs=1), plan(cfg, dev, 0.02, jobs=2)
+    assert one == two and len(one["options"]) == 12 and {o["from"] for o in one["options"]} == {"shadow run"}
+    assert len({o["allocated_peak"] for o in one["options"]}) > 6  # the options' own runs, not one answer repeated
+
+
+def test_an_error_in_a_plan_worker_is_raised_in_the_caller():
+    from memory_audit.comparison.workers import mapped
+    with pytest.raises(ValueError, match="item 3"):
+        mapped(_refuse_three, range(5), jobs=2)
+    assert mapped(abs, [-2, 3, -4], jobs=2) == [2, 3, 4]
+
+
+def _refuse_three(i):
+    if i == 3:
+        raise ValueError("item 3 refused")
+    return i
+
+
 def test_plan_when_nothing_fits_is_one_line():
     p = run_cli("plan", "--gpu=L4", "--preset=gpt2-xl", "--batch_size=1", "--block_size=1024")
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1

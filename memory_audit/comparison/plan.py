@@ -18,6 +18,7 @@ N GPUs and a fast link.
 
 from ..prediction.predict import DEFAULTS, predict_run
 from ..prediction.tensor_parallel import check, comm_bytes
+from .workers import mapped
 
 MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulation_steps
 AC_MODES = ("selective", "sac", "full")
@@ -111,8 +112,7 @@ def parallel_candidates(cfg):
 
 
 def _option(name, cfg, overrides, dev, limit, base_flops, shadow=True, needs=None):
-    d = dict(dev, expandable_segments=overrides.get("expandable_segments", dev.get("expandable_segments", False)))
-    c = dict(cfg, **{k: v for k, v in overrides.items() if k != "expandable_segments"})
+    c, d = _asked(cfg, overrides, dev)
     n = need(c, d, shadow) if needs is None else needs(c, d)
     extra = n["recompute_flops"] / (3 * base_flops) if base_flops else 0.0
     doublings = (c.get("gradient_accumulation_steps", 1) // max(cfg.get("gradient_accumulation_steps", 1), 1)).bit_length() - 1
@@ -123,28 +123,49 @@ def _option(name, cfg, overrides, dev, limit, base_flops, shadow=True, needs=Non
             "cost": round(extra + MICRO_BATCH_COST * doublings, 4), "from": n["from"]}
 
 
-def plan(cfg, dev, headroom, shadow=True):
+def plan(cfg, dev, headroom, shadow=True, jobs=None):
     """{"budget", "baseline": {..., "fits"}, "options": [{..., "fits"}, ...]}: the options that fit
-    first, cheapest first (one GPU before several); then the others, smallest need first."""
+    first, cheapest first (one GPU before several); then the others, smallest need first. jobs:
+    the options' shadow runs on that many forked workers (workers.py; default every CPU)."""
     limit = budget(dev, headroom)
+    todo = candidates(cfg)
+    groups = {}  # one task per config: its allocator settings replay the same step (shadow._LAST)
+    for c, d in [(cfg, dev)] + [_asked(cfg, o, dev) for _, o in todo]:
+        groups.setdefault(repr(sorted(c.items())), {})[_key(c, d)] = (c, d, shadow)
+    tasks = sorted(groups.values(), key=lambda g: -_work(next(iter(g.values()))[0]))  # the longest first
     seen = {}
+    for group, needs in zip(tasks, mapped(_needs, [list(g.values()) for g in tasks], jobs if shadow else 1)):
+        seen.update(zip(group, needs))
 
-    def needs(c, d):  # the baseline is asked twice; the same config on another device setting reuses its run
-        key = repr((sorted(c.items()), sorted(d.items())))
-        if key not in seen:
-            seen[key] = need(c, d, shadow)
-        return seen[key]
+    def needs(c, d):
+        return seen[_key(c, d)]
     base = needs(cfg, dev)
     baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"], shadow, needs)
-    todo = candidates(cfg)  # the allocator settings first: their step is the baseline's, still held (shadow._LAST)
-    first = sorted(range(len(todo)), key=lambda i: set(todo[i][1]) != {"expandable_segments"})
-    done = {i: _option(todo[i][0], cfg, todo[i][1], dev, limit, base["forward_flops"], shadow, needs) for i in first}
-    options = [done[i] for i in range(len(todo))]
+    options = [_option(name, cfg, o, dev, limit, base["forward_flops"], shadow, needs) for name, o in todo]
     # more GPUs are a bigger change than any single-GPU lever: parallel options come after those that fit
     options.sort(key=lambda o: (not o["fits"], "parallel" in o["overrides"] if o["fits"] else False,
                                 o["cost"] if o["fits"] else o["need"], o["need"]))
     return {"gpu": dev["gpu"], "total_memory": dev["total_memory"], "headroom": headroom, "budget": limit,
             "baseline": baseline, "options": options}
+
+
+def _asked(cfg, overrides, dev):
+    """(config, device) an option is judged at: allocator settings go to the device."""
+    d = dict(dev, expandable_segments=overrides.get("expandable_segments", dev.get("expandable_segments", False)))
+    return dict(cfg, **{k: v for k, v in overrides.items() if k != "expandable_segments"}), d
+
+
+def _key(c, d):
+    return repr((sorted(c.items()), sorted(d.items())))
+
+
+def _needs(asked):
+    return [need(*args) for args in asked]
+
+
+def _work(c):
+    """A rough size of an option's shadow run, to hand the longest out first."""
+    return c.get("gradient_accumulation_steps", 1) * (2 if c.get("activation_checkpointing", "none") != "none" else 1)
 
 
 def smallest_miss(result):

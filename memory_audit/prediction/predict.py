@@ -41,7 +41,7 @@ def activation_lines(s, cfg):
     return lines + tp.shard_lines(s, head(s, cfg["keep_logits"]), cfg), recomputed
 
 
-def predict(config=None, device=None, gaps_bytes=None, allocator_model=True):
+def predict(config=None, device=None, gaps_bytes=None, allocator_model=True, moments=True):
     """The predicted ledger for one audited training step.
 
     Args:
@@ -51,6 +51,9 @@ def predict(config=None, device=None, gaps_bytes=None, allocator_model=True):
             model's (gap_sim.py); they depend on allocation history.
         allocator_model: False skips gap_sim's model (a caller that replaces the allocated
             and reserved totals with the shadow run's: stepped.py).
+        moments: False skips the peak's candidate moments (backward.py): the ledger then has
+            no "peak" lines and its peak is the moment before backward (a caller that
+            replaces the peak with the shadow run's: plan).
     Returns:
         {"config", "device", "ledger": [line...], "totals": {...}, "backward": {...}} with
         integer bytes.
@@ -66,7 +69,7 @@ def predict(config=None, device=None, gaps_bytes=None, allocator_model=True):
     acts, recomputed = activation_lines(s, cfg)
     start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, tp_local)
     peak, backward = peak_lines(s, cfg, params, acts, recomputed, start, lambda m: fsdp.during(s, cfg, tp_local, m),
-                                tp_local)
+                                tp_local) if moments else ([], {"peak_at": None, "candidates": []})
     owned = [(n, fsdp.own_shape(sh, cfg)) for n, sh in tp_local]  # FSDP2: the unpadded rows this rank owns
     ledger = [plain(l) for l in steady_lines(s, cfg, dev, params, owned) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
     totals = totals_of(ledger, params, dev, gaps_bytes, cfg, allocator_model)
@@ -81,7 +84,8 @@ def predict_run(config=None, device=None, gaps_bytes=None, plan=None, shadow=Fal
     `plan`: one made before for this config, e.g. stored with a sweep's row). shadow=True: the
     peak, the end and memory_reserved() from the shadow run's trace where it covers the config
     (stepped.py: needs torch and model.py); totals["from"] says which. ledger_model=False skips
-    the ledger's own allocator model where the shadow's replay replaces it (fit, plan)."""
+    the ledger's own allocator model and its candidate moments where the shadow's replay replaces
+    them (plan)."""
     if (config or {}).get("compile"):
         from .compiled_predict import predict_compiled
         return predict_compiled(config, device, plan=plan)
@@ -89,7 +93,8 @@ def predict_run(config=None, device=None, gaps_bytes=None, plan=None, shadow=Fal
         return predict(config, device, gaps_bytes)
     from .stepped import uncovered, with_shadow
     covered = uncovered(dict(DEFAULTS, **(config or {})), device or device_facts(), gaps_bytes) is None
-    pred = predict(config, device, gaps_bytes, allocator_model=ledger_model or not covered)
+    pred = predict(config, device, gaps_bytes, allocator_model=ledger_model or not covered,
+                   moments=ledger_model or not covered)
     return with_shadow(pred, gaps_bytes, ledger=ledger_model)[0]
 
 
