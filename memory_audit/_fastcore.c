@@ -17,6 +17,10 @@
  * replay(action, addr, size, cpu) follows the caching allocator's block rules over a trace
  * (the same rules as allocator_sim.py, which is the reference) and returns, per entry, the
  * bytes memory_allocated() gained or lost and the index of the matching alloc / free.
+ *
+ * model(alloc, size, id, expandable) plays a predicted sequence of requests and frees through
+ * the caching allocator's model (gap_sim.CachingAllocatorModel, the reference), choosing each
+ * block's address and making segments as it goes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -921,11 +925,181 @@ done:
     return result;
 }
 
+
+/* --------------------------------------------------- the caching allocator's model (gap_sim) */
+/* CachingAllocatorModel (prediction/gap_sim.py, the reference) line for line: the replay's block
+ * bookkeeping above, with the choices a trace would give made here: the smallest cached free
+ * block of the request's pool that fits (ties: the lowest address), else a new segment, or with
+ * `expandable` the pool's one segment grown at its end by pages. */
+#define MODEL_GAP (INT64_C(1) << 30)
+typedef struct { int64_t *size, *start; size_t n, cap; } Pool; /* free blocks sorted by (size, start) */
+
+static size_t pool_lower(Pool *p, int64_t size, int64_t start) {
+    size_t lo = 0, hi = p->n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (p->size[mid] < size || (p->size[mid] == size && p->start[mid] < start)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+static int pool_insert(Pool *p, int64_t size, int64_t start) {
+    if (p->n == p->cap) {
+        size_t c = p->cap ? p->cap * 2 : 64;
+        int64_t *a = realloc(p->size, c * 8), *b;
+        if (!a) return -1;
+        p->size = a;
+        b = realloc(p->start, c * 8);
+        if (!b) return -1;
+        p->start = b; p->cap = c;
+    }
+    size_t i = pool_lower(p, size, start);
+    memmove(p->size + i + 1, p->size + i, (p->n - i) * 8);
+    memmove(p->start + i + 1, p->start + i, (p->n - i) * 8);
+    p->size[i] = size; p->start[i] = start; p->n++;
+    return 0;
+}
+static void pool_remove(Pool *p, int64_t size, int64_t start) {
+    size_t i = pool_lower(p, size, start);
+    if (i < p->n && p->size[i] == size && p->start[i] == start) {
+        memmove(p->size + i, p->size + i + 1, (p->n - i - 1) * 8);
+        memmove(p->start + i, p->start + i + 1, (p->n - i - 1) * 8);
+        p->n--;
+    }
+}
+
+typedef struct { Sim s; Map small_seg; Pool pool[2]; int64_t next_segment, reserved, grown[2]; int expandable; } Model;
+
+static int model_add_free(Model *m, int64_t start, int64_t size, int64_t seg) {
+    int64_t *small = map_find(&m->small_seg, seg);
+    return (add_free(&m->s, start, size, seg) < 0 || pool_insert(&m->pool[*small], size, start) < 0) ? -1 : 0;
+}
+static int64_t model_take_free(Model *m, int64_t start) {
+    int64_t *size = map_find(&m->s.freem, start), *seg = map_find(&m->s.seg_of, start);
+    pool_remove(&m->pool[*map_find(&m->small_seg, *seg)], *size, start);
+    return take_free(&m->s, start);
+}
+static int64_t model_new_segment(Model *m, int small, int64_t size) {
+    int64_t seg = m->next_segment;
+    m->next_segment += size + MODEL_GAP;
+    if (map_put(&m->small_seg, seg, small) < 0 || map_put(&m->s.segs, seg, size) < 0 ||
+        model_add_free(m, seg, size, seg) < 0) return -1;
+    m->reserved += size;
+    return seg;
+}
+static int64_t segment_size(int64_t rounded) {
+    if (rounded <= SMALL_SIZE) return 2 * SMALL_SIZE;
+    if (rounded < 10 * SMALL_SIZE) return 20 * SMALL_SIZE;
+    return 2 * SMALL_SIZE * ((rounded + 2 * SMALL_SIZE - 1) / (2 * SMALL_SIZE));
+}
+static int64_t model_grow(Model *m, int small, int64_t rounded) {
+    if (m->grown[small] < 0) {
+        int64_t seg = model_new_segment(m, small, 0);
+        if (seg < 0) return -1;
+        m->grown[small] = seg;
+        m->next_segment += INT64_C(1) << 44;
+    }
+    int64_t seg = m->grown[small], *segsize = map_find(&m->s.segs, seg);
+    int64_t end = seg + *segsize, *tail = map_find(&m->s.free_by_end, end), start = end, have = 0;
+    if (tail) { start = *tail; have = model_take_free(m, start); }
+    int64_t page = small ? 2 * SMALL_SIZE : 20 * SMALL_SIZE;
+    int64_t pages = (rounded - have + page - 1) / page * page;
+    *map_find(&m->s.segs, seg) += pages;
+    m->reserved += pages;
+    return model_add_free(m, start, have + pages, seg) < 0 ? -1 : start;
+}
+/* the request's block: its address in *addr and bytes in *block */
+static int model_alloc(Model *m, int64_t nbytes, int64_t *addr, int64_t *block) {
+    int64_t rounded = round_size(nbytes), start;
+    int small = rounded <= SMALL_SIZE;
+    Pool *p = &m->pool[small];
+    size_t i = pool_lower(p, rounded, -1);
+    if (i < p->n) start = p->start[i];
+    else start = m->expandable ? model_grow(m, small, rounded) : model_new_segment(m, small, segment_size(rounded));
+    if (start < 0) return -1;
+    int64_t seg = *map_find(&m->s.seg_of, start), size = model_take_free(m, start);
+    if (size >= rounded && should_split(size, rounded)) {
+        if (model_add_free(m, start + rounded, size - rounded, seg) < 0) return -1;
+        size = rounded;
+    }
+    *addr = start; *block = size;
+    return (map_put(&m->s.used, start, size) < 0 || map_put(&m->s.seg_of, start, seg) < 0) ? -1 : 0;
+}
+static int model_release(Model *m, int64_t addr) {
+    int64_t size;
+    if (!map_pop(&m->s.used, addr, &size)) return 0;
+    int64_t seg = *map_find(&m->s.seg_of, addr), start = addr;
+    int64_t *prev = map_find(&m->s.free_by_end, start);
+    if (prev) {
+        int64_t p = *prev, *ps = map_find(&m->s.seg_of, p);
+        if (ps && *ps == seg) { size += model_take_free(m, p); start = p; }
+    }
+    int64_t nxt = start + size, *ns = map_find(&m->s.seg_of, nxt);
+    if (map_find(&m->s.freem, nxt) && ns && *ns == seg) size += model_take_free(m, nxt);
+    return model_add_free(m, start, size, seg);
+}
+
+static PyObject *py_model(PyObject *self, PyObject *args) {
+    Py_buffer act, size, ids;
+    int expandable;
+    if (!PyArg_ParseTuple(args, "y*y*y*p", &act, &size, &ids, &expandable)) return NULL;
+    PyObject *result = NULL, *cols[4] = {NULL, NULL, NULL, NULL};
+    Model m; Map placed; /* allocation id -> its event */
+    memset(&m, 0, sizeof m); memset(&placed, 0, sizeof placed);
+    m.next_segment = INT64_C(1) << 40; m.grown[0] = m.grown[1] = -1; m.expandable = expandable;
+    Py_ssize_t n = act.len;
+    if (size.len != n * 8 || ids.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "model: columns differ in length");
+        goto done;
+    }
+    for (int c = 0; c < 4; c++)
+        if (!(cols[c] = PyBytes_FromStringAndSize(NULL, n * 8))) goto done;
+    if (map_init(&m.s.freem, 1024) < 0 || map_init(&m.s.free_by_end, 1024) < 0 || map_init(&m.s.seg_of, 1024) < 0 ||
+        map_init(&m.s.segs, 64) < 0 || map_init(&m.s.used, 1024) < 0 || map_init(&m.small_seg, 64) < 0 ||
+        map_init(&placed, 1024) < 0) {
+        PyErr_NoMemory(); goto done;
+    }
+    const uint8_t *A = act.buf;
+    const int64_t *sz = size.buf, *id = ids.buf;
+    int64_t *block = (int64_t *)PyBytes_AS_STRING(cols[0]), *addr = (int64_t *)PyBytes_AS_STRING(cols[1]);
+    int64_t *segat = (int64_t *)PyBytes_AS_STRING(cols[2]), *grown = (int64_t *)PyBytes_AS_STRING(cols[3]);
+    int err = 0;
+    for (Py_ssize_t i = 0; i < n && !err; i++) {
+        segat[i] = -1; grown[i] = 0;
+        if (A[i]) { /* alloc */
+            int64_t before = m.reserved;
+            err = model_alloc(&m, sz[i], &addr[i], &block[i]);
+            if (!err && m.reserved != before) { segat[i] = *map_find(&m.s.seg_of, addr[i]); grown[i] = m.reserved - before; }
+            if (!err) err = map_put(&placed, id[i], i);
+        } else { /* free: of the allocation with this id */
+            int64_t j;
+            if (!map_pop(&placed, id[i], &j)) {
+                PyErr_SetString(PyExc_ValueError, "model: a free of an allocation not live");
+                goto done;
+            }
+            addr[i] = addr[j]; block[i] = block[j];
+            err = model_release(&m, addr[i]);
+        }
+    }
+    if (err) { PyErr_NoMemory(); goto done; }
+    result = Py_BuildValue("(OOOO)", cols[0], cols[1], cols[2], cols[3]);
+done:
+    for (int c = 0; c < 4; c++) Py_XDECREF(cols[c]);
+    map_free(&m.s.freem); map_free(&m.s.free_by_end); map_free(&m.s.seg_of); map_free(&m.s.segs); map_free(&m.s.used);
+    map_free(&m.small_seg); map_free(&placed);
+    for (int k = 0; k < 2; k++) { free(m.pool[k].size); free(m.pool[k].start); }
+    PyBuffer_Release(&act); PyBuffer_Release(&size); PyBuffer_Release(&ids);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", py_scan, METH_VARARGS,
      "scan(path) -> (root, [(list, rows)], [(name, kind, data, table)], nrows), or None: take the slow road"},
     {"replay", py_replay, METH_VARARGS,
      "replay(action_u8, addr_i64, size_i64, cpu) -> (block bytes per entry, matching entry per entry)"},
+    {"model", py_model, METH_VARARGS,
+     "model(alloc_u8, size_i64, id_i64, expandable) -> (block, address, new segment's start or -1, "
+     "reserved bytes added) per event, each int64 bytes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -208,3 +208,41 @@ def test_entries_outside_device_traces_stay_dicts(tmp_path):
     assert core.scan(str(path)) is not None
     got = load_snapshot(str(path))
     assert isinstance(got["device_traces"][0], Trace) and got["host_traces"] == snap["host_traces"]
+
+
+def _requests(rng, n):
+    """A random sequence of requests and frees, as the shadow's events: sizes from bytes to
+    tens of MiB (both pools, every segment rule), each free of a live allocation."""
+    events, live = [], []
+    for i in range(n):
+        if live and rng.random() < 0.45:
+            aid = live.pop(rng.randrange(len(live)))
+            events.append(("free", "k", 0, aid))
+        else:
+            size = rng.choice([rng.randrange(1, 4096), rng.randrange(4096, 1 << 20),
+                               rng.randrange(1 << 20, 12 << 20), rng.randrange(12 << 20, 64 << 20)])
+            events.append(("alloc", "k", size, i))
+            live.append(i)
+    return {"history": events[: n // 3], "events": events[n // 3:], "phases": {"step2_start": 0}}
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_compiled_allocator_model_equals_reference(expandable, monkeypatch):
+    from memory_audit.prediction.shadow_allocator import placed
+    seed = random.randrange(10 ** 6)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    for n in (1, 50, 3000, 3000):
+        result = _requests(rng, n)
+        fast = [list(c) for c in placed(result, expandable)]
+        with monkeypatch.context() as m:
+            _pure(m)
+            slow = [list(c) for c in placed(result, expandable)]
+        assert fast == slow, f"seed {seed}, {n} events"
+        assert sum(fast[4]) > 0 and max(fast[3]) > 0  # segments made
+
+
+def test_compiled_allocator_model_refuses_a_free_of_nothing():
+    with pytest.raises(ValueError, match="not live"):
+        core.model(bytes([1, 0, 0]), np.array([512, 512, 512], dtype=np.int64).tobytes(),
+                   np.array([7, 7, 7], dtype=np.int64).tobytes(), False)

@@ -9,27 +9,58 @@ free_requested and free_completed), so `attribute`, `viz` and MemoryViz read it 
 measurement; each event's one frame names its ledger key (schema.PREDICTED_FRAME).
 """
 
+from array import array
+from itertools import accumulate
+
 from ..reading.allocator_sim import round_size
+from ..reading.trace import fastcore
 from ..schema import PREDICTED_FRAME
+
+
+def placed(result, expandable=False):
+    """The caching allocator's model over every event of the shadow's history and step:
+    (is an alloc, block bytes, address, new segment's start or -1, reserved bytes added), one
+    sequence each, one value per event. The compiled model (_fastcore.model) where it is
+    built, else the reference, gap_sim.CachingAllocatorModel: the same numbers (test_shadow)."""
+    events = result["history"] + result["events"]
+    is_alloc = bytes(e[0] == "alloc" for e in events)
+    core = fastcore()
+    if core is None:
+        return (is_alloc, *_placed_py(events, expandable))
+    cols = core.model(is_alloc, array("q", [e[2] for e in events]).tobytes(),
+                      array("q", [e[3] for e in events]).tobytes(), expandable)
+    return (is_alloc, *(array("q", c) for c in cols))
+
+
+def _placed_py(events, expandable):
+    from .gap_sim import CachingAllocatorModel
+    model, at = CachingAllocatorModel(expandable), {}
+    block, addr, seg, grown = [], [], [], []
+    for action, _, nbytes, aid in events:
+        if action == "alloc":
+            before = model.reserved
+            a, extra = model.alloc(nbytes)
+            at[aid] = (a, round_size(nbytes) + extra)
+            added = model.reserved - before
+            a, b = at[aid]
+            seg.append(model.segment_of[a] if added else -1)
+        else:
+            a, b = at.pop(aid)
+            model.release(a)
+            added = 0
+            seg.append(-1)
+        grown.append(added)
+        addr.append(a)
+        block.append(b)
+    return block, addr, seg, grown
 
 
 def play(result, expandable=False):
     """Yields (position, action, key, bytes asked, block bytes, address, new segment or None)
     for every event of the shadow's history and step; a new segment is (start, bytes)."""
-    from .gap_sim import CachingAllocatorModel
-    model, placed = CachingAllocatorModel(expandable), {}
-    for i, (action, key, nbytes, aid) in enumerate(result["history"] + result["events"]):
-        if action == "alloc":
-            before = model.reserved
-            addr, extra = model.alloc(nbytes)
-            placed[aid] = (addr, round_size(nbytes) + extra)
-            grown = model.reserved - before
-            seg = (model.segment_of[addr], grown) if grown else None
-            yield i, action, key, nbytes, placed[aid][1], addr, seg
-        else:
-            addr, block = placed.pop(aid)
-            model.release(addr)
-            yield i, action, key, nbytes, block, addr, None
+    _, block, addr, seg, grown = placed(result, expandable)
+    for i, (action, key, nbytes, _) in enumerate(result["history"] + result["events"]):
+        yield i, action, key, nbytes, block[i], addr[i], (seg[i], grown[i]) if grown[i] else None
 
 
 def replay(result, expandable=False):
@@ -37,10 +68,10 @@ def replay(result, expandable=False):
     bytes as memory_allocated() counts them), "peak_event" (the index of the step's event after
     which it is reached; -1: the start), "reserved" (the segments made by the end),
     "reserved_steady" (those made by the step's start)}."""
-    levels, reserved = [0], [0]  # memory_allocated() and memory_reserved() before each event, then after the last
-    for _, action, _, _, block, _, seg in play(result, expandable):
-        levels.append(levels[-1] + (block if action == "alloc" else -block))
-        reserved.append(reserved[-1] + (seg[1] if seg else 0))
+    is_alloc, block, _, _, grown = placed(result, expandable)
+    # memory_allocated() and memory_reserved() before each event, then after the last
+    levels = list(accumulate((b if a else -b for a, b in zip(is_alloc, block)), initial=0))
+    reserved = list(accumulate(grown, initial=0))
     start = len(result["history"])
     at = {phase: levels[start + i] for phase, i in result["phases"].items()}
     peak = max(levels[start:])

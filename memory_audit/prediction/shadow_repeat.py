@@ -76,12 +76,20 @@ class _Source:
         self.match = _Matcher(self.events, self.blocks, relative=channel == "blocks")
         self.runs = [(tag, len(list(g))) for tag, g in itertools.groupby(r[channel]["events"])]
         self.names = {}  # (allocation, block) -> its key there
+        self.templates = {}  # allocation -> _template() of its key
 
     def key(self, src, layer):
         k = (src, layer)
         if k not in self.names:
             key = self.events[self.made[src]][1]
-            self.names[k] = _renamed(key, self.blocks.get(src), layer) if self.channel == "blocks" else key
+            block = self.blocks.get(src)
+            if self.channel != "blocks" or block is None or layer is None or block == layer:
+                self.names[k] = key
+            else:
+                if src not in self.templates:
+                    self.templates[src] = _template(key, block)
+                fmt, offsets = self.templates[src]
+                self.names[k] = fmt.format(*[layer + o for o in offsets])
         return self.names[k]
 
     def emit(self, n, growth):
@@ -89,6 +97,9 @@ class _Source:
         {phase: index}) for n, or None. growth: {source id: bytes per block beyond 3}."""
         out, sources, ids, at, lo = [], [], {}, {}, 0
         extra = n - SOURCE[0]
+        events, blocks, match, key, start = self.events, self.blocks, self.match, self.key, self.start
+        nbytes = {src: events[i][2] + extra * growth.get(src, 0) for src, i in self.made.items()}
+        early = {src: i < start for src, i in self.made.items()} if self.channel == "micro" else None
         for k, (tag, size) in enumerate(self.runs):
             layers = _layers(tag, self.runs, k, n)
             if layers is None or any(tag == 1 and lo < i < lo + size for i in self.marks.values()):
@@ -97,19 +108,24 @@ class _Source:
                 for i in range(lo, lo + size):
                     if j == 0:
                         at[i] = len(out)
-                    action, _, _, aid = self.events[i]
+                    action, _, _, aid = events[i]
                     # a micro-step's allocation freed in the next step: the previous step's own
-                    across = self.channel == "micro" and (self.made[aid] < self.start) != (i < self.start)
-                    placed = _place(aid, self.blocks.get(aid), tag, real, n, self.match, across)
-                    if placed is None or (action == "alloc") == (placed in ids):
-                        return None  # a free the rule cannot place, or an allocation made twice
-                    new = ids.setdefault(placed, len(ids))
-                    src = placed[0]
-                    out.append((action, self.key(*placed), self.events[self.made[src]][2] + extra * growth.get(src, 0),
-                                new))
-                    sources.append((src, i))
+                    across = early is not None and early[aid] != (i < start)
+                    placed = _place(aid, blocks.get(aid), tag, real, n, match, across)
+                    if placed is None:
+                        return None  # a free the rule cannot place
+                    if action == "alloc":
+                        if placed in ids:
+                            return None  # an allocation made twice
+                        new = ids[placed] = len(ids)
+                    else:
+                        new = ids.get(placed)
+                        if new is None:
+                            return None  # a free of what this step never made
+                    out.append((action, key(*placed), nbytes[placed[0]], new))
+                    sources.append((placed[0], i))
             lo += size
-        at[len(self.events)] = len(out)
+        at[len(events)] = len(out)
         return out, sources, {phase: at[i] for phase, i in self.marks.items()}
 
 
@@ -167,13 +183,17 @@ class _Matcher:
         return group[i] if i < len(group) else None
 
 
-def _renamed(key, block, layer):
-    """The key of block `block`'s allocation for block `layer`: each block number in it moved
-    by the same amount (a recomputation's first op carries the label the previous
-    recomputation's early stop left: the next block's)."""
-    if block is None or layer is None or block == layer:
-        return key
-    return _BLOCK.sub(lambda m: m.group(1) + str(int(m.group(2)) + layer - block), key)
+def _template(key, block):
+    """(format string, offsets) that rename block `block`'s key for any block `layer`:
+    fmt.format(*[layer + o for o in offsets]), each block number in it moved by the same
+    amount (a recomputation's first op carries the label the previous recomputation's early
+    stop left: the next block's)."""
+    offsets = []
+
+    def hole(m):
+        offsets.append(int(m.group(2)) - block)
+        return m.group(1) + "{}"
+    return _BLOCK.sub(hole, key.replace("{", "{{").replace("}", "}}")), offsets
 
 
 def _role(key, block):
