@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from configurator import apply_overrides, ConfigError
-from model import GPT, GPTConfig, PRESETS, config_dict
+from model import GPT, GPTConfig, PRESETS
 
 # -----------------------------------------------------------------------------
 # default config values: GPT-2 small (124M) at the reference batch of the memory article

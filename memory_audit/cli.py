@@ -129,7 +129,7 @@ def _overrides(extra):
 def _device(args):
     """The machine to predict for. A GPU not in the table needs its memory and capability:
     guessing them would give a different answer without saying so."""
-    from .prediction.predict import GPUS, OUTSIDE_PYTORCH_DEFAULT, device_facts, gpu_name
+    from .prediction.predict import GPUS, device_facts, gpu_name
     if args.gpu.lower() == "cpu":
         return device_facts("cpu")
     name = gpu_name(args.gpu)

@@ -1,7 +1,6 @@
 """Attribution: every byte named, books balanced, registry byte counts exact."""
 
 import os
-import pickle
 
 import pytest
 import torch.cuda._memory_viz as memory_viz

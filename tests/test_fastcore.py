@@ -18,7 +18,7 @@ from memory_audit.reading.allocator_sim import replay_blocks_py
 from memory_audit.reading.attribute import attribute
 from memory_audit.reading.loader import SnapshotError, load_snapshot
 from memory_audit.reading.timeline import replay
-from memory_audit.reading.trace import ABSENT, Trace, plain
+from memory_audit.reading.trace import Trace, plain
 
 core = trace_mod._fastcore
 if core is None:

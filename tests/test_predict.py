@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import load_json, run_cli
-from memory_audit.reading.loader import load_meta, load_snapshot
+from memory_audit.reading.loader import load_meta
 from memory_audit.prediction.predict import device_facts, predict, published_formulas
 from memory_audit.comparison.reconcile import mismatched, reconcile
 

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch.cuda._memory_viz as memory_viz
 
-from conftest import ROOT, load_json, run_train
+from conftest import load_json, run_train
 from memory_audit.reading.loader import load_snapshot
 from memory_audit.schema import PHASES
 

@@ -6,7 +6,7 @@ import os
 from ..reading.loader import load_meta
 from .reconcile import measure, reconcile, total_row
 from ..schema import PHASES
-from ..text import GiB, MiB, fmt_bytes, fmt_pct, table  # noqa: F401  (callers import them from here too)
+from ..text import fmt_bytes, fmt_pct, table  # noqa: F401  (callers import them from here too)
 
 def totals_table(rec):
     rows = []

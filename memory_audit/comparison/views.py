@@ -8,7 +8,6 @@ import glob
 import json
 import os
 
-from ..schema import PHASES
 
 GiB, MiB = 2 ** 30, 2 ** 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -298,7 +297,7 @@ def levers_table(rows):
     prediction's difference from the measurement, and the recompute it costs."""
     out = []
     for mode, r, b in _lever_rows(rows):
-        c, t, tb = r["config"], r["totals"], b["totals"]
+        t, tb = r["totals"], b["totals"]
         cost = r.get("cost") or {}
         share = cost.get("recompute_flops", 0) / cost["forward_flops"] if cost.get("forward_flops") else None
         out.append((_setup_label(r), mode, t["activations"]["actual"], t["activations"]["actual"] - tb["activations"]["actual"],

@@ -138,7 +138,7 @@ def forward_end(s, cfg, acts):
     low-precision weight copies a checkpointed block made (its saved tensors are placeholders,
     the cache is not) until the forward's autocast region ends; GPT.forward still holds the
     two embeddings and ln_f's output; the loop has not yet divided the loss."""
-    B, T, d, Ne = s["B"], s["T"], s["d"], s["Ne"]
+    T, d, Ne = s["T"], s["d"], s["Ne"]
     out = []
     if s["pol"]["weight_copies"]:
         for i in range(s["L"]):

@@ -280,7 +280,6 @@ def meta():
     Fused AdamW is allowed on them as on CUDA tensors. The model is built under
     torch.device("meta") (shadow._setup); after that every factory the step calls names its
     device (a tensor's), so no device context stands between each torch call and its kernel."""
-    import torch
     from torch.optim import optimizer
     saved = optimizer._get_fused_kernels_supported_devices
     optimizer._get_fused_kernels_supported_devices = lambda: saved() + ["meta"]

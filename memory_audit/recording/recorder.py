@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
