@@ -28,7 +28,7 @@ def check(cfg, tmp, device="cpu", keep=None):
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import DEFAULTS
     from memory_audit.reading.loader import load_meta
-    from memory_audit.comparison.reconcile import device_from_meta, first_divergence, step_events
+    from memory_audit.comparison.reconcile import device_from_meta, first_divergence, mismatched, step_events
     args = [f"--{k}={v}" for k, v in cfg.items()]
     shutil.rmtree(os.path.join(tmp, "r"), ignore_errors=True)  # what a failed config left
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--device={device}", "--preset=cpu-tiny",
@@ -53,7 +53,8 @@ def check(cfg, tmp, device="cpu", keep=None):
     row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"],
            "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"],
            # the ledger's lines (what predict names) against the audit's, every phase
-           "lines": len(report["rows"]), "lines_off": [f"{r['phase']}:{r['key']} {r['diff']:+,}" for r in report["rows"] if r.get("diff")]}
+           "lines": len(report["rows"]),
+           "lines_off": [f"{r['phase']}:{r['key']} {r['predicted']} vs {r['actual']}" for r in mismatched(report["rows"], skip=())]}
     divergence = first_divergence(step_events(run), sh["result"]["events"])
     row["events_agree"] = divergence is None  # every allocation and free of step 2, in order
     if divergence is not None:

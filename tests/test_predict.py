@@ -111,7 +111,8 @@ def test_cpu_audit_matches_prediction_line_by_line(audits, dtype, attention, act
 @pytest.mark.parametrize("extra", [["--bias=True"], ["--gradient_accumulation_steps=2", "--set_to_none=False"],
                                    ["--keep_logits=False", "--optimizer_impl=foreach"],
                                    ["--dropout=0.1"], ["--dropout=0.1", "--attention=sdpa", "--dtype=bfloat16"],
-                                   ["--batch_size=1", "--attention=manual"]])
+                                   ["--batch_size=1", "--attention=manual"],
+                                   ["--batch_size=1", "--attention=manual", "--dropout=0.1"]])
 def test_cpu_variants_match(audits, extra):
     rec = reconcile(audits("variant-" + "-".join(e.strip("-") for e in extra), *(["--dtype=float32"] + extra)))
     assert mismatched(rec["rows"], skip=()) == []
@@ -119,7 +120,10 @@ def test_cpu_variants_match(audits, extra):
     if "--batch_size=1" in extra:  # q, k, v fold without copies: attention saves c_attn's output once
         saved = {r["key"]: r["actual"] for r in rec["rows"] if r["phase"] == "step2_before_backward"}
         assert saved["activations/h.0.attn/bmm.mat2"] == 4 * 3 * 64 * 64
-        assert "activations/h.0.attn/bmm.self" not in saved and "activations/h.0.attn/bmm.mat2#2" not in saved
+        assert "activations/h.0.attn/bmm.mat2#2" not in saved
+        # q has no storage of its own, so att @ v's input (the dropout output) is the first bmm.self
+        assert ("activations/h.0.attn/bmm.self" in saved) == ("--dropout=0.1" in extra)
+        assert "activations/h.0.attn/bmm.self#2" not in saved
 
 
 def test_predict_cli_json():

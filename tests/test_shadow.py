@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli, run_train
 from memory_audit.prediction.predict import DEFAULTS
 from memory_audit.prediction.shadow_probe import plain_bf16
-from memory_audit.comparison.reconcile import first_divergence, step_events
+from memory_audit.comparison.reconcile import first_divergence, mismatched, step_events
 from memory_audit.comparison.sweep import random_config
 
 SEED = int(os.environ.get("SHADOW_SEED") or random.SystemRandom().randrange(10 ** 6))
@@ -26,9 +26,10 @@ def _resolved(run_dir):
 
 @pytest.mark.parametrize("i", range(N_RANDOM))
 def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
-    """A config drawn at random (seed printed; SHADOW_SEED replays it): the measured peak of its
-    CPU audit equals the shadow run's to the byte; a miss names the first event where the two
-    traces part."""
+    """A config drawn at random (seed printed; SHADOW_SEED replays it): every line the ledger
+    names is the audit's, in every phase (a line on one side only counts), and the measured peak
+    of its CPU audit equals the shadow run's to the byte; a miss names the first event where the
+    two traces part."""
     from memory_audit.prediction import shadow
     rng = random.Random(SEED)
     for _ in range(i + 1):
@@ -41,6 +42,9 @@ def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
     full, report = _resolved(run)
     result = shadow.run(full)
     measured = report["totals"]["peak"]["actual"]
+    off = [(r["phase"], r["key"], r["predicted"], r["actual"]) for r in mismatched(report["rows"], skip=())]
+    assert off == [], f"seed {SEED} config {i} {cfg}: lines off {off[:6]}"
+    assert report["unattributed_bytes"] == 0, f"seed {SEED} config {i}"
     assert result["start_bytes"] == report["totals"]["steady_state"]["actual"], f"seed {SEED}"
     assert result["peak"] == measured, (f"seed {SEED} config {i} {cfg}: shadow {result['peak']:,} B, measured "
                                         f"{measured:,} B; first divergence "

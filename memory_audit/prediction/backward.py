@@ -283,6 +283,14 @@ _HELD = {"softmax": ("bmm.self", "bmm.mat2", "masked_fill.mask", "softmax.result
 _HELD["att @ v"] = _HELD["softmax"] + ("bmm.self#2", "bmm.mat2#2", "mul.other")  # math SDPA's dropout noise
 
 
+def _held_line(l, b, at):
+    """_held for a line: att @ v's input (named bmm.self or bmm.self#2, parts.manual_attention)
+    is held until att @ v's backward has run."""
+    if l.get("role") == "att_v_input":
+        return at == "att @ v" and l["key"].split("/")[1] == f"h.{b}.attn"
+    return _held(l["key"], b, at)
+
+
 def _held(key, b, at):
     part, op = key.split("/")[1], key.split("/")[-1]
     if part in (f"h.{b}", f"h.{b}.ln_1", f"h.{b}.attn.c_attn") or (at == "att @ v" and part == f"h.{b}.attn.attn_dropout"):
@@ -298,7 +306,7 @@ def _spent(l, b, spent, at):
         return True
     if l.get("feeds"):
         return not _held(l["feeds"], b, at)
-    return not l.get("graph") and ".sac_output" not in l["key"] and not _held(l["key"], b, at)
+    return not l.get("graph") and ".sac_output" not in l["key"] and not _held_line(l, b, at)
 
 
 def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
@@ -319,7 +327,7 @@ def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
     out += [_released(s, l, f"spent before {at}'s backward")
             for l in acts if _block_of(l["key"]) == b and _spent(l, b, spent, at)]
     out += [delta(s, "recomputed/" + l["key"][len("activations/"):], l["bytes"], l["formula"], l["note"])
-            for l in redo["new"] if _held(l["key"], b, at)]
+            for l in redo["new"] if _held_line(l, b, at)]
     # fresh gradients; FSDP2's are whole inside a block's backward and new whatever set_to_none
     # says (the kept ones are shards), unless earlier micro-steps accumulated them whole
     fsdp_fresh = str(cfg["parallel"]).startswith("fsdp") and cfg["gradient_accumulation_steps"] == 1
@@ -334,7 +342,8 @@ def attention_core_moment(s, cfg, params, acts, b, redo, at, own=None):
     v = by_key.get(core + "bmm.mat2#2") or {"bytes": s["a"] * s["Ne"] // s["tp"], "formula": f"{s['a']}*B*T*d/t"}
     out.append(delta(s, f"temporary/h.{b}.attn/grad_v", v["bytes"], v["formula"], "att @ v's gradient for v"))
     if at == "att @ v":
-        att = by_key.get(core + "bmm.self#2", probs)  # what att @ v saved
+        att = next((l for l in acts + redo["new"] if l.get("role") == "att_v_input" and l["key"].startswith(core)),
+                   probs)  # what att @ v saved
         return out + [delta(s, f"temporary/h.{b}.attn/grad_y", v["bytes"], v["formula"], "c_proj's input gradient, made contiguous"),
                       delta(s, f"temporary/h.{b}.attn/grad_att", att["bytes"], att["formula"], "the gradient of att @ v's input")]
     return out + [delta(s, f"temporary/h.{b}.attn/grad_probs", probs["bytes"], probs["formula"], "the gradient into softmax"),

@@ -159,7 +159,7 @@ def forward_temporaries(acts, cfg):
     Sizes come from the saved tensors themselves, so tensor-parallel widths carry through."""
     low = 2 if cfg["dtype"] in ("float16", "bfloat16") else 4  # bytes per element matmuls write
     manual = cfg["attention"] == "manual"
-    by_key = {l["key"]: l["bytes"] for l in acts}
+    by_key = {l["key"]: l["bytes"] for l in acts if l.get("role") != "att_v_input"}  # bmm.self: q
     order = forward_order(acts)
     last_matmul_line = {}  # c_proj: its output comes after its last saved operand
     for i in order:

@@ -147,7 +147,8 @@ def math_sdpa(s, h):
             act(s, f"{h}.attn/bmm.mat2", 4 * Ne, "float32", [B * nh, d // nh, T], "4*B*T*d", "k^T (math SDPA)", **core),
             act(s, f"{h}.attn/safe_softmax.result", 4 * Na, "float32", [B, nh, T, T], "4*B*n_head*T^2", **core),
             act(s, f"{h}.attn/mul.other", 4 * Na, "float32", [B, nh, T, T], "4*B*n_head*T^2", "dropout noise", **core),
-            v, act(s, f"{h}.attn/bmm.self#2", 4 * Na, "float32", [B * nh, T, T], "4*B*n_head*T^2", "dropout output", **core)
+            v, act(s, f"{h}.attn/bmm.self#2", 4 * Na, "float32", [B * nh, T, T], "4*B*n_head*T^2", "dropout output",
+                   role="att_v_input", **core)
             ] + linear(s, f"{h}.attn.c_proj", d, d, input_note="attention output, back in the autocast dtype")
 
 
@@ -171,12 +172,15 @@ def manual_attention(s, h):
             act(s, f"{h}.attn/softmax.result", DTYPE_BYTES[sm] * Na, sm, [B, nh, T, T],
                 f"{DTYPE_BYTES[sm]}*B*n_head*T^2", **core)]
     out += dropout(s, f"{h}.attn.attn_dropout", Na, sm, [B, nh, T, T], "B*n_head*T^2", **core)
+    # the audit numbers a name's second storage (recorder.saved_records): where q is a view of
+    # c_attn's output, att @ v's input is the first storage saved as bmm.self
+    att_v = f"{h}.attn/bmm.self" if _views(s) else f"{h}.attn/bmm.self#2"
     if sm != lowp:  # CUDA autocast: att @ v casts the fp32 probabilities back down
-        out.append(act(s, f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
-                       "softmax output cast for att @ v", **core))
+        out.append(act(s, att_v, a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
+                       "softmax output cast for att @ v", role="att_v_input", **core))
     elif s["drop"]:  # att @ v saves the dropout's output, a new tensor
-        out.append(act(s, f"{h}.attn/bmm.self#2", a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
-                       "attention dropout output", **core))
+        out.append(act(s, att_v, a * Na, lowp, [B * nh, T, T], f"{a}*B*n_head*T^2",
+                       "attention dropout output", role="att_v_input", **core))
     if not _views(s):
         out.append(act(s, f"{h}.attn/bmm.mat2#2", a * Ne, lowp, [B * nh, T, d // nh], f"{a}*B*T*d", "v, made contiguous", **core))
     if s["dt"] == "cpu":
