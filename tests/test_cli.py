@@ -124,11 +124,19 @@ def test_an_error_in_a_plan_worker_is_raised_in_the_caller():
     with pytest.raises(ValueError, match="item 3"):
         mapped(_refuse_three, range(5), jobs=2)
     assert mapped(abs, [-2, 3, -4], jobs=2) == [2, 3, 4]
+    with pytest.raises(ValueError, match="worker process died"):  # killed: an error, not a hang
+        mapped(_die_at_two, range(4), jobs=2)
 
 
 def _refuse_three(i):
     if i == 3:
         raise ValueError("item 3 refused")
+    return i
+
+
+def _die_at_two(i):
+    if i == 2:
+        os._exit(9)
     return i
 
 
