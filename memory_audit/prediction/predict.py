@@ -53,7 +53,7 @@ def predict(config=None, device=None, gaps_bytes=None, allocator_model=True, mom
             and reserved totals with the shadow run's: stepped.py).
         moments: False skips the peak's candidate moments (backward.py): the ledger then has
             no "peak" lines and its peak is the moment before backward (a caller that
-            replaces the peak with the shadow run's: plan).
+            replaces the peak with the shadow run's: fit, plan).
     Returns:
         {"config", "device", "ledger": [line...], "totals": {...}, "backward": {...}} with
         integer bytes.
@@ -85,7 +85,7 @@ def predict_run(config=None, device=None, gaps_bytes=None, plan=None, shadow=Fal
     peak, the end and memory_reserved() from the shadow run's trace where it covers the config
     (stepped.py: needs torch and model.py); totals["from"] says which. ledger_model=False skips
     the ledger's own allocator model and its candidate moments where the shadow's replay replaces
-    them (plan)."""
+    them (fit, plan)."""
     if (config or {}).get("compile"):
         from .compiled_predict import predict_compiled
         return predict_compiled(config, device, plan=plan)
