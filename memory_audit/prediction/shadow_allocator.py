@@ -21,7 +21,7 @@ def placed(result, expandable=False):
     """The caching allocator's model over every event of the shadow's history and step:
     (is an alloc, block bytes, address, new segment's start or -1, reserved bytes added), one
     sequence each, one value per event. The compiled model (_fastcore.model) where it is
-    built, else the reference, gap_sim.CachingAllocatorModel: the same numbers (test_shadow)."""
+    built, else the reference, gap_sim.CachingAllocatorModel: the same numbers (test_fastcore)."""
     events = result["history"] + result["events"]
     is_alloc = bytes(e[0] == "alloc" for e in events)
     core = fastcore()
@@ -40,9 +40,9 @@ def _placed_py(events, expandable):
         if action == "alloc":
             before = model.reserved
             a, extra = model.alloc(nbytes)
-            at[aid] = (a, round_size(nbytes) + extra)
+            b = round_size(nbytes) + extra
+            at[aid] = (a, b)
             added = model.reserved - before
-            a, b = at[aid]
             seg.append(model.segment_of[a] if added else -1)
         else:
             a, b = at.pop(aid)
