@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 def check(cfg, tmp, device="cpu", keep=None):
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import DEFAULTS
+    from memory_audit.prediction.predict import resolved
     from memory_audit.reading.loader import load_meta
     from memory_audit.comparison.reconcile import device_from_meta, first_divergence, mismatched, step_events
     args = [f"--{k}={v}" for k, v in cfg.items()]
@@ -43,7 +43,7 @@ def check(cfg, tmp, device="cpu", keep=None):
     with open(os.path.join(run, "report.json")) as f:
         report = json.load(f)
     peak = report["totals"]["peak"]
-    full = dict(DEFAULTS, **{k: v for k, v in report["config"].items() if k in DEFAULTS})
+    full = resolved(report["config"])
     try:  # on CUDA through the allocator's model, with the device's facts (SDPA kernel, workspaces)
         sh = shadow.replayed(full, device_from_meta(load_meta(run)))
     except ValueError as e:
@@ -66,7 +66,7 @@ def check(cfg, tmp, device="cpu", keep=None):
 def committed_rows(paths):
     """The single-process CPU rows of committed results files: measured beside the shadow's."""
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import DEFAULTS
+    from memory_audit.prediction.predict import resolved
     exact = total = 0
     for path in paths:
         for line in open(path):
@@ -74,7 +74,7 @@ def committed_rows(paths):
             rc = row.get("resolved_config") or {}
             if row["status"] != "ok" or "nproc" in row["config"] or rc.get("parallel", "none") != "none" or rc.get("compile"):
                 continue
-            result = shadow.run(dict(DEFAULTS, **{k: v for k, v in rc.items() if k in DEFAULTS}))
+            result = shadow.run(resolved(rc))
             t = row["totals"]
             ok = (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"])
             exact, total = exact + ok, total + 1

@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 
 def main():
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import DEFAULTS
+    from memory_audit.prediction.predict import resolved
     from memory_audit.comparison.sweep import row_config, row_prediction
     print("| row | peak measured | shadow: peak diff | ledger: peak diff | shadow: reserved diff | ledger: reserved diff |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -27,7 +27,7 @@ def main():
         for line in open(os.path.join(ROOT, "snapshots", "results", name)):
             row = json.loads(line)
             cfg, device = row_config(row)
-            r = shadow.replayed(dict(DEFAULTS, **{k: v for k, v in cfg.items() if k in DEFAULTS}), device)
+            r = shadow.replayed(resolved(cfg), device)
             led = row_prediction(row)["totals"]
             peak, res = row["totals"]["peak"]["actual"], row.get("reserved_actual")
             label = ", ".join(f"{k}={v}" for k, v in row["config"].items())

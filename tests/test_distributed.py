@@ -67,9 +67,9 @@ def assert_shadow_exact(run_dir):
     differed in a tp-sp run with the peak equal; `report RUN --trace` names where they part."""
     from memory_audit.comparison.reconcile import first_divergence, step_events
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import DEFAULTS
+    from memory_audit.prediction.predict import resolved
     rec = json.load(open(os.path.join(run_dir, "report.json")))
-    result = shadow.run(dict(DEFAULTS, **{k: v for k, v in rec["config"].items() if k in DEFAULTS}))
+    result = shadow.run(resolved(rec["config"]))
     t = rec["totals"]
     assert result["start_bytes"] == t["steady_state"]["actual"], run_dir
     assert_peak({**rec, "totals": dict(t, peak=dict(t["peak"], diff=t["peak"]["actual"] - result["peak"]))})
@@ -248,14 +248,14 @@ def test_committed_torchrun_rows_are_shadow_run_to_the_byte():
     this CPU runs bf16 matmuls as theirs did: through oneDNN)."""
     import torch
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import DEFAULTS
+    from memory_audit.prediction.predict import resolved
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     done = []
     for r in committed_rows("cpu-parallel.jsonl") + committed_rows("cpu-long.jsonl"):
         rc = r["resolved_config"]
         if rc.get("parallel") == "none" or (rc["dtype"] != "float32" and not native):
             continue
-        result = shadow.run(dict(DEFAULTS, **{k: v for k, v in rc.items() if k in DEFAULTS}))
+        result = shadow.run(resolved(rc))
         t = r["totals"]
         assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), rc
         done.append(rc["parallel"])

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from conftest import run_cli, run_train
-from memory_audit.prediction.predict import DEFAULTS
+from memory_audit.prediction.predict import resolved
 from memory_audit.prediction.shadow_probe import plain_bf16
 from memory_audit.comparison.reconcile import first_divergence, mismatched, step_events
 from memory_audit.comparison.sweep import random_config
@@ -21,7 +21,7 @@ N_RANDOM = 3
 def _resolved(run_dir):
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
-    return dict(DEFAULTS, **{k: v for k, v in report["config"].items() if k in DEFAULTS}), report
+    return resolved(report["config"]), report
 
 
 @pytest.mark.parametrize("i", range(N_RANDOM))
@@ -95,7 +95,7 @@ def test_committed_cpu_rows_are_the_shadow_runs(grid):
             and r["resolved_config"].get("parallel", "none") == "none" and not r["resolved_config"].get("compile")]
     assert rows
     for row in rows:
-        cfg = dict(DEFAULTS, **{k: v for k, v in row["resolved_config"].items() if k in DEFAULTS})
+        cfg = resolved(row["resolved_config"])
         with plain_bf16():  # the rows' CPUs: bf16 matmuls outside oneDNN
             result = shadow.run(cfg)
         t = row["totals"]

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import EXAMPLES, ROOT
-from memory_audit.prediction.predict import DEFAULTS
+from memory_audit.prediction.predict import DEFAULTS, resolved
 
 TINY = ("cuda-tiny-fp16-manual", "cuda-tiny-bf16-sdpa")
 
@@ -39,7 +39,7 @@ def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
     from memory_audit.comparison.reconcile import first_divergence
     run = os.path.join(EXAMPLES, name)
     meta = load_meta(run)
-    cfg = dict(DEFAULTS, **{k: v for k, v in meta["config"].items() if k in DEFAULTS})
+    cfg = resolved(meta["config"])
     r = shadow.replayed(cfg, _device())
     predicted = r["result"]["history"] + r["result"]["events"]
     measured = _trace_from_start(run)
@@ -59,7 +59,7 @@ def _h100_rows():
         for line in open(os.path.join(ROOT, "snapshots", "results", f)):
             row = json.loads(line)
             cfg, device = row_config(row)
-            out.append((dict(DEFAULTS, **{k: v for k, v in cfg.items() if k in DEFAULTS}), device, row))
+            out.append((resolved(cfg), device, row))
     return out
 
 

@@ -238,10 +238,10 @@ def against_shadow(run_dir, rec):
     allocations and frees, their peaks (on CUDA as the allocator's model counts them) and the
     first event where they part. Runs the shadow (imports torch); {"error": one line} where it
     cannot run."""
-    from ..prediction.predict import DEFAULTS
+    from ..prediction.predict import resolved
     from ..prediction.shadow import ShadowError, replayed
     from ..prediction.stepped import uncovered
-    cfg = dict(DEFAULTS, **{k: v for k, v in rec["config"].items() if k in DEFAULTS})
+    cfg = resolved(rec["config"])
     dev = device_from_meta({"device": rec["device"], "torch_version": rec.get("torch_version", ""),
                             "env": rec.get("env")})
     why = uncovered(cfg, dev) if not rec["config"].get("compile") else "compile=True"

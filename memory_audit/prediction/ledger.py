@@ -131,6 +131,12 @@ def ddp_bucket_numels(params):
 PARALLEL = ("none", "ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")
 
 
+def resolved(config):
+    """train.py's keys of `config` over DEFAULTS, as a run resolves them; other keys (a
+    report's run name, a sweep's nproc) are dropped."""
+    return dict(DEFAULTS, **{k: v for k, v in config.items() if k in DEFAULTS})
+
+
 def validate(cfg):
     """The model rules model.py applies, plus the run's own keys."""
     check_model_config(cfg)

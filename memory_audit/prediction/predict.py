@@ -20,7 +20,8 @@ peak (backward.py). Lines carry no state between parts: data flows one way.
 
 from .backward import peak_lines, start_of_backward
 from .ledger import (DEFAULTS, GPUS, OUTSIDE_PYTORCH_DEFAULT, PARALLEL, GiB, ddp_bucket_numels,  # noqa: F401
-                     device_facts, expandable_from_env, gpu_name, param_shapes, plain, steady_lines, validate)
+                     device_facts, expandable_from_env, gpu_name, param_shapes, plain, resolved, steady_lines,
+                     validate)
 from .ledger import totals as totals_of
 from .levers import checkpointed, forward_flops, recompute_flops
 from .parts import DTYPE_BYTES, POLICIES, block, embedding, head, line, round_block, shape_facts  # noqa: F401
