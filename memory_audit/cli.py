@@ -369,16 +369,8 @@ COMMANDS = {"attribute": cmd_attribute, "predict": cmd_predict, "fit": cmd_fit, 
             "diff": cmd_diff, "accuracy": cmd_accuracy, "sweep": cmd_sweep, "viz": cmd_viz}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m memory_audit", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    a = sub.add_parser("attribute", help="where every byte of a snapshot went")
-    a.add_argument("path", help="a snapshot pickle or a run directory")
-    a.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
-    a.add_argument("--out", default=None, help="write the JSON to this file (never over a file it did not write)")
-    a.add_argument("--force", action="store_true", help="with --out: overwrite whatever file is there")
-    a.add_argument("--by", choices=("category", "name"), default="category")
-    a.add_argument("--categorize", action="store_true", help="also write *.categorized.pickle for MemoryViz")
+def _prediction_parsers(sub):
+    """predict, fit and plan: a config (train.py's keys) and the machine to judge it on."""
     for name, helptext in (("predict", "the predicted ledger for a config"),
                            ("fit", "the largest batch that fits a GPU"),
                            ("plan", "does it fit, and which levers make it fit, cheapest first")):
@@ -403,6 +395,19 @@ def main(argv=None):
             q.add_argument("--trace", default=None, metavar="FILE.pickle",
                            help="write the shadow run's step (on a GPU through the caching allocator's model) as a "
                                 "snapshot MemoryViz opens")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m memory_audit", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    a = sub.add_parser("attribute", help="where every byte of a snapshot went")
+    a.add_argument("path", help="a snapshot pickle or a run directory")
+    a.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
+    a.add_argument("--out", default=None, help="write the JSON to this file (never over a file it did not write)")
+    a.add_argument("--force", action="store_true", help="with --out: overwrite whatever file is there")
+    a.add_argument("--by", choices=("category", "name"), default="category")
+    a.add_argument("--categorize", action="store_true", help="also write *.categorized.pickle for MemoryViz")
+    _prediction_parsers(sub)
     r = sub.add_parser("report", help="predicted vs actual for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
