@@ -42,7 +42,7 @@ def activation_lines(s, cfg):
     return lines + tp.shard_lines(s, head(s, cfg["keep_logits"]), cfg), recomputed
 
 
-def predict(config=None, device=None, gaps_bytes=None, allocator_model=True, moments=True):
+def predict(config=None, device=None, gaps_bytes=None, ledger_model=True):
     """The predicted ledger for one audited training step.
 
     Args:
@@ -50,11 +50,10 @@ def predict(config=None, device=None, gaps_bytes=None, allocator_model=True, mom
         device: device_facts() dict; default an H100.
         gaps_bytes: measured allocator gaps at steady state, to use instead of the allocator
             model's (gap_sim.py); they depend on allocation history.
-        allocator_model: False skips gap_sim's model (a caller that replaces the allocated
-            and reserved totals with the shadow run's: stepped.py).
-        moments: False skips the peak's candidate moments (backward.py): the ledger then has
-            no "peak" lines and its peak is the moment before backward (a caller that
-            replaces the peak with the shadow run's: fit, plan).
+        ledger_model: False skips the ledger's own model of the timeline, gap_sim's allocator
+            model and the peak's candidate moments (backward.py): the ledger then has no
+            "peak" lines and its peak is the moment before backward (a caller that replaces
+            the allocated, reserved and peak totals with the shadow run's: fit, plan).
     Returns:
         {"config", "device", "ledger": [line...], "totals": {...}, "backward": {...}} with
         integer bytes.
@@ -70,10 +69,10 @@ def predict(config=None, device=None, gaps_bytes=None, allocator_model=True, mom
     acts, recomputed = activation_lines(s, cfg)
     start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, tp_local)
     peak, backward = peak_lines(s, cfg, params, acts, recomputed, start, lambda m: fsdp.during(s, cfg, tp_local, m),
-                                tp_local) if moments else ([], {"peak_at": None, "candidates": []})
+                                tp_local) if ledger_model else ([], {"peak_at": None, "candidates": []})
     owned = [(n, fsdp.own_shape(sh, cfg)) for n, sh in tp_local]  # FSDP2: the unpadded rows this rank owns
     ledger = [plain(l) for l in steady_lines(s, cfg, dev, params, owned) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
-    totals = totals_of(ledger, params, dev, gaps_bytes, cfg, allocator_model)
+    totals = totals_of(ledger, params, dev, gaps_bytes, cfg, ledger_model)
     totals["recompute_flops"] = recompute_flops(s, cfg)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
     return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward}
@@ -94,8 +93,7 @@ def predict_run(config=None, device=None, gaps_bytes=None, plan=None, shadow=Fal
         return predict(config, device, gaps_bytes)
     from .stepped import uncovered, with_shadow
     covered = uncovered(dict(DEFAULTS, **(config or {})), device or device_facts(), gaps_bytes) is None
-    pred = predict(config, device, gaps_bytes, allocator_model=ledger_model or not covered,
-                   moments=ledger_model or not covered)
+    pred = predict(config, device, gaps_bytes, ledger_model=ledger_model or not covered)
     return with_shadow(pred, gaps_bytes, ledger=ledger_model)[0]
 
 
