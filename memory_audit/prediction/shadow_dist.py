@@ -144,7 +144,7 @@ def reducer_reads(tracker):
         tracker.real_ints = False
 
 
-def reducer_read(func, args, kwargs):
+def runs_real(func, args, kwargs):
     """An op DDP's reducer runs on tensors it reads (shadow_dist.reducer_reads): every tensor
     argument real, or an empty integer tensor made from nothing."""
     import torch

@@ -357,7 +357,7 @@ def dispatch_mode(tracker, device_type):
             tracker.before_op()
             tracker.last = (func, tracker.label)  # named if the step fails here
             key = tracker.key(_short_name(func))
-            if tracker.real_ints and shadow_dist.reducer_read(func, args, kwargs):  # DDP's reducer reads these
+            if tracker.real_ints and shadow_dist.runs_real(func, args, kwargs):  # DDP's reducer reads these
                 from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():
                     out, held, scalars = _cpu_op(tracker, func, args, kwargs, key)
