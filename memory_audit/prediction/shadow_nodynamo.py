@@ -1,0 +1,114 @@
+"""torch._dynamo stood in for while a shadow runs, so an eager step does not import it (issue #26: speed).
+
+An eager step asks torch._dynamo three things: `disable(fn)` (through torch._disable_dynamo's
+wrappers: every dispatch mode's __torch_dispatch__, the prims references, the optimizer's
+zero_grad, checkpoint), `graph_break()` (torch.optim's step) and `config` (checkpoint reads one
+flag). Importing torch._dynamo for them costs about 1 s of a shadow-backed command on 2 cores
+(measured with the shadow's other imports already done), more than the shadow of GPT-2 xl.
+
+Nothing can be compiling in a process that has not imported torch._dynamo, so there `disable(fn)`
+is fn itself and `graph_break()` does nothing; `config` is the real module file, loaded on its own
+(torch._dynamo's own import reuses it later). Anything else asked of the stand-in, as an attribute
+or as a submodule, imports the real torch._dynamo first and answers from it, and what the
+stand-in handed out (the `disable` wrappers torch caches on each function) defers to the real
+module from then on: the stand-in changes how long a step takes, never what it does. It is in
+place only while a shadow runs (`stood_in()`) and only where torch._dynamo is not imported yet.
+"""
+
+import contextlib
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import types
+
+NAME = "torch._dynamo"
+OWN = {NAME + ".config"}  # submodules loaded under the stand-in, without the package's own import
+
+
+class _StandIn(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name == "config":
+            return importlib.import_module(NAME + ".config")
+        return getattr(_real(), name)
+
+
+class _Guard(importlib.abc.MetaPathFinder):
+    """A submodule other than config asked for while the stand-in is in place: the real
+    package first (a submodule must not load without its package's import)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith(NAME + ".") and name not in OWN and sys.modules.get(NAME) is _STAND_IN:
+            _real()
+        return None
+
+
+def _loaded():
+    """The real torch._dynamo where it has been imported, else None."""
+    m = sys.modules.get(NAME)
+    return None if m is None or m is _STAND_IN else m
+
+
+def _real():
+    """The real torch._dynamo, imported now if the stand-in is in its place."""
+    if sys.modules.get(NAME) is _STAND_IN:
+        _remove()
+        importlib.import_module(NAME)
+    return sys.modules[NAME]
+
+
+def disable(fn, recursive=True, wrapping=True):
+    """torch._dynamo.disable(fn) in a process where nothing compiles: fn; the real one's once
+    torch._dynamo is imported."""
+    real = []
+
+    def call(*args, **kwargs):
+        if not real and _loaded() is not None:
+            real.append(_loaded().disable(fn, recursive, wrapping=wrapping))
+        return (real[0] if real else fn)(*args, **kwargs)
+    return call
+
+
+def graph_break(msg=""):
+    """torch._dynamo.graph_break(): nothing outside a compilation; the real one once imported."""
+    if _loaded() is not None:
+        return _loaded().graph_break(msg)
+
+
+_STAND_IN = _StandIn(NAME, __doc__)
+_STAND_IN.disable, _STAND_IN.graph_break = disable, graph_break
+_GUARD = _Guard()
+
+
+def _install():
+    import torch
+    spec = importlib.util.find_spec(NAME)
+    _STAND_IN.__path__ = list(spec.submodule_search_locations)  # config's file, loaded on its own
+    sys.modules[NAME] = _STAND_IN
+    torch._dynamo = _STAND_IN
+    sys.meta_path.insert(0, _GUARD)
+
+
+def _remove():
+    import torch
+    if sys.modules.get(NAME) is _STAND_IN:
+        del sys.modules[NAME]
+    if getattr(torch, "_dynamo", None) is _STAND_IN:
+        del torch._dynamo
+    if _GUARD in sys.meta_path:
+        sys.meta_path.remove(_GUARD)
+
+
+@contextlib.contextmanager
+def stood_in():
+    """torch._dynamo stood in for inside the block, where it is not imported yet."""
+    if NAME in sys.modules:
+        yield
+        return
+    _install()
+    try:
+        yield
+    finally:
+        _remove()

@@ -1,0 +1,64 @@
+"""torch._dynamo stood in for while a shadow runs (prediction/shadow_nodynamo.py): the same step, no
+import of torch._dynamo, and the real one intact afterwards. Each check runs in a fresh process
+(this one may have imported torch._dynamo already)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# a CUDA shadow (meta tensors, autocast fp16, the optimizer's step, selective checkpointing: every
+# thing the step asks of torch._dynamo) and a CPU one on fake tensors (FakeTensorMode's dispatch)
+STEP = """
+import hashlib, json, sys
+from memory_audit.prediction import shadow
+from memory_audit.prediction.ledger import resolved
+out = {}
+for device, extra in (("cuda", {"dtype": "float16"}), ("cpu", {})):
+    cfg = resolved(dict({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2, "gradient_accumulation_steps": 2,
+                         "activation_checkpointing": "selective", "dropout": 0.1}, **extra))
+    r = shadow.run(cfg, device)
+    out[device] = [len(r["events"]), r["peak"], hashlib.sha1(repr(r["history"] + r["events"]).encode()).hexdigest()]
+out["dynamo_imported"] = "torch._dynamo" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def _python(code):
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+def test_the_shadow_step_is_the_same_without_importing_dynamo():
+    alone = json.loads(_python(STEP))
+    with_dynamo = json.loads(_python("import torch._dynamo\n" + STEP))
+    assert alone.pop("dynamo_imported") is False
+    assert with_dynamo.pop("dynamo_imported") is True
+    assert alone == with_dynamo  # every event of both steps, in order, named and sized alike
+    assert alone["cuda"][0] > 0 and alone["cpu"][0] > 0
+
+
+def test_real_dynamo_works_after_the_stand_in_and_takes_over_what_it_handed_out():
+    code = """
+import sys, torch
+from memory_audit.prediction.shadow_nodynamo import stood_in
+w = torch._disable_dynamo(lambda x: x + 1)
+with stood_in():
+    assert type(sys.modules["torch._dynamo"]).__name__ == "_StandIn"
+    assert w(torch.ones(1)).item() == 2.0  # cached on the function: the stand-in's disable
+    assert torch._dynamo.config.error_on_nested_fx_trace is True  # config.py, loaded on its own
+assert "torch._dynamo" not in sys.modules
+with stood_in():  # anything else: the real module imported and asked
+    assert torch._dynamo.is_compiling() is False
+    assert type(sys.modules["torch._dynamo"]).__name__ == "module"
+from torch._dynamo.utils import counters
+out = torch.compile(lambda x: w(x) * 2, backend="eager")(torch.ones(2))
+assert out.tolist() == [4.0, 4.0]
+# the function disabled under the stand-in is skipped by the real dynamo, not traced
+assert any("disable" in k for k in counters["graph_break"]), dict(counters["graph_break"])
+print("ok")
+"""
+    assert _python(code) == "ok"
