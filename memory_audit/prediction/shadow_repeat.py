@@ -47,10 +47,10 @@ def micro_repeatable(cfg):
 CHANNELS = ("blocks", "micro")  # what a run's events are tagged with (shadow.run(..., blocks=True))
 
 
-def expand(r3, r4, n, channel="blocks"):
+def expand(r3, r4, n, channel="blocks", carry=True):
     """run()'s result for `n` blocks (channel "blocks") or micro-steps ("micro") from the
     results of 3 and 4 (run(..., blocks=True)), or None where the repeat rule does not hold
-    (module docstring). The other channel's tags are carried over, for a second expansion."""
+    (module docstring). carry: the other channel's tags are carried over, for a second expansion."""
     source = _Source(r3, channel)
     four = source.emit(4, {})
     if four is None:
@@ -59,7 +59,7 @@ def expand(r3, r4, n, channel="blocks"):
     if growth is None:
         return None
     out = source.emit(n, growth)
-    return None if out is None else _result(source, *out)
+    return None if out is None else _result(source, *out, carry=carry)
 
 
 class _Source:
@@ -221,9 +221,9 @@ def _growth(four, r4, channel="blocks"):
     return growth
 
 
-def _result(source, events, sources, phases):
+def _result(source, events, sources, phases, carry=True):
     """shadow.run()'s dict from the expanded process: the history before step 2, its events,
-    what is live when it starts, the phases, the peak, and the other channel's tags."""
+    what is live when it starts, the phases, the peak, and (carry) the other channel's tags."""
     start = phases["step2_start"]
     history, step = events[:start], events[start:]
     live = {}
@@ -241,7 +241,7 @@ def _result(source, events, sources, phases):
     out = {"events": step, "history": history, "pre": pre, "start_bytes": start_bytes,
            "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True}
     for other in CHANNELS:
-        if other != source.channel and other in source.r:
+        if carry and other != source.channel and other in source.r:
             tags = source.r[other]
             out[other] = {"allocs": {aid: tags["allocs"].get(src) for (_, _, _, aid), (src, _) in zip(events, sources)},
                           "events": [tags["events"][i] for _, i in sources]}
