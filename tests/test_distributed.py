@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -21,7 +22,8 @@ def _torchrun(*args, timeout=240, accumulation=2, ranks=2, **env_extra):
     """One torchrun job. A rank that dies by SIGSEGV/SIGABRT inside torch (seen twice in about 60
     two-rank CPU runs: once as the Kineto profiler started under gloo, once at gloo's teardown
     after training had finished; neither reproduced in 30 reruns) is rerun once, and says so;
-    every assertion is made on the run that completed."""
+    every assertion is made on the run that completed. The rerun first removes what the dead
+    run wrote (train.py never overwrites a run: it would have written <run_name>-2)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", **env_extra)
     given = [] if accumulation is None else [f"--gradient_accumulation_steps={accumulation}"]
     cmd = TORCHRUN + [f"--nproc_per_node={ranks}", "train.py", "config/audit_cpu_tiny.py", *given,
@@ -31,6 +33,9 @@ def _torchrun(*args, timeout=240, accumulation=2, ranks=2, **env_extra):
         if not re.search(r"Signal (6|11) \(SIG(ABRT|SEGV)\)", p.stderr):
             return p
         print(f"torchrun attempt {attempt}: a rank died by a signal inside torch; {'rerunning' if attempt == 1 else 'giving up'}")
+        named = dict(a[2:].split("=", 1) for a in args if a.startswith(("--audit_dir=", "--run_name=")))
+        if "audit_dir" in named and "run_name" in named:
+            shutil.rmtree(os.path.join(named["audit_dir"], named["run_name"]), ignore_errors=True)
     return p
 
 
