@@ -31,7 +31,9 @@ COMMANDS = [  # (name, argv, (target seconds, "after imports" or "in all") or No
     ("plan gpt2-large b16, one process", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--jobs=1"], None),
     ("plan gpt2-large b16 --ledger", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--ledger"], None),
 ]
-IMPORTS = [sys.executable, "-c", "import torch, torch._dynamo, model, memory_audit.cli"]
+# what every shadow-backed command imports before it computes (torch._dynamo no longer: a shadow run
+# stands in for it, prediction/shadow_nodynamo.py)
+IMPORTS = [sys.executable, "-c", "import torch, model, memory_audit.cli"]
 
 
 def timed(argv, runs):
@@ -50,7 +52,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     imports = timed(IMPORTS, args.runs)
-    print(f"imports (torch, torch._dynamo, model, memory_audit.cli): {imports:.2f}s")
+    print(f"imports (torch, model, memory_audit.cli): {imports:.2f}s")
     print(f"{'command':34s} {'wall':>6s} {'after imports':>14s} {'target':>20s} {'ratio':>6s}")
     for name, argv, target in COMMANDS:
         wall = timed(argv, args.runs)
