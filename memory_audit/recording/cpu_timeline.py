@@ -43,8 +43,7 @@ def timeline_events(prof, markers, keep=(), info=None, alive=()):
     the last allocation at one of them (FSDP2's gradient shards kept with set_to_none=False live
     in their unit's reduce-scatter output, which the rules below would otherwise let go).
     """
-    from torch._C._profiler import _EventType
-    from torch.profiler._memory_profiler import Action, OpTree, TensorKey
+    from torch.profiler._memory_profiler import OpTree
 
     try:
         mp = prof._memory_profile()
@@ -56,6 +55,26 @@ def timeline_events(prof, markers, keep=(), info=None, alive=()):
         mp, tree = None, OpTree(prof.profiler.kineto_results)
     if info is not None:
         info["source"] = "memory_profile" if mp is not None else "raw allocations"
+    seen = _scan(tree, mp is not None, markers)
+    order = lambda e: (e[0], 0 if e[1] == "free" else 1)  # noqa: E731
+    events = _tensor_events(mp, keep, seen["stacks"], seen["ranges"]) if mp is not None else []
+    events = sorted(events + _unseen_events(seen["unseen"], seen["ranges"]), key=order)
+    staged = seen["staged"]
+    staged.update(_last_reads(events, seen["reads"], seen["outputs"]))
+    staged.update(_rebuild_broadcasts(events, seen["rebuilt"], seen["reads"]))
+    events = sorted(_free_staged(events, staged, alive), key=order) if staged else events
+    return events, seen["marker_times"]
+
+
+def _scan(tree, by_key, markers):
+    """One pass over the profile's op tree: {"stacks": TensorKey -> the frames of its
+    allocation (by_key: the memory profile's keys were made), "marker_times", "ranges" (the
+    labelled recomputations' [start, end, label]), "unseen" (allocations no aten op saw, by
+    address), "staged"/"rebuilt"/"outputs" (gloo's staging copies, DDP's rebuild broadcasts and
+    functional collectives' outputs, by (address, time)), "reads" (address -> the ops reading
+    it)}."""
+    from torch._C._profiler import _EventType
+    from torch.profiler._memory_profiler import TensorKey
     stacks, marker_times, ranges, unseen, staged, rebuilt = {}, {}, [], [], {}, {}
     reads, outputs = {}, set()  # address -> [(start, end, collective) of ops reading it]; functional outputs
     for event in tree.sorted_nodes:
@@ -67,7 +86,7 @@ def timeline_events(prof, markers, keep=(), info=None, alive=()):
             if name.startswith(RECOMPUTE_RANGE):  # a range across Python frames: nothing nests in it
                 ranges.append((event.start_time_ns, event.end_time_ns, name[len(MARKER_PREFIX):]))
         if event.tag == _EventType.Allocation:
-            key = TensorKey.from_allocation(event.extra_fields) if mp is not None else None
+            key = TensorKey.from_allocation(event.extra_fields) if by_key else None
             grow = event.extra_fields.alloc_size > 0
             frames = _stack(event) if grow else []
             if key is None:  # memory no aten op saw (compiled code's own buffers): by address
@@ -81,14 +100,18 @@ def timeline_events(prof, markers, keep=(), info=None, alive=()):
                 rebuilt[(event.extra_fields.ptr, event.start_time_ns)] = end
             elif kind == "functional":
                 outputs.add((event.extra_fields.ptr, event.start_time_ns))
+    return {"stacks": stacks, "marker_times": marker_times, "ranges": ranges, "unseen": unseen,
+            "staged": staged, "rebuilt": rebuilt, "reads": reads, "outputs": outputs}
 
+
+def _tensor_events(mp, keep, stacks, ranges):
+    """The memory profile's timeline as (t_ns, "alloc"|"free"|"pre", addr, size, frames,
+    category, user_metadata) of CPU tensors (timeline_events' docstring)."""
+    from torch.profiler._memory_profiler import Action, TensorKey
     events, live = [], {}
-    t_first = None
-    for t, action, (key, version), size in (mp.timeline if mp is not None else ()):
+    for t, action, (key, version), size in mp.timeline:
         if not isinstance(key, TensorKey) or key.device.type != "cpu":
             continue
-        if t_first is None and t >= 0:
-            t_first = t
         if action == Action.PREEXISTING:
             # Before the profile: kept when a phase named it (weights of a model made before the
             # Audit). Others are left out: numpy's memory wrapped by torch.from_numpy (memmap
@@ -107,12 +130,7 @@ def timeline_events(prof, markers, keep=(), info=None, alive=()):
             addr, size0 = live.pop(key)
             events.append((t, "free", addr, size0, stacks.get(key, []), None, ""))
         # INCREMENT_VERSION: an in-place write, the same bytes stay allocated
-    order = lambda e: (e[0], 0 if e[1] == "free" else 1)  # noqa: E731
-    events = sorted(events + _unseen_events(unseen, ranges), key=order)
-    staged.update(_last_reads(events, reads, outputs))
-    staged.update(_rebuild_broadcasts(events, rebuilt, reads))
-    events = sorted(_free_staged(events, staged, alive), key=order) if staged else events
-    return events, marker_times
+    return events
 
 
 def _stack(event):

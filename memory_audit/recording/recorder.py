@@ -306,6 +306,37 @@ def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: 
                 m.sac_observer = observer
 
 
+class _SavedStorages:
+    """What autograd saved in a forward, one record per storage in forward order (the module,
+    device, bytes, dtype and shape of the first tensor seen there), and weak references to the
+    saved tensors whose grad_fns lead into the graph."""
+
+    def __init__(self, stack):
+        self.stack = stack  # the modules running now, innermost last
+        self.first_seen = {}  # storage data_ptr -> record, in forward order
+        self.impls = {}  # storage data_ptr -> the storage (its C++ address) first seen there
+        self.weak = []  # weak references to what was saved: their grad_fns find the graph without a loss
+
+    def record(self, t, op=None, held=False):
+        t = local_tensor(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        first_seen, impls, stack = self.first_seen, self.impls, self.stack
+        if impls.setdefault(ptr, st._cdata) != st._cdata:  # the first storage here was resized away
+            del first_seen[ptr], impls[ptr]  # (FSDP2 frees an unsharded weight a matmul saved)
+        if ptr not in first_seen:
+            impls[ptr] = st._cdata
+            first_seen[ptr] = {"module": stack[-1] if stack else None, "data_ptr": ptr, "device": str(t.device),
+                               "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
+                               "shape": list(t.shape)}
+            if op:
+                first_seen[ptr]["op"] = op
+            if held:
+                first_seen[ptr]["held"] = True
+            if t.grad_fn is not None:
+                self.weak.append(weakref.ref(t))
+
+
 @contextmanager
 def saved_tensor_ledger(model, out, device):
     """Record every tensor autograd saves for backward in this forward, deduplicated by storage.
@@ -317,11 +348,10 @@ def saved_tensor_ledger(model, out, device):
     (`<op>.sac_output`). Tensors saved outside the model (the loop's loss) have module None.
     """
     stack = []
-    first_seen = {}  # storage data_ptr -> record, in forward order
-    impls = {}  # storage data_ptr -> the storage (its C++ address) first seen there
+    saved = _SavedStorages(stack)
+    record, first_seen, impls, weak = saved.record, saved.first_seen, saved.impls, saved.weak
     windows = []  # [start, end) autograd sequence numbers of checkpointed regions
     seq_log = []  # (next autograd sequence number, module running from then on)
-    weak = []  # weak references to what was saved: their grad_fns find the graph without a loss
     short = module_namer(model)
 
     # A checkpoint's recomputation (in backward) runs the modules again and may stop midway
@@ -338,24 +368,6 @@ def saved_tensor_ledger(model, out, device):
         seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1] if stack else ""))
         if not stack:
             weak.extend(weakref.ref(t) for t in tensors_in(output))
-
-    def record(t, op=None, held=False):
-        t = local_tensor(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if impls.setdefault(ptr, st._cdata) != st._cdata:  # the first storage here was resized away
-            del first_seen[ptr], impls[ptr]  # (FSDP2 frees an unsharded weight a matmul saved)
-        if ptr not in first_seen:
-            impls[ptr] = st._cdata
-            first_seen[ptr] = {"module": stack[-1] if stack else None, "data_ptr": ptr, "device": str(t.device),
-                               "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
-                               "shape": list(t.shape)}
-            if op:
-                first_seen[ptr]["op"] = op
-            if held:
-                first_seen[ptr]["held"] = True
-            if t.grad_fn is not None:
-                weak.append(weakref.ref(t))
 
     def pack(t):
         record(t)
