@@ -9,13 +9,23 @@ Each command runs `runs` times in a fresh process; prints the median wall time, 
 shadow-backed command pays before it computes anything), their difference, and the ratio to
 the target (for plan, whose target is in all, the whole wall time). Not a test: the numbers depend
 on the machine.
+
+    python benchmarks/bench_commands.py --base=REV [--runs=5]
+
+sets this tree beside git revision REV (checked out in a temporary worktree, its compiled core
+built there): each command runs alternately from REV's tree and this one, `runs` times each, and
+the medians and their ratio are printed. A machine whose speed drifts from minute to minute (2
+shared cores: `import torch` 1.4 s or 2.0 s a quarter hour apart) gives comparable numbers only
+within one window; this is how a change's speed-up is measured.
 """
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +36,7 @@ COMMANDS = [  # (name, argv, (target seconds, "after imports" or "in all") or No
     ("predict gpt2-xl (shadow)", MA + ["predict", "--preset=gpt2-xl", "--batch_size=4"], (1.0, "after imports")),
     ("predict gpt2-xl --ledger", MA + ["predict", "--preset=gpt2-xl", "--batch_size=4", "--ledger"], None),
     ("fit gpt2-large", MA + ["fit", "--preset=gpt2-large"], None),
-    # 16 options; their shadow runs on every CPU (plan --jobs), each worker importing torch itself
+    # 16 options; their shadow runs on every CPU (plan --jobs), in workers forked after the imports
     ("plan gpt2-large b16 (shadow)", MA + ["plan", "--preset=gpt2-large", "--batch_size=16"], (5.0, "in all")),
     ("plan gpt2-large b16, one process", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--jobs=1"], None),
     ("plan gpt2-large b16 --ledger", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--ledger"], None),
@@ -36,21 +46,45 @@ COMMANDS = [  # (name, argv, (target seconds, "after imports" or "in all") or No
 IMPORTS = [sys.executable, "-c", "import torch, model, memory_audit.cli"]
 
 
+def once(argv, cwd=ROOT):
+    t = time.perf_counter()
+    p = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[2:])}: exit {p.returncode}: {p.stderr.strip()[-300:]}")
+    return time.perf_counter() - t
+
+
 def timed(argv, runs):
-    out = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-        out.append(time.perf_counter() - t)
-        if p.returncode != 0:
-            raise SystemExit(f"{' '.join(argv[2:])}: exit {p.returncode}: {p.stderr.strip()[-300:]}")
-    return statistics.median(out)
+    return statistics.median(once(argv) for _ in range(runs))
+
+
+def against(rev, runs):
+    """Each command from REV's tree and from this one, alternately; the medians and their ratio."""
+    base = tempfile.mkdtemp(prefix="bench-base-")
+    subprocess.run(["git", "worktree", "add", "--detach", base, rev], cwd=ROOT, check=True, capture_output=True)
+    try:
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=base, check=True,
+                       capture_output=True)
+        print(f"{'command':34s} {rev[:12]:>12s} {'this tree':>10s} {'ratio':>6s}")
+        for name, argv, _ in COMMANDS:
+            times = {base: [], ROOT: []}
+            for _ in range(runs):
+                for tree in times:  # -m memory_audit from the tree's root imports that tree's package
+                    times[tree].append(once(argv, cwd=tree))
+            was, now = (statistics.median(times[t]) for t in (base, ROOT))
+            print(f"{name:34s} {was:11.2f}s {now:9.2f}s {now / was:5.2f}x")
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--base", help="a git revision to set this tree beside, in one window")
     args = ap.parse_args()
+    if args.base:
+        return against(args.base, args.runs)
     imports = timed(IMPORTS, args.runs)
     print(f"imports (torch, model, memory_audit.cli): {imports:.2f}s")
     print(f"{'command':34s} {'wall':>6s} {'after imports':>14s} {'target':>20s} {'ratio':>6s}")
