@@ -31,6 +31,7 @@ import re
 
 _BLOCK = re.compile(r"((?:^|[./])h\.)(\d+)(?=[./]|$)")
 SOURCE = (3, 4)  # the depths shadow-run
+_SEP = "\x00"  # joins a run's key templates (no key holds it)
 
 
 def repeatable(cfg):
@@ -100,14 +101,21 @@ class _Source:
         events, blocks, match, key, start = self.events, self.blocks, self.match, self.key, self.start
         nbytes = {src: events[i][2] + extra * growth.get(src, 0) for src, i in self.made.items()}
         early = {src: i < start for src, i in self.made.items()} if self.channel == "micro" else None
+        plans = {}  # a repeated run's first event -> _plan(): its inner blocks' rows, worked out once
         for k, (tag, size) in enumerate(self.runs):
             layers = _layers(tag, self.runs, k, n)
             if layers is None or any(tag == 1 and lo < i < lo + size for i in self.marks.values()):
                 return None  # a run out of place, or a phase inside a repeated run
-            for j, real in enumerate(layers):
+            for i in range(lo, lo + size):
+                at[i] = len(out) + i - lo
+            for real in layers:
+                if tag == 1 and 2 <= real <= n - 3:  # an inner block: every neighbour a middle one too
+                    if lo not in plans:
+                        plans[lo] = self._plan(range(lo, lo + size), n, nbytes)
+                    if not _inner(plans[lo], real, ids, out, sources):
+                        return None
+                    continue
                 for i in range(lo, lo + size):
-                    if j == 0:
-                        at[i] = len(out)
                     action, _, _, aid = events[i]
                     # a micro-step's allocation freed in the next step: the previous step's own
                     across = early is not None and early[aid] != (i < start)
@@ -127,6 +135,76 @@ class _Source:
             lo += size
         at[len(events)] = len(out)
         return out, sources, {phase: at[i] for phase, i in self.marks.items()}
+
+    def _plan(self, span, n, nbytes):
+        """A run of block 1 standing for an inner block, worked out once: each event's placement
+        as _place() gives it there, (source allocation, offset of its block) for what moves with
+        the block (its own or a middle neighbour's counterpart), ((allocation, block), None) for
+        what does not (a micro-step's allocation freed in the next step: step 1's first or last
+        micro-step's); with the events' actions, bytes and sources. None where one cannot be
+        placed."""
+        moves = []
+        for i in span:
+            aid = self.events[i][3]
+            block = self.blocks.get(aid)
+            if block is None:
+                return None  # one allocation freed in every repeated block: no
+            across = self.channel == "micro" and (self.made[aid] < self.start) != (i < self.start)
+            if across and block != 1:
+                moves.append(((aid, 0 if block == 0 else n - 1), None))
+                continue
+            src = aid if block == 1 else self.match.counterpart(aid, block, 1)
+            if src is None:
+                return None
+            moves.append((src, block - 1))
+        srcs = [p if d is not None else p[0] for p, d in moves]
+        actions = [self.events[i][0] for i in span]
+        plan = {"moves": moves, "actions": actions, "sizes": [nbytes[s] for s in srcs], "keys": None,
+                "sources": list(zip(srcs, span)), "allocs": [j for j, a in enumerate(actions) if a == "alloc"]}
+        if self.channel != "blocks":  # no micro-step in a key
+            plan["keys"] = [self.events[self.made[s]][1] for s in srcs]
+            return plan
+        # the run's keys at any inner block in one format call: each event's template (_template),
+        # its holes' offsets moved by its block's, joined by a character no key holds
+        parts, offsets = [], []
+        for p, d in moves:
+            if d is None:  # a fixed placement: its key is fixed
+                parts.append(self.key(*p).replace("{", "{{").replace("}", "}}"))
+                continue
+            if p not in self.templates:
+                self.templates[p] = _template(self.events[self.made[p]][1], 1)
+            fmt, holes = self.templates[p]
+            parts.append(fmt)
+            offsets += [d + o for o in holes]
+        if any(_SEP in part for part in parts):
+            return None
+        plan["names"] = (_SEP.join(parts), offsets)
+        return plan
+
+
+def _inner(plan, real, ids, out, sources):
+    """emit()'s rows for a planned run standing for inner block `real`, appended to out and
+    sources; False where the rule fails. The run's allocations are numbered first, in order:
+    in a source made of real events each allocation comes before its frees, so every free finds
+    the id event-by-event numbering gives it, and one that finds none frees what was never made."""
+    if plan is None:
+        return False
+    placed = [p if d is None else (p, real + d) for p, d in plan["moves"]]
+    base = len(ids)
+    ids.update((placed[j], base + k) for k, j in enumerate(plan["allocs"]))
+    if len(ids) != base + len(plan["allocs"]):
+        return False  # an allocation made twice
+    try:
+        new = [ids[p] for p in placed]
+    except KeyError:
+        return False  # a free of what this step never made
+    keys = plan["keys"]
+    if keys is None:
+        fmt, offsets = plan["names"]
+        keys = fmt.format(*[real + o for o in offsets]).split(_SEP)
+    out.extend(zip(plan["actions"], keys, plan["sizes"], new))
+    sources.extend(plan["sources"])
+    return True
 
 
 def _layers(tag, runs, k, n):
@@ -234,10 +312,8 @@ def _result(source, events, sources, phases, carry=True):
             live.pop(aid, None)
     pre = list(live.values())
     start_bytes = sum(n for _, _, n in pre)
-    level = peak = 0
-    for action, _, nbytes, _ in step:
-        level += nbytes if action == "alloc" else -nbytes
-        peak = max(peak, level)
+    peak = max(itertools.accumulate((nbytes if action == "alloc" else -nbytes for action, _, nbytes, _ in step),
+                                    initial=0))
     out = {"events": step, "history": history, "pre": pre, "start_bytes": start_bytes,
            "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True}
     for other in CHANNELS:
