@@ -62,3 +62,23 @@ assert any("disable" in k for k in counters["graph_break"]), dict(counters["grap
 print("ok")
 """
     assert _python(code) == "ok"
+
+
+def test_a_config_that_cannot_load_alone_is_read_from_the_real_module():
+    code = """
+import importlib, sys, torch
+from memory_audit.prediction.shadow_nodynamo import stood_in
+real_import = importlib.import_module
+def import_module(name, *args, **kwargs):  # a torch whose config.py needs its package
+    if name == "torch._dynamo.config":
+        raise ImportError("needs the package")
+    return real_import(name, *args, **kwargs)
+with stood_in():
+    importlib.import_module = import_module
+    try:
+        flag = torch._dynamo.config.error_on_nested_fx_trace
+    finally:
+        importlib.import_module = real_import
+    print(flag, type(sys.modules["torch._dynamo"]).__name__)
+"""
+    assert _python(code) == "True module"
