@@ -78,6 +78,12 @@ class _Source:
         self.runs = [(tag, len(list(g))) for tag, g in itertools.groupby(r[channel]["events"])]
         self.names = {}  # (allocation, block) -> its key there
         self.templates = {}  # allocation -> _template() of its key
+        self.early = {aid: i < self.start for aid, i in self.made.items()} if channel == "micro" else None
+
+    def _across(self, aid, i):
+        """Event i frees (or makes) micro-step allocation `aid` in the other step than the one
+        that made it: the previous step's own."""
+        return self.early is not None and self.early[aid] != (i < self.start)
 
     def key(self, src, layer):
         k = (src, layer)
@@ -98,9 +104,9 @@ class _Source:
         {phase: index}) for n, or None. growth: {source id: bytes per block beyond 3}."""
         out, sources, ids, at, lo = [], [], {}, {}, 0
         extra = n - SOURCE[0]
-        events, blocks, match, key, start = self.events, self.blocks, self.match, self.key, self.start
+        events, blocks, match, key = self.events, self.blocks, self.match, self.key
         nbytes = {src: events[i][2] + extra * growth.get(src, 0) for src, i in self.made.items()}
-        early = {src: i < start for src, i in self.made.items()} if self.channel == "micro" else None
+        across_of = self._across
         plans = {}  # a repeated run's first event -> _plan(): its inner blocks' rows, worked out once
         for k, (tag, size) in enumerate(self.runs):
             layers = _layers(tag, self.runs, k, n)
@@ -117,9 +123,7 @@ class _Source:
                     continue
                 for i in range(lo, lo + size):
                     action, _, _, aid = events[i]
-                    # a micro-step's allocation freed in the next step: the previous step's own
-                    across = early is not None and early[aid] != (i < start)
-                    placed = _place(aid, blocks.get(aid), tag, real, n, match, across)
+                    placed = _place(aid, blocks.get(aid), tag, real, n, match, across_of(aid, i))
                     if placed is None:
                         return None  # a free the rule cannot place
                     if action == "alloc":
@@ -146,17 +150,13 @@ class _Source:
         moves = []
         for i in span:
             aid = self.events[i][3]
-            block = self.blocks.get(aid)
-            if block is None:
-                return None  # one allocation freed in every repeated block: no
-            across = self.channel == "micro" and (self.made[aid] < self.start) != (i < self.start)
-            if across and block != 1:
-                moves.append(((aid, 0 if block == 0 else n - 1), None))
-                continue
-            src = aid if block == 1 else self.match.counterpart(aid, block, 1)
-            if src is None:
+            # _place() at the inner block of the smallest step that has one (block 2 of 5): a
+            # target of 1-3 moves with the block, one of 0 or 4 (the first or last block) stays
+            placed = _place(aid, self.blocks.get(aid), 1, 2, 5, self.match, self._across(aid, i))
+            if placed is None:
                 return None
-            moves.append((src, block - 1))
+            src, target = placed
+            moves.append(((src, 0 if target == 0 else n - 1), None) if target in (0, 4) else (src, target - 2))
         srcs = [p if d is not None else p[0] for p, d in moves]
         actions = [self.events[i][0] for i in span]
         plan = {"moves": moves, "actions": actions, "sizes": [nbytes[s] for s in srcs], "keys": None,
