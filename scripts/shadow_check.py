@@ -7,7 +7,7 @@ Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed 
 the seed is printed first), audits each with `train.py --audit` on CPU, shadow-runs it
 (memory_audit/prediction/shadow.py) and prints, per config, the measured peak, the shadow's and the
 ledger predictor's (report.json), the lines the ledger names that differ from the audit's (every
-phase), and for a shadow miss the first event where the two traces part (measured trace of step 2
+phase), the lines the shadow itself names that differ (shadow.lines), and for a shadow miss the first event where the two traces part (measured trace of step 2
 against the shadow's events, by action and bytes). Not a test: each config takes ~10 s.
 """
 
@@ -28,7 +28,7 @@ def check(cfg, tmp, device="cpu", keep=None):
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import resolved
     from memory_audit.reading.loader import load_meta
-    from memory_audit.comparison.reconcile import device_from_meta, first_divergence, mismatched, step_events
+    from memory_audit.comparison.reconcile import device_from_meta, first_divergence, mismatched, shadow_lines_off, step_events
     args = [f"--{k}={v}" for k, v in cfg.items()]
     shutil.rmtree(os.path.join(tmp, "r"), ignore_errors=True)  # what a failed config left
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--device={device}", "--preset=cpu-tiny",
@@ -54,7 +54,9 @@ def check(cfg, tmp, device="cpu", keep=None):
            "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"],
            # the ledger's lines (what predict names) against the audit's, every phase
            "lines": len(report["rows"]),
-           "lines_off": [f"{r['phase']}:{r['key']} {r['predicted']} vs {r['actual']}" for r in mismatched(report["rows"], skip=())]}
+           "lines_off": [f"{r['phase']}:{r['key']} {r['predicted']} vs {r['actual']}" for r in mismatched(report["rows"], skip=())],
+           # the shadow's own lines (shadow.lines: the audit's names for what it made) against the audit's
+           "shadow_lines_off": shadow_lines_off(report["rows"], sh["result"])}
     divergence = first_divergence(step_events(run), sh["result"]["events"])
     row["events_agree"] = divergence is None  # every allocation and free of step 2, in order
     if divergence is not None:
@@ -64,23 +66,33 @@ def check(cfg, tmp, device="cpu", keep=None):
 
 
 def committed_rows(paths):
-    """The single-process CPU rows of committed results files: measured beside the shadow's."""
+    """The CPU rows of committed results files (single-process, and torchrun ranks the shadow
+    covers): measured beside the shadow's steady state, peak and every line it names itself."""
+    from memory_audit.comparison.reconcile import shadow_lines_off
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import resolved
-    exact = total = 0
+    from memory_audit.prediction.shadow_probe import plain_bf16
+    from memory_audit.prediction.stepped import uncovered
+    exact = total = lines_exact = 0
     for path in paths:
         for line in open(path):
             row = json.loads(line)
             rc = row.get("resolved_config") or {}
-            if row["status"] != "ok" or "nproc" in row["config"] or rc.get("parallel", "none") != "none" or rc.get("compile"):
+            if row["status"] != "ok" or rc.get("device", "cpu") != "cpu" or rc.get("compile"):
                 continue
-            result = shadow.run(resolved(rc))
+            full = resolved(rc)
+            if uncovered(full, {"type": "cpu"}) is not None:
+                continue
+            with plain_bf16():  # every committed CPU row was measured without oneDNN's bf16 matmuls
+                result = shadow.run(full)
             t = row["totals"]
             ok = (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"])
-            exact, total = exact + ok, total + 1
+            off = shadow_lines_off(row["measured_lines"], result)
+            exact, total, lines_exact = exact + ok, total + 1, lines_exact + (not off)
             print(f"{os.path.basename(path)}: measured {t['peak']['actual']:,}  shadow {result['peak'] - t['peak']['actual']:+,}"
-                  f"  {row['config']}", flush=True)
-    print(f"committed rows: shadow steady state and peak exact in {exact}/{total}")
+                  f"  lines off {len(off)} {off[:3]}  {row['config']}", flush=True)
+    print(f"committed rows: shadow steady state and peak exact in {exact}/{total}, every line it names "
+          f"itself in {lines_exact}/{total}")
 
 
 def main():
@@ -116,12 +128,14 @@ def main():
             print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  predictor {d(row['predictor'])}"
                   + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
                   + (f"  lines off {row['lines_off'][:4]}" if row.get("lines_off") else "")
+                  + (f"  shadow's lines off {row['shadow_lines_off'][:4]}" if row.get("shadow_lines_off") else "")
                   + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
     ok = [r for r in rows if "error" not in r]
     print(f"peak exact: shadow {sum(r['shadow'] == r['measured'] for r in ok if r['shadow'] is not None)}/{len(ok)}, "
           f"predictor {sum(r['predictor'] == r['measured'] for r in ok)}/{len(ok)}; step 2 event by event: shadow "
           f"{sum(r.get('events_agree', False) for r in ok)}/{len(ok)}; every line exact: "
-          f"{sum(not r.get('lines_off', [None]) for r in ok)}/{len(ok)} (seed {seed})")
+          f"{sum(not r.get('lines_off', [None]) for r in ok)}/{len(ok)}, the shadow's own lines "
+          f"{sum(not r.get('shadow_lines_off', [None]) for r in ok)}/{len(ok)} (seed {seed})")
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:

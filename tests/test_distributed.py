@@ -70,7 +70,7 @@ def assert_shadow_exact(run_dir):
     (a CI rehearsal: FSDP2's rank 1 freed an all-gather buffer before the next LayerNorm's
     output, in order when run alone; DDP's rank 1 frees a 4 B bucket-layout tensor late) and once
     differed in a tp-sp run with the peak equal; `report RUN --trace` names where they part."""
-    from memory_audit.comparison.reconcile import first_divergence, step_events
+    from memory_audit.comparison.reconcile import first_divergence, shadow_lines_off, step_events
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import resolved
     rec = json.load(open(os.path.join(run_dir, "report.json")))
@@ -78,6 +78,7 @@ def assert_shadow_exact(run_dir):
     t = rec["totals"]
     assert result["start_bytes"] == t["steady_state"]["actual"], run_dir
     assert_peak({**rec, "totals": dict(t, peak=dict(t["peak"], diff=t["peak"]["actual"] - result["peak"]))})
+    assert shadow_lines_off(rec["rows"], result) == [], run_dir  # every line, as the shadow names it itself
     part = first_divergence(step_events(run_dir), result["events"])
     if part is not None:
         warnings.warn(f"shadow events of {run_dir.name} part at {part['position']}: measured {part['measured']}, "

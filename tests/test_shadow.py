@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli, run_train
 from memory_audit.prediction.predict import resolved
 from memory_audit.prediction.shadow_probe import plain_bf16
-from memory_audit.comparison.reconcile import first_divergence, mismatched, step_events
+from memory_audit.comparison.reconcile import first_divergence, mismatched, shadow_lines_off, step_events
 from memory_audit.comparison.sweep import random_config
 
 SEED = int(os.environ.get("SHADOW_SEED") or random.SystemRandom().randrange(10 ** 6))
@@ -27,9 +27,9 @@ def _resolved(run_dir):
 @pytest.mark.parametrize("i", range(N_RANDOM))
 def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
     """A config drawn at random (seed printed; SHADOW_SEED replays it): every line the ledger
-    names is the audit's, in every phase (a line on one side only counts), and the measured peak
-    of its CPU audit equals the shadow run's to the byte; a miss names the first event where the
-    two traces part."""
+    names is the audit's, in every phase (a line on one side only counts), so is every line the
+    shadow run names itself (shadow.lines), and the measured peak of its CPU audit equals the
+    shadow run's to the byte; a miss names the first event where the two traces part."""
     from memory_audit.prediction import shadow
     rng = random.Random(SEED)
     for _ in range(i + 1):
@@ -44,6 +44,8 @@ def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
     measured = report["totals"]["peak"]["actual"]
     off = [(r["phase"], r["key"], r["predicted"], r["actual"]) for r in mismatched(report["rows"], skip=())]
     assert off == [], f"seed {SEED} config {i} {cfg}: lines off {off[:6]}"
+    own = shadow_lines_off(report["rows"], result)
+    assert own == [], f"seed {SEED} config {i} {cfg}: the shadow's own lines off {own[:6]}"
     assert report["unattributed_bytes"] == 0, f"seed {SEED} config {i}"
     assert result["start_bytes"] == report["totals"]["steady_state"]["actual"], f"seed {SEED}"
     assert result["peak"] == measured, (f"seed {SEED} config {i} {cfg}: shadow {result['peak']:,} B, measured "
@@ -85,7 +87,8 @@ def test_trace_with_a_kernel_no_trace_measured_is_one_line(tmp_path):
 @pytest.mark.parametrize("grid", ["cpu-long", "cpu-ac"])
 def test_committed_cpu_rows_are_the_shadow_runs(grid):
     """Every committed single-process CPU row (the ledger's rules were derived from these; the
-    shadow run knows none of them): its measured steady state and peak, to the byte. cpu-mini-ac's
+    shadow run knows none of them): its measured steady state and peak, to the byte, and every
+    line of every phase as the shadow names it itself (shadow.lines). cpu-mini-ac's
     16 rows (larger models, 14 s) are left out for CI's time: `python scripts/shadow_check.py --rows
     snapshots/results/cpu-mini-ac.jsonl` checks them (16 of 16 exact when this test was written)."""
     from memory_audit.prediction import shadow
@@ -100,6 +103,7 @@ def test_committed_cpu_rows_are_the_shadow_runs(grid):
             result = shadow.run(cfg)
         t = row["totals"]
         assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), row["config"]
+        assert shadow_lines_off(row["measured_lines"], result) == [], row["config"]
 
 
 def test_a_step_the_shadow_cannot_run_is_one_line_naming_the_op(monkeypatch, tmp_path, capsys):

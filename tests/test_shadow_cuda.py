@@ -32,11 +32,13 @@ def _trace_from_start(run):
 def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
     """Every allocation and free of the audited process, from model.to(device) to the end of step
     2 (827 and 675 events), in order with the bytes asked for; replayed through the allocator's
-    model, the steady state, peak and reserved memory of step 2 to the byte; and every tensor
-    live at step 2's start by the name and bytes the audit's registry gives it."""
+    model, the steady state, peak and reserved memory of step 2 to the byte; every tensor
+    live at step 2's start by the name and bytes the audit's registry gives it; and every line of
+    every phase of its report as the shadow names it itself (shadow.lines: the saved tensors by
+    the module and op that saved them, the cuBLAS workspaces, ...)."""
     from memory_audit.prediction import shadow
     from memory_audit.reading.loader import load_meta
-    from memory_audit.comparison.reconcile import first_divergence
+    from memory_audit.comparison.reconcile import first_divergence, shadow_lines_off
     run = os.path.join(EXAMPLES, name)
     meta = load_meta(run)
     cfg = resolved(meta["config"])
@@ -50,6 +52,8 @@ def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
     named = {e["name"]: e["nbytes"] for e in start["registry"]}
     live = {key: n for _, key, n in r["result"]["pre"] if key in named}
     assert live == named
+    with open(os.path.join(run, "report.json")) as f:
+        assert shadow_lines_off(json.load(f)["rows"], r["result"]) == []
 
 
 def _h100_rows():

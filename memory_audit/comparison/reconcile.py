@@ -255,7 +255,30 @@ def against_shadow(run_dir, rec):
     events = sh["result"]["events"]
     return {"measured_events": len(measured), "predicted_events": len(events),
             "measured_peak": rec["totals"]["peak"]["actual"], "predicted_peak": sh["peak"],
-            "first_divergence": first_divergence(measured, events)}
+            "first_divergence": first_divergence(measured, events),
+            "lines_off": shadow_lines_off(rec["rows"], sh["result"])}
+
+
+def shadow_lines_off(measured, result):
+    """The lines of each phase the shadow names otherwise than the audit measured them
+    (shadow.lines against a report's rows, or a results row's measured_lines {phase: {key:
+    bytes}}; the allocator's gaps are not the shadow's to name): ["phase:key shadow B vs
+    measured B"], [] where every line agrees."""
+    from ..prediction.shadow import lines
+    if isinstance(measured, list):  # report rows
+        by_phase = {}
+        for r in measured:
+            by_phase.setdefault(r["phase"], {})[r["key"]] = r["actual"]
+        measured = by_phase
+    out = []
+    for phase in result["phases"]:
+        theirs = {k: v for k, v in measured.get(phase, {}).items() if v and k != "gaps"}
+        if not theirs:
+            continue
+        ours = lines(result, phase)
+        out += [f"{phase}:{k} {ours.get(k, 0)} vs {theirs.get(k, 0)}" for k in sorted(set(ours) | set(theirs))
+                if ours.get(k, 0) != theirs.get(k, 0)]
+    return out
 
 
 def first_divergence(measured, predicted):

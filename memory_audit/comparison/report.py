@@ -79,6 +79,10 @@ def trace_section(tr):
         return lines + [f"Not compared: {tr['error']}.", ""]
     lines.append(f"{tr['measured_events']:,} events measured, {tr['predicted_events']:,} predicted; peak "
                  f"{tr['measured_peak']:,} B measured, {tr['predicted_peak']:,} B shadow-run.")
+    off = tr.get("lines_off", [])
+    lines += ["", "The shadow names every line of every phase as the audit measured it." if not off else
+              f"The shadow names {len(off)} lines otherwise than measured (phase:line shadow vs measured): "
+              + "; ".join(off[:8]) + ("; ..." if len(off) > 8 else "") + "."]
     d = tr["first_divergence"]
     if d is None:
         return lines + ["", "They agree event by event: every allocation and free, in order, to the byte.", ""]

@@ -40,6 +40,8 @@ def _names(model, optimizer, held):
         put(p.grad, f"grads/{name}")
     for name, b in model.named_buffers():
         put(b, f"buffers/{name}")
+    for p in model.parameters():  # DTensors' mesh: its tensor of ranks (read as stored: .mesh makes a view)
+        put(getattr(getattr(p, "device_mesh", None), "_rank_map", None), "buffers/device_mesh")
     for p, state in optimizer.state.items():
         for k, v in state.items():
             put(v, f"optimizer/{k}/{param_name.get(id(p), '?')}")
@@ -167,7 +169,8 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
         base = shadow_cuda.meta() if device_type == "cuda" else FakeTensorMode()
     # the CPU rules outside the dispatcher (RNG states, the SDPA region); a CUDA run's RNG states are host memory
     rules = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
-    with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda:
+    with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda, \
+            shadow_dist.propagation_unseen(tracker):
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
         train_model = shadow_dist.wrap(model, cfg, tracker)  # DDP around it, as train.py does
         handles = module_labels(model, tracker)
@@ -190,14 +193,18 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                     model.set_requires_gradient_sync(micro == accum - 1)
                 tracker.phase = "forward"
                 sync = train_model.no_sync() if train_model is not model and micro < accum - 1 else contextlib.nullcontext()
-                with sync, autocast:
-                    logits, loss = train_model(X, Y)
-                    loss = loss / accum
-                if not cfg["keep_logits"]:
-                    logits = None
-                if it == 1 and micro == accum - 1:
-                    tracker.before_op()
-                    phases["step2_before_backward"] = len(tracker.events)
+                audited = it == 1 and micro == accum - 1
+                with _naming(tracker, model, device_type) if audited else contextlib.nullcontext() as name:
+                    with sync, autocast:
+                        logits, loss = train_model(X, Y)
+                        loss = loss / accum
+                    if not cfg["keep_logits"]:
+                        logits = None
+                    if audited:
+                        tracker.before_op()
+                        phases["step2_before_backward"] = len(tracker.events)
+                        name(loss, {"lm_head": logits} if cfg["keep_logits"] else None,
+                             (model, optimizer, scaler, {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss}))
                 tracker.phase = "inputs"
                 X, Y = get_batch()
                 tracker.phase = "backward"
@@ -217,6 +224,35 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
         for h in handles:
             h.remove()
     return _result(tracker, pre, phases)
+
+
+@contextlib.contextmanager
+def _naming(tracker, model, device_type):
+    """Around the audited forward: the audit's own names of what it saves for backward
+    (recorder.saved_tensor_ledger: the module and op that saved each storage, #n for a second
+    one; storages told apart by their C++ address, fake tensors having none). Yields
+    name(loss, held, loop): {allocation id: name} in tracker.saved_names for what the forward
+    made, the loop's names first (recorder.named_tensors(*loop): FSDP2's unsharded weights, the
+    batch, the loss), then the saved tensors' and `held`'s, as attribute.phase_names orders them."""
+    from ..recording.recorder import local_tensor, named_tensors, saved_tensor_ledger
+    records = []
+    device = "meta" if device_type == "cuda" else "cpu"  # a CUDA step's wrapped scalars are host memory
+    with saved_tensor_ledger(model, records, device, ident=_address) as label:
+        def name(loss, held, loop):
+            label(loss, held=held)
+            ids = {sid: aid for sid, (aid, _) in tracker.live.items()}
+            ids.update((ref.cdata, aid) for ref, aid in tracker.saved)  # real scalars and RNG states
+            names = [(_address(local_tensor(t).untyped_storage()), n) for n, t in named_tensors(*loop)]
+            names += [(r["data_ptr"], r["key"]) for r in records]  # the held outputs among them, last
+            out = tracker.saved_names = {}
+            for sid, n in names:
+                if sid in ids:
+                    out.setdefault(ids[sid], n)
+        yield name
+
+
+def _address(storage):
+    return storage._cdata
 
 
 def _begin(tracker, names, phases):
@@ -272,10 +308,31 @@ def _result(tracker, pre, phases):
         level += nbytes if action == "alloc" else -nbytes
         peak = max(peak, level)
     out = {"events": events, "history": history, "pre": pre, "start_bytes": start_bytes, "phases": cut,
-           "peak": start_bytes + peak, "probed": sorted(tracker.probed), "unprobed": sorted(tracker.unprobed)}
+           "peak": start_bytes + peak, "probed": sorted(tracker.probed), "unprobed": sorted(tracker.unprobed),
+           "saved": dict(tracker.saved_names)}
     if tracker.tagging:  # each allocation's block and each event's (history, then step)
         out["blocks"] = {"allocs": {aid: tracker.block_of(aid) for aid in tracker.allocs}, "events": blocks}
         out["micro"] = {"allocs": dict(tracker.micro_tags), "events": micros}
+    return out
+
+
+def lines(result, phase="step2_before_backward"):
+    """{name: bytes} live at a phase of the shadow's step, named as an audit names them: what
+    is live when the step starts by the loop's names, what the audited forward saved for
+    backward by the audit's (result["saved"]; a repeated step has none: shadow_repeat), the rest
+    by the shadow's own keys (activations/<module>/<op that made it>)."""
+    saved = result.get("saved", {})
+    live = {aid: (key, nbytes) for aid, key, nbytes in result["pre"]}
+    for action, key, nbytes, aid in result["events"][:result["phases"][phase]]:
+        if action == "alloc":
+            live[aid] = (key, nbytes)
+        else:
+            live.pop(aid, None)
+    out = {}
+    for aid, (key, nbytes) in live.items():
+        if nbytes:
+            name = saved.get(aid, key)
+            out[name] = out.get(name, 0) + nbytes
     return out
 
 
@@ -283,7 +340,8 @@ def snapshot(result):
     """The shadow's step as a snapshot (CPU schema: one segment per live allocation, as CPU
     audits write them) that MemoryViz opens and `attribute`/`viz` name by the events' keys. The
     trace starts with what is live when the step starts (at time 0), then the step's events;
-    addresses are made up, one range per allocation."""
+    addresses are made up, one range per allocation. What the audited forward made is named as
+    the audit names it (result["saved"]: lines)."""
     from ..recording.cpu_timeline import snapshot_at
     addr, events, t = {}, [], 0
     next_addr = 1 << 32
@@ -298,9 +356,11 @@ def snapshot(result):
         return [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
     for aid, key, nbytes in result["pre"]:
         events.append((0, "alloc", place(aid, nbytes), nbytes, frames(key), key.split("/", 1)[0], ""))
+    saved = result.get("saved", {})
     for action, key, nbytes, aid in result["events"]:
         t += 1000
         where = place(aid, nbytes) if action == "alloc" else addr[aid]
+        key = saved.get(aid, key)
         events.append((t, action, where, nbytes, frames(key), key.split("/", 1)[0], ""))
     return snapshot_at(events, t)
 

@@ -94,6 +94,8 @@ class Tracker:
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
         self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
+        self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow._naming)
+        self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
 
     @property
     def op(self):
@@ -341,7 +343,7 @@ def dispatch_mode(tracker, device_type):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func.namespace == "prim":  # metadata queries (a fake tensor's device): no memory
+            if func.namespace == "prim" or tracker.unseen:  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **kwargs)
             if any(t not in _PLAIN for t in types):  # a DTensor: its own dispatch runs the ops on
                 tracker.subclass_op = func  # its shards, and those come back through this mode
@@ -416,7 +418,7 @@ def _device_op(tracker, func, args, kwargs, key):
     held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
     if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS:
         thread = "backward" if tracker.phase == "backward" else "main"
-        tracker.hold(("cublas", thread), f"workspace/cublas_{thread}", tracker.workspace_bytes)
+        tracker.hold(("cublas", thread), "workspace/cublas", tracker.workspace_bytes)  # one line, as audits name it
     return out, held, []
 
 

@@ -110,8 +110,8 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
     for unit, fps in _fsdp_units(model):  # gradient shards kept across steps (set_to_none=False)
         for fp in fps:  # are views into their unit's first reduce-scatter output: one buffer a unit
             g = fp.sharded_param.grad
-            if g is not None and _is_view_into_more(g) and local_tensor(g).untyped_storage().data_ptr() not in shared:
-                shared.add(local_tensor(g).untyped_storage().data_ptr())
+            if g is not None and _is_view_into_more(g) and local_tensor(g).untyped_storage()._cdata not in shared:
+                shared.add(local_tensor(g).untyped_storage()._cdata)  # one storage (fake ones have no data_ptr)
                 yield f"grads/{unit}/shards", g
     for p, name in names.items():
         g = p.grad
@@ -278,10 +278,11 @@ def _checkpoint_regions(windows):
 
 
 @contextmanager
-def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: None):
+def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: None, label=True):
     """For the audited forward, wrap every checkpointing module's `ac_context_fn` (model.py's
-    convention) so its region is noted and its recomputation labelled, let SAC blocks report
-    the outputs they keep through `keep(op, output)`, and give each region's saved RNG state to
+    convention) so its region is noted and its recomputation labelled (not with label=False:
+    the shadow run, where a profiler range would be one more op), let SAC blocks report the
+    outputs they keep through `keep(op, output)`, and give each region's saved RNG state to
     `rng_state`. Restores the modules on exit; contexts already made keep labelling the backward."""
     wrapped = []
     for name, m in model.named_modules():
@@ -291,7 +292,7 @@ def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: 
 
         def context_fn(fn=fn, name=name):
             fwd, rec = fn()
-            return _Region(fwd, windows), _RecomputeLabel(rec, short(name), cuda)
+            return _Region(fwd, windows), _RecomputeLabel(rec, short(name), cuda) if label else rec
         wrapped.append((m, fn, getattr(m, "sac_observer", None)))
         m.ac_context_fn = context_fn
         if hasattr(m, "sac_observer"):
@@ -309,10 +310,13 @@ def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: 
 class _SavedStorages:
     """What autograd saved in a forward, one record per storage in forward order (the module,
     device, bytes, dtype and shape of the first tensor seen there), and weak references to the
-    saved tensors whose grad_fns lead into the graph."""
+    saved tensors whose grad_fns lead into the graph. `ident(storage)` names a storage: its
+    data_ptr (real tensors), or its C++ address where tensors have no memory (the shadow run's
+    fake tensors)."""
 
-    def __init__(self, stack):
+    def __init__(self, stack, ident=None):
         self.stack = stack  # the modules running now, innermost last
+        self.ident = ident or storage_ptr
         self.first_seen = {}  # storage data_ptr -> record, in forward order
         self.impls = {}  # storage data_ptr -> the storage (its C++ address) first seen there
         self.weak = []  # weak references to what was saved: their grad_fns find the graph without a loss
@@ -320,7 +324,7 @@ class _SavedStorages:
     def record(self, t, op=None, held=False):
         t = local_tensor(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
         st = t.untyped_storage()
-        ptr = st.data_ptr()
+        ptr = self.ident(st)
         first_seen, impls, stack = self.first_seen, self.impls, self.stack
         if impls.setdefault(ptr, st._cdata) != st._cdata:  # the first storage here was resized away
             del first_seen[ptr], impls[ptr]  # (FSDP2 frees an unsharded weight a matmul saved)
@@ -337,8 +341,12 @@ class _SavedStorages:
                 self.weak.append(weakref.ref(t))
 
 
+def storage_ptr(storage):
+    return storage.data_ptr()
+
+
 @contextmanager
-def saved_tensor_ledger(model, out, device):
+def saved_tensor_ledger(model, out, device, ident=None):
     """Record every tensor autograd saves for backward in this forward, deduplicated by storage.
 
     Fills `out` with SavedTensor dicts once `label(loss)` has walked the graph. The hooks return
@@ -346,9 +354,14 @@ def saved_tensor_ledger(model, out, device):
     Activation checkpointing: a region's own saved tensors are not stored (the graph walk skips
     its nodes); its inputs are (`checkpoint.input`), and so are the outputs SAC keeps
     (`<op>.sac_output`). Tensors saved outside the model (the loop's loss) have module None.
+    `ident`: how a storage is told apart (_SavedStorages; each record's "data_ptr" holds it), for
+    the shadow run's tensors without memory. There every saved tensor is read raw, as the hooks
+    packed it (unpacking dispatches a detach per tensor that needs a gradient, and a shadow run
+    must see no op the step does not run: FSDP2's LayerNorm weights were not all-gathered again
+    in backward after it), and recomputations are left unlabelled (a profiler range is an op too).
     """
     stack = []
-    saved = _SavedStorages(stack)
+    saved = _SavedStorages(stack, ident)
     record, first_seen, impls, weak = saved.record, saved.first_seen, saved.impls, saved.weak
     windows = []  # [start, end) autograd sequence numbers of checkpointed regions
     seq_log = []  # (next autograd sequence number, module running from then on)
@@ -389,14 +402,14 @@ def saved_tensor_ledger(model, out, device):
             stack.pop()
         roots = [loss.grad_fn] if loss is not None else []
         roots += [r().grad_fn for r in weak if r() is not None]
-        savers, tensor_info = graph_savers(roots, windows)
+        savers, tensor_info = graph_savers(roots, windows, ident, raw=ident is not None)
         _name_unpacked(first_seen, savers, tensor_info, seq_log, impls)
         out.extend(saved_records(first_seen, savers, device, checkpointed=bool(windows), short=short))
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 checkpoint_observers(model, windows, keep, device.startswith("cuda"), short,
-                                     lambda t: record(t, "checkpoint.rng_state")):
+                                     lambda t: record(t, "checkpoint.rng_state"), label=ident is None):
             yield label
     finally:
         for h in handles:
@@ -463,13 +476,16 @@ def saved_values_of(node, in_region):
     return out
 
 
-def graph_savers(roots, skip=()):
+def graph_savers(roots, skip=(), ident=None, raw=False):
     """Walk the autograd graph from `roots` (grad_fns); nodes whose sequence number falls in a `skip`
-    window [start, end) (checkpointed regions) are read through their raw saved tensors.
+    window [start, end) (checkpointed regions), or every node with `raw`, are read through their
+    raw saved tensors.
 
     Returns (savers, info): storage data_ptr -> [(sequence_nr, grad_fn name, attribute)], and
-    data_ptr -> {data_ptr, nbytes, dtype, shape} of that storage.
+    data_ptr -> {data_ptr, nbytes, dtype, shape} of that storage (`ident(storage)` in place of
+    data_ptr where given: _SavedStorages).
     """
+    ident = ident or storage_ptr
     savers, info, seen, todo = {}, {}, set(), list(roots)
     while todo:
         node = todo.pop()
@@ -477,13 +493,13 @@ def graph_savers(roots, skip=()):
             continue
         seen.add(node)
         seq = node._sequence_nr()
-        in_region = any(a <= seq < b for a, b in skip)
+        in_region = raw or any(a <= seq < b for a, b in skip)
         for attr, value in saved_values_of(node, in_region):
             for t in value if isinstance(value, (list, tuple)) else [value]:
                 if torch.is_tensor(t):
                     t = local_tensor(t)
                     st = t.untyped_storage()
-                    ptr = st.data_ptr()
+                    ptr = ident(st)
                     savers.setdefault(ptr, []).append((node._sequence_nr(), node.name(), attr))
                     info.setdefault(ptr, {"data_ptr": ptr, "nbytes": st.nbytes(), "device": str(t.device),
                                           "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
