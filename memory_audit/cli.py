@@ -168,7 +168,8 @@ def cmd_predict(args, extra):
     replay = None
     if not args.ledger and not pred["config"].get("compile"):  # the totals from the step's trace
         from .prediction.stepped import with_shadow
-        pred, replay = with_shadow(pred, args.gaps)
+        # a CPU trace names its allocations as an audit does (a GPU's deep step is repeated: no names)
+        pred, replay = with_shadow(pred, args.gaps, names=bool(args.trace) and dev["type"] != "cuda")
     if args.trace:
         if replay is None:
             raise ValueError(f"--trace: no shadow run for this config: {pred['totals']['from']}")

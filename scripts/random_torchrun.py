@@ -84,7 +84,7 @@ def shadow_lines(row):
     cfg = resolved(row["resolved_config"])
     if uncovered(cfg, {"type": "cpu"}) is not None:
         return []
-    return shadow_lines_off(row["measured_lines"], shadow.run(cfg))
+    return shadow_lines_off(row["measured_lines"], shadow.run(cfg, names=True))
 
 
 def predicted_peak(row):

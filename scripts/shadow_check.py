@@ -45,7 +45,7 @@ def check(cfg, tmp, device="cpu", keep=None):
     peak = report["totals"]["peak"]
     full = resolved(report["config"])
     try:  # on CUDA through the allocator's model, with the device's facts (SDPA kernel, workspaces)
-        sh = shadow.replayed(full, device_from_meta(load_meta(run)))
+        sh = shadow.replayed(full, device_from_meta(load_meta(run)), names=True)
     except ValueError as e:
         shutil.rmtree(run, ignore_errors=True)
         return {"config": cfg, "measured": peak["actual"], "shadow": None, "shadow_error": str(e),
@@ -84,7 +84,7 @@ def committed_rows(paths):
             if uncovered(full, {"type": "cpu"}) is not None:
                 continue
             with plain_bf16():  # every committed CPU row was measured without oneDNN's bf16 matmuls
-                result = shadow.run(full)
+                result = shadow.run(full, names=True)
             t = row["totals"]
             ok = (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"])
             off = shadow_lines_off(row["measured_lines"], result)

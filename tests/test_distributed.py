@@ -74,7 +74,7 @@ def assert_shadow_exact(run_dir):
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import resolved
     rec = json.load(open(os.path.join(run_dir, "report.json")))
-    result = shadow.run(resolved(rec["config"]))
+    result = shadow.run(resolved(rec["config"]), names=True)
     t = rec["totals"]
     assert result["start_bytes"] == t["steady_state"]["actual"], run_dir
     assert_peak({**rec, "totals": dict(t, peak=dict(t["peak"], diff=t["peak"]["actual"] - result["peak"]))})
@@ -250,9 +250,11 @@ def test_committed_torchrun_rows_are_shadow_run_to_the_byte():
     """Each rank of the committed ddp, fsdp, tp, tp-sp and 2-D mesh runs (cpu-parallel.jsonl,
     cpu-long.jsonl: measured under torchrun with gloo, one thread per rank) shadow-run as that
     rank on a fake process group in this process, one after another (a 2-D mesh's rank 2 after
-    its rank 0 and 1): the step's start and its peak equal the measurement (bf16 rows only where
-    this CPU runs bf16 matmuls as theirs did: through oneDNN)."""
+    its rank 0 and 1): the step's start and its peak equal the measurement, and every line of
+    every phase as the shadow names it itself (bf16 rows only where this CPU runs bf16 matmuls as
+    theirs did: through oneDNN)."""
     import torch
+    from memory_audit.comparison.reconcile import shadow_lines_off
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import resolved
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -261,9 +263,10 @@ def test_committed_torchrun_rows_are_shadow_run_to_the_byte():
         rc = r["resolved_config"]
         if rc.get("parallel") == "none" or (rc["dtype"] != "float32" and not native):
             continue
-        result = shadow.run(resolved(rc))
+        result = shadow.run(resolved(rc), names=True)
         t = r["totals"]
         assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), rc
+        assert shadow_lines_off(r["measured_lines"], result) == [], rc  # every line, as the shadow names it
         done.append(rc["parallel"])
     assert set(done) == {"ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp"} and len(done) >= 26, done
 

@@ -40,7 +40,7 @@ def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
     assert p.returncode == 0, p.stderr[-2000:]
     run = os.path.join(tmp_path, "r")
     full, report = _resolved(run)
-    result = shadow.run(full)
+    result = shadow.run(full, names=True)
     measured = report["totals"]["peak"]["actual"]
     off = [(r["phase"], r["key"], r["predicted"], r["actual"]) for r in mismatched(report["rows"], skip=())]
     assert off == [], f"seed {SEED} config {i} {cfg}: lines off {off[:6]}"
@@ -100,7 +100,7 @@ def test_committed_cpu_rows_are_the_shadow_runs(grid):
     for row in rows:
         cfg = resolved(row["resolved_config"])
         with plain_bf16():  # the rows' CPUs: bf16 matmuls outside oneDNN
-            result = shadow.run(cfg)
+            result = shadow.run(cfg, names=True)
         t = row["totals"]
         assert (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"]), row["config"]
         assert shadow_lines_off(row["measured_lines"], result) == [], row["config"]

@@ -42,7 +42,7 @@ def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
     run = os.path.join(EXAMPLES, name)
     meta = load_meta(run)
     cfg = resolved(meta["config"])
-    r = shadow.replayed(cfg, _device())
+    r = shadow.replayed(cfg, _device(), names=True)
     predicted = r["result"]["history"] + r["result"]["events"]
     measured = _trace_from_start(run)
     assert len(predicted) == len(measured) and first_divergence(measured, predicted) is None

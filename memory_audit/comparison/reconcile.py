@@ -248,7 +248,7 @@ def against_shadow(run_dir, rec):
     if why is not None:
         return {"error": f"{SHADOW_SCOPE}: not {why}"}
     try:
-        sh = replayed(cfg, dev)
+        sh = replayed(cfg, dev, names=True)
     except (ShadowError, ValueError) as e:
         return {"error": str(e)}
     measured = step_events(run_dir)

@@ -27,17 +27,20 @@ from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, modul
 def _names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
     import torch
-    from ..recording.recorder import local_tensor
+    from ..recording.recorder import _is_view_into_more, local_tensor, named_tensors
     out = {}
 
     def put(t, name):
         if isinstance(t, torch.Tensor):  # a DTensor's memory is its shard's, as the audit names it
             out.setdefault(local_tensor(t).untyped_storage()._cdata, name)
+    for name, t in named_tensors(model, optimizer, None, held):  # the audit's own registry first
+        put(t, name)
     param_name = {}
     for name, p in model.named_parameters():
         param_name[id(p)] = name
         put(p, f"weights/{name}")
-        put(p.grad, f"grads/{name}")
+        if p.grad is not None and not _is_view_into_more(p.grad):  # a view into DDP's bucket is the bucket's
+            put(p.grad, f"grads/{name}")
     for name, b in model.named_buffers():
         put(b, f"buffers/{name}")
     for p in model.parameters():  # DTensors' mesh: its tensor of ranks (read as stored: .mesh makes a view)
@@ -128,15 +131,19 @@ class ShadowError(ValueError):
     """The step could not run on fake tensors; str() names the last op and the reason."""
 
 
-def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False):
+def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False,
+        names=False):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see _result). fake=False runs the same on real tensors (a
     check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
     view op through the tracker's whole path (the check of shadow_metacache and of that
     shortcut; otherwise the process's one cache, shadow_metacache.SHARED, answers). blocks=True
     tags each allocation and event with its block and micro-step (result["blocks"],
-    result["micro"], for shadow_repeat). Raises ShadowError (one line) if the step cannot run."""
+    result["micro"], for shadow_repeat). names=True also names what the audited forward made as
+    an audit does (result["saved"], read by lines(); it costs a graph walk, which fit and plan do
+    without). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
+    tracker.naming = names
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
     tracker.tagging = blocks
     if device_type == "cuda" and fake and cache:
@@ -194,7 +201,8 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                 tracker.phase = "forward"
                 sync = train_model.no_sync() if train_model is not model and micro < accum - 1 else contextlib.nullcontext()
                 audited = it == 1 and micro == accum - 1
-                with _naming(tracker, model, device_type) if audited else contextlib.nullcontext() as name:
+                naming = audited and tracker.naming
+                with _naming(tracker, model, device_type) if naming else contextlib.nullcontext() as name:
                     with sync, autocast:
                         logits, loss = train_model(X, Y)
                         loss = loss / accum
@@ -203,6 +211,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                     if audited:
                         tracker.before_op()
                         phases["step2_before_backward"] = len(tracker.events)
+                    if naming:
                         name(loss, {"lm_head": logits} if cfg["keep_logits"] else None,
                              (model, optimizer, scaler, {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss}))
                 tracker.phase = "inputs"
@@ -308,8 +317,9 @@ def _result(tracker, pre, phases):
         level += nbytes if action == "alloc" else -nbytes
         peak = max(peak, level)
     out = {"events": events, "history": history, "pre": pre, "start_bytes": start_bytes, "phases": cut,
-           "peak": start_bytes + peak, "probed": sorted(tracker.probed), "unprobed": sorted(tracker.unprobed),
-           "saved": dict(tracker.saved_names)}
+           "peak": start_bytes + peak, "probed": sorted(tracker.probed), "unprobed": sorted(tracker.unprobed)}
+    if tracker.naming:
+        out["saved"] = dict(tracker.saved_names)
     if tracker.tagging:  # each allocation's block and each event's (history, then step)
         out["blocks"] = {"allocs": {aid: tracker.block_of(aid) for aid in tracker.allocs}, "events": blocks}
         out["micro"] = {"allocs": dict(tracker.micro_tags), "events": micros}
@@ -318,10 +328,12 @@ def _result(tracker, pre, phases):
 
 def lines(result, phase="step2_before_backward"):
     """{name: bytes} live at a phase of the shadow's step, named as an audit names them: what
-    is live when the step starts by the loop's names, what the audited forward saved for
-    backward by the audit's (result["saved"]; a repeated step has none: shadow_repeat), the rest
-    by the shadow's own keys (activations/<module>/<op that made it>)."""
-    saved = result.get("saved", {})
+    is live when the step starts by the loop's names, what the audited forward made by the
+    audit's (result["saved"]: run(..., names=True)), the rest by the shadow's own keys. A
+    result without names (names=False, or a repeated step: shadow_repeat) raises ValueError."""
+    if "saved" not in result:
+        raise ValueError("this shadow run was made without names (run(..., names=True); a repeated step has none)")
+    saved = result["saved"]
     live = {aid: (key, nbytes) for aid, key, nbytes in result["pre"]}
     for action, key, nbytes, aid in result["events"][:result["phases"][phase]]:
         if action == "alloc":
@@ -356,7 +368,7 @@ def snapshot(result):
         return [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
     for aid, key, nbytes in result["pre"]:
         events.append((0, "alloc", place(aid, nbytes), nbytes, frames(key), key.split("/", 1)[0], ""))
-    saved = result.get("saved", {})
+    saved = result.get("saved") or {}
     for action, key, nbytes, aid in result["events"]:
         t += 1000
         where = place(aid, nbytes) if action == "alloc" else addr[aid]
@@ -369,28 +381,29 @@ _LAST = {}  # the last CUDA steps shadow-run by replayed, {key: result}: the sam
 _KEEP = 4  # again on another allocator setting (plan's expandable_segments option) runs once
 
 
-def replayed(cfg, device, repeat=True):
+def replayed(cfg, device, repeat=True, names=False):
     """The shadow run of `cfg` on `device` (predict.device_facts' dict) counted as the device
     counts it: {"steady_state", "before_backward", "peak", "peak_event", "end", "reserved"} of step 2, plus
     "result" (run()'s). On CUDA every request goes through the caching allocator's model from
     model.to(device) on (shadow_allocator.replay); a CPU step is its own bytes (reserved: None).
     repeat: a deep CUDA step from the shadow runs of 3 and 4 blocks (shadow_repeat) where the
-    rule holds; repeat=False runs every block."""
+    rule holds; repeat=False runs every block. names: run(..., names=True) (a CUDA step is then
+    run whole: a repeated one has no names)."""
     if device["type"] != "cuda":
-        result = run(cfg)
+        result = run(cfg, names=names)
         levels = step_levels(result)
         at = {phase: levels[i] for phase, i in result["phases"].items()}
         return {"steady_state": result["start_bytes"], "before_backward": at.get("step2_before_backward"),
                 "peak": result["peak"], "peak_event": levels.index(result["peak"]) - 1, "end": at["step2_end"],
                 "reserved": None, "result": result}
     kw = dict(sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
-    key = repr((sorted(cfg.items()), sorted(kw.items()), repeat))
+    key = repr((sorted(cfg.items()), sorted(kw.items()), repeat, names))
     result = _LAST.get(key)
     if result is None:
         worth = shadow_repeat.repeatable(cfg) or shadow_repeat.micro_repeatable(cfg)
-        result = repeated(cfg, **kw) if repeat and worth else None
+        result = repeated(cfg, **kw) if repeat and worth and not names else None
         if result is None:
-            result = run(cfg, "cuda", **kw)
+            result = run(cfg, "cuda", names=names, **kw)
         while len(_LAST) >= _KEEP:  # the oldest goes
             _LAST.pop(next(iter(_LAST)))
         _LAST[key] = result

@@ -95,6 +95,7 @@ class Tracker:
         self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
         self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow._naming)
+        self.naming = False  # name what the audited forward makes as an audit does (shadow.run(names=True))
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
 
     @property

@@ -38,16 +38,17 @@ def uncovered(cfg, dev, gaps_bytes=None):
     return None
 
 
-def with_shadow(pred, gaps_bytes=None, ledger=True):
+def with_shadow(pred, gaps_bytes=None, ledger=True, names=False):
     """(pred with its totals from the shadow's replay where it covers the config, the replay
     or None). The ledger's lines are unchanged; ledger: its replaced totals are kept under
-    totals["ledger"] (False: they were computed without the allocator model)."""
+    totals["ledger"] (False: they were computed without the allocator model); names: the
+    shadow names what it made as an audit does (shadow.replayed)."""
     cfg, dev, t = pred["config"], pred["device"], pred["totals"]
     reason = uncovered(cfg, dev, gaps_bytes)
     if reason is not None:
         t["from"] = f"ledger ({reason})"
         return pred, None
-    r = shadow.replayed(cfg, dev)
+    r = shadow.replayed(cfg, dev, names=names)
     if ledger:  # the ledger's totals were computed with its allocator model: kept beside
         t["ledger"] = {k: t[k] for k in REPLACED}
     cpu = r["reserved"] is None  # no cache: reserved is what is allocated
