@@ -177,7 +177,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     # the CPU rules outside the dispatcher (RNG states, the SDPA region); a CUDA run's RNG states are host memory
     rules = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
     with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda, \
-            shadow_dist.propagation_unseen(tracker):
+            shadow_dist.propagation_unseen(tracker, cfg):
         model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
         train_model = shadow_dist.wrap(model, cfg, tracker)  # DDP around it, as train.py does
         handles = module_labels(model, tracker)
