@@ -27,7 +27,7 @@ from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, modul
 def _names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
     import torch
-    from ..recording.recorder import _is_view_into_more, local_tensor, named_tensors
+    from ..recording.recorder import is_view_into_more, local_tensor, named_tensors
     out = {}
 
     def put(t, name):
@@ -39,7 +39,7 @@ def _names(model, optimizer, held):
     for name, p in model.named_parameters():
         param_name[id(p)] = name
         put(p, f"weights/{name}")
-        if p.grad is not None and not _is_view_into_more(p.grad):  # a view into DDP's bucket is the bucket's
+        if p.grad is not None and not is_view_into_more(p.grad):  # a view into DDP's bucket is the bucket's
             put(p.grad, f"grads/{name}")
     for name, b in model.named_buffers():
         put(b, f"buffers/{name}")

@@ -110,14 +110,14 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
     for unit, fps in _fsdp_units(model):  # gradient shards kept across steps (set_to_none=False)
         for fp in fps:  # are views into their unit's first reduce-scatter output: one buffer a unit
             g = fp.sharded_param.grad
-            if g is not None and _is_view_into_more(g) and local_tensor(g).untyped_storage()._cdata not in shared:
+            if g is not None and is_view_into_more(g) and local_tensor(g).untyped_storage()._cdata not in shared:
                 shared.add(local_tensor(g).untyped_storage()._cdata)  # one storage (fake ones have no data_ptr)
                 yield f"grads/{unit}/shards", g
     for p, name in names.items():
         g = p.grad
         # a gradient that is a view into a larger buffer (DDP's gradient_as_bucket_view, FSDP2's
         # kept shards above) is not an allocation of its own
-        if g is not None and not _is_view_into_more(g):
+        if g is not None and not is_view_into_more(g):
             yield f"grads/{name}", g
     if optimizer is not None:
         for p, state in optimizer.state.items():
@@ -132,7 +132,8 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
             yield name, t
 
 
-def _is_view_into_more(t):
+def is_view_into_more(t):
+    """Whether t is a view into a larger storage (a gradient in DDP's bucket or FSDP2's kept shards)."""
     return local_tensor(t).untyped_storage().nbytes() > local_tensor(t).numel() * t.element_size()
 
 
