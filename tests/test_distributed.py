@@ -74,6 +74,8 @@ def assert_shadow_exact(run_dir):
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import resolved
     rec = json.load(open(os.path.join(run_dir, "report.json")))
+    # under torchrun the audit pairs allocations by address without building the memory profile
+    assert load_json(os.path.join(run_dir, "meta.json"))["cpu_timeline"] == "raw allocations", run_dir
     result = shadow.run(resolved(rec["config"]), names=True)
     t = rec["totals"]
     assert result["start_bytes"] == t["steady_state"]["actual"], run_dir

@@ -29,7 +29,7 @@ def _name(event):
         return "<undecodable>"
 
 
-def timeline_events(prof, markers, keep=(), info=None, alive=()):
+def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True):
     """Allocation events of a finished profile and the times of the named markers.
 
     Returns (events, marker_times): events is a time-ordered list of
@@ -42,10 +42,15 @@ def timeline_events(prof, markers, keep=(), info=None, alive=()):
     recorder named at the last phase (a tensor there was alive then): no free is inferred for
     the last allocation at one of them (FSDP2's gradient shards kept with set_to_none=False live
     in their unit's reduce-scatter output, which the rules below would otherwise let go).
+    keyed=False takes the raw road without trying the memory profile: under torchrun, where
+    its checks often fail anyway, and where building it walks every Python call DTensor and
+    FSDP2 make (10-20 s a rank for cpu-tiny on 2 cores, more than the step itself).
     """
     from torch.profiler._memory_profiler import OpTree
 
     try:
+        if not keyed:
+            raise AssertionError("raw road asked for")
         mp = prof._memory_profile()
         tree = mp._op_tree
     except AssertionError:

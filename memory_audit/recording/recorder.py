@@ -152,6 +152,12 @@ def distributed_info(model):
                 "coordinate": mesh.get_coordinate(), "ranks": mesh.mesh.tolist()}}
 
 
+def _world_size():
+    """Ranks in this process's torch.distributed run (1 without one)."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def build_registry(model, optimizer=None, scaler=None, tensors=None):
     """Name every long-lived tensor by its storage address: a list of RegistryEntry dicts."""
     return [_tensor_entry(name, t) for name, t in named_tensors(model, optimizer, scaler, tensors)]
@@ -688,7 +694,7 @@ class AuditRecording:
         end = self.phases.get(PHASES[-1], {})
         alive = {r["data_ptr"] for r in end.get("registry", []) + end.get("held", [])}
         events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses(), road,
-                                               alive)
+                                               alive, keyed=_world_size() == 1)
         self.cpu_timeline = road.get("source")
         if self.compiled_wrappers:
             from .cpu_timeline import name_compiled
