@@ -108,13 +108,19 @@ def test_the_committed_budget_sweep_is_predicted_exactly_from_its_plans():
     assert by_budget[1.0][1] == 0 < by_budget[0.5][1] < by_budget[0.1][1] < by_budget[0.0][1]
 
 
+MADE_AGAIN = (0.1, 0.5, 1.0)  # three of the six budgets: each plan made costs 7-8 s on 2 cores
+
+
 @needs_compiler
 def test_the_budget_sweep_plans_are_made_again_from_each_config():
-    """The same six rows without their stored plans: the predictor makes each budget's plan from
-    the config (inductor's partition and wrappers, no kernel compiled; about 45 s for the six on
-    2 cores) and predicts every measured line and the peak from it, as from the stored one."""
+    """Three of the six rows without their stored plans (all six: about 45 s on 2 cores; the test
+    above reads every stored plan): the predictor makes each budget's plan from the config
+    (inductor's partition and wrappers, no kernel compiled) and predicts every measured line and
+    the peak from it, as from the stored one."""
     rows = [json.loads(l) for l in open(RESULTS)]
-    made = [{k: v for k, v in r.items() if k != "inductor_plan"} for r in rows]
+    made = [{k: v for k, v in r.items() if k != "inductor_plan"} for r in rows
+            if r["config"].get("activation_memory_budget") in MADE_AGAIN]
+    assert len(made) == len(MADE_AGAIN)
     assert_repredicted_exactly(made)
     torch._dynamo.reset()
 
