@@ -6,7 +6,7 @@ imports), each preset in a fresh process.
 For each preset (H100, fp16, manual attention, the H100 rows' batch) a child process imports
 torch and the package, then times shadow.replayed() (the shadow run on meta tensors and the
 caching allocator's replay) once cold (the first call also imports what torch's meta kernels
-import lazily; torch._dynamo is stood in for: shadow_nodynamo) and `runs` times warm, with and without the meta-kernel
+import lazily; torch._dynamo is stood in for: nodynamo.py) and `runs` times warm, with and without the meta-kernel
 cache and the view shortcut (shadow.run(cache=False)). Prints the medians and the ratios to the
 1 s target and to the uncached run. Not a test: the numbers depend on the machine.
 """

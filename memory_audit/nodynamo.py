@@ -1,10 +1,13 @@
-"""torch._dynamo stood in for while a shadow runs, so an eager step does not import it (issue #26: speed).
+"""torch._dynamo stood in for while a shadow runs or a CPU audit records, so an eager step does not import it (issue #26: speed).
 
 An eager step asks torch._dynamo three things: `disable(fn)` (through torch._disable_dynamo's
 wrappers: every dispatch mode's __torch_dispatch__, the prims references, the optimizer's
-zero_grad, checkpoint), `graph_break()` (torch.optim's step) and `config` (checkpoint reads one
-flag). Importing torch._dynamo for them costs about 1 s of a shadow-backed command on 2 cores
-(measured with the shadow's other imports already done), more than the shadow of GPT-2 xl.
+constructor and zero_grad, checkpoint), `graph_break()` (torch.optim's step) and `config`
+(checkpoint reads one flag). Importing torch._dynamo for them costs about 1 s of a shadow-backed
+command on 2 cores (measured with the shadow's other imports already done), more than the shadow
+of GPT-2 xl; in a CPU audit it cost 1.8 s of a 5.7 s cpu-tiny run (the profiler's start probed
+torch._inductor, which imports it), and imported inside the profile it is 40 s more (every
+Python call of the import is recorded and walked).
 
 Nothing can be compiling in a process that has not imported torch._dynamo, so there `disable(fn)`
 is fn itself and `graph_break()` does nothing; `config` is the real module file, loaded on its own
@@ -12,7 +15,8 @@ is fn itself and `graph_break()` does nothing; `config` is the real module file,
 or as a submodule, imports the real torch._dynamo first and answers from it, and what the
 stand-in handed out (the `disable` wrappers torch caches on each function) defers to the real
 module from then on: the stand-in changes how long a step takes, never what it does. It is in
-place only while a shadow runs (`stood_in()`) and only where torch._dynamo is not imported yet.
+place only while a shadow runs or a CPU audit's profiler records (`stood_in()`), or in an eager
+train.py run from its setup on (`stand_in()`), and only where torch._dynamo is not imported yet.
 """
 
 import contextlib
@@ -62,14 +66,16 @@ def _real():
     return sys.modules[NAME]
 
 
-def disable(fn, recursive=True, wrapping=True):
-    """torch._dynamo.disable(fn) in a process where nothing compiles: fn; the real one's once
-    torch._dynamo is imported."""
+def disable(fn=None, recursive=True, *, reason=None, wrapping=True):
+    """torch._dynamo.disable(fn) in a process where nothing compiles: fn (a decorator without
+    fn, as the real one); the real one's once torch._dynamo is imported."""
+    if fn is None:
+        return lambda f: disable(f, recursive, reason=reason, wrapping=wrapping)
     real = []
 
     def call(*args, **kwargs):
         if not real and _loaded() is not None:
-            real.append(_loaded().disable(fn, recursive, wrapping=wrapping))
+            real.append(_loaded().disable(fn, recursive, reason=reason, wrapping=wrapping))
         return (real[0] if real else fn)(*args, **kwargs)
     return call
 
@@ -100,18 +106,36 @@ def _remove():
         del sys.modules[NAME]
     if getattr(torch, "_dynamo", None) is _STAND_IN:
         del torch._dynamo
-    if _GUARD in sys.meta_path:
+    if sys.meta_path is not None and _GUARD in sys.meta_path:  # None: the interpreter is shutting down
         sys.meta_path.remove(_GUARD)
+
+
+def enter():
+    """Stand in for torch._dynamo now, where it is not imported yet: True if this call did
+    (then `leave()` takes it away), False where torch._dynamo (or the stand-in) is there."""
+    if NAME in sys.modules:
+        return False
+    _install()
+    return True
+
+
+def leave():
+    """Take the stand-in away (the real torch._dynamo, once imported, stays)."""
+    _remove()
 
 
 @contextlib.contextmanager
 def stood_in():
     """torch._dynamo stood in for inside the block, where it is not imported yet."""
-    if NAME in sys.modules:
-        yield
-        return
-    _install()
+    mine = enter()
     try:
         yield
     finally:
-        _remove()
+        if mine:
+            leave()
+
+
+def stand_in():
+    """torch._dynamo stood in for from now on, for the rest of the process, where it is not
+    imported yet (train.py's eager runs: nothing is left to undo at exit)."""
+    enter()

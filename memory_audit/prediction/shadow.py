@@ -21,7 +21,7 @@ import gc
 
 from . import shadow_cuda, shadow_dist, shadow_repeat
 from ..schema import PREDICTED_FRAME
-from .shadow_nodynamo import stood_in
+from ..nodynamo import stood_in
 from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, module_labels
 
 def _names(model, optimizer, held):
@@ -155,7 +155,7 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
 def _one_line(tracker, fn, *args):
     """fn(*args), an exception other than ValueError becoming one ShadowError line that names
     the op where the step stopped: no number is better than a wrong one. torch._dynamo is stood
-    in for while it runs, where it is not imported yet (shadow_nodynamo: 1 s less, the same step)."""
+    in for while it runs, where it is not imported yet (nodynamo.py: 1 s less, the same step)."""
     try:
         with stood_in():
             return fn(*args)
