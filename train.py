@@ -164,7 +164,7 @@ if compile:
 _torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 if parallel == "auto":
     parallel = "ddp" if _torchrun else "none"
-from memory_audit.nodynamo import stand_in
+from memory_audit import nodynamo
 from memory_audit.prediction.predict import PARALLEL  # the strategies the predictor knows are the ones train.py runs
 if parallel not in PARALLEL:
     fail(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
@@ -258,14 +258,16 @@ def get_batch(split):
     return x, y
 
 
-# the audit starts before the model exists, so the weights' allocations are in the trace ------
 # an eager run on one process never needs torch._dynamo (its import: 1.8 s of a 5 s cpu-tiny
-# audit; inside a CPU audit's profile, far more): stood in for from here on
-# (memory_audit/nodynamo.py), which changes how long the run takes, never what it computes;
-# torch.compile gets the real one. Not under torchrun: DDP, FSDP2 and DTensor ask torch._dynamo
-# more, so the real one came in mid-step, inside the profile (the torchrun tests took 1.6x longer)
+# audit; inside a CPU audit's profile, far more): stood in for from here on, for the rest of the
+# process (memory_audit/nodynamo.py), which changes how long the run takes, never what it
+# computes; torch.compile gets the real one. Not under torchrun: DDP, FSDP2 and DTensor ask
+# torch._dynamo more, so the real one came in mid-step, inside the profile (the torchrun tests
+# took 1.6x longer)
 if not compile and parallel == "none":
-    stand_in()
+    nodynamo.enter()
+
+# the audit starts before the model exists, so the weights' allocations are in the trace ------
 audit_obj = None
 if audit:
     from memory_audit import Audit, AuditError

@@ -48,16 +48,16 @@ def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True):
     """
     from torch.profiler._memory_profiler import OpTree
 
-    try:
-        if not keyed:
-            raise AssertionError("raw road asked for")
-        mp = prof._memory_profile()
-        tree = mp._op_tree
-    except AssertionError:
-        # The memory profiler's data-flow graph checks fail when another thread's ops interleave
-        # (gloo's collectives under torchrun): every allocation is then taken by address, as
-        # compiled code's are below; only tensors older than the profile go unseen.
-        mp, tree = None, OpTree(prof.profiler.kineto_results)
+    mp = None
+    if keyed:
+        try:
+            mp = prof._memory_profile()
+        except AssertionError:
+            # The memory profiler's data-flow graph checks fail when another thread's ops
+            # interleave (gloo's collectives under torchrun): every allocation is then taken by
+            # address, as compiled code's are below; only tensors older than the profile go unseen.
+            mp = None
+    tree = mp._op_tree if mp is not None else OpTree(prof.profiler.kineto_results)
     if info is not None:
         info["source"] = "memory_profile" if mp is not None else "raw allocations"
     seen = _scan(tree, mp is not None, markers)

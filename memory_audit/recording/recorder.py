@@ -15,7 +15,6 @@ since CPU memory has no caching allocator).
 """
 
 import bisect
-import contextlib
 import json
 import os
 import pickle
@@ -24,7 +23,7 @@ import sys
 import time
 import traceback
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -152,24 +151,6 @@ def distributed_info(model):
             "mesh": None if mesh is None else {
                 "shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or ()),
                 "coordinate": mesh.get_coordinate(), "ranks": mesh.mesh.tolist()}}
-
-
-@contextmanager
-def _inductor_not_offered():
-    """The profiler's start asks hasattr(torch, "_inductor") (for inductor's cudagraphs setting),
-    and torch's lazy attribute answers by importing torch._inductor and torch._dynamo: 1.8 s of
-    a 5.7 s cpu-tiny audit on 2 cores. Nothing has compiled in a process that has not imported
-    torch._inductor, so while the profiler starts, an unimported one is not offered (the answer
-    is then False, as it is for a process that never compiles); imported, nothing changes."""
-    lazy = getattr(torch, "_lazy_modules", None)
-    if "torch._inductor" in sys.modules or not isinstance(lazy, set) or "_inductor" not in lazy:
-        yield
-        return
-    lazy.discard("_inductor")
-    try:
-        yield
-    finally:
-        lazy.add("_inductor")
 
 
 def _world_size():
@@ -562,6 +543,7 @@ class AuditRecording:
         self.error = None
         self.files = []
         self.prof = None
+        self._stand_in = False  # whether the profiler's start put nodynamo's stand-in in place
         self.active = False
 
     # -- lifecycle
@@ -592,7 +574,7 @@ class AuditRecording:
         # profile costs far more than before it: there the profiler's start imports it, as torch does.
         alone = _world_size() == 1
         self._stand_in = nodynamo.enter() if alone else False
-        with (_inductor_not_offered() if alone else contextlib.nullcontext()):
+        with (nodynamo.inductor_not_offered() if alone else nullcontext()):
             self.prof.__enter__()
 
     def begin_cpu(self, tensors=lambda: ()):
