@@ -43,8 +43,9 @@ def test_any_loop_named_and_predicted_to_the_byte(tmp_path, loop, onednn):
     """Every phase 0 unattributed without tensors= (the batch found as what the model receives and
     what the loss saved; the previous step's loss and output, which the loop still holds before
     backward, keep the names step2_start gave them); training unchanged by the audit; what is
-    live when the step starts, line by line, and the step's peak equal to the shadow run of the
-    same loop (predict_loop), to the byte: a conv net with batch norm and Adam, an LSTM with SGD
+    live when the step starts, before backward and when it ends, line by line (the shadow names
+    its allocations itself, with the audit's own code: nothing told), and the step's peak equal
+    to the shadow run of the same loop (predict_loop), to the byte: a conv net with batch norm and Adam, an LSTM with SGD
     momentum (oneDNN's kernels asked for their own buffers: shadow_probe) and a Llama-style
     decoder, fp32 and bf16 autocast, with and without torch.utils.checkpoint called by the model
     itself (the audit's graph walk must leave the regions' saved tensors alone: reading one runs
@@ -77,11 +78,10 @@ def _named_and_predicted(tmp_path, make, dtype, inputs, step, loop, onednn):
     m = measure(run)
     for phase, info in m["phases"].items():
         assert info["attribution"]["unattributed_bytes"] == 0, (phase, info["attribution"]["unattributed"])
-    r = predict_loop(make, step, inputs=inputs)
-    live = {}
-    for _, key, nbytes in r["pre"]:
-        live[key] = live.get(key, 0) + nbytes
-    assert live == m["phases"]["step2_start"]["attribution"]["lines"]
+    r = predict_loop(make, step)  # nothing named: the batch found as the audit finds it
+    assert set(inputs) <= set(r["summary"]["lines"])
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        assert r["summary"]["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
     peak = m["phases"]["step2_end"]["replay"]["peak"]
     divergence = first_divergence(step_events(run), r["events"])
     assert peak["bytes"] == r["peak"], (peak["bytes"], r["peak"], divergence)
@@ -93,6 +93,26 @@ def _named_and_predicted(tmp_path, make, dtype, inputs, step, loop, onednn):
     if loop.startswith("conv") or (loop.startswith("lstm") and onednn):  # without oneDNN the LSTM is aten ops
         assert set(r["probed"]) >= ({"convolution", "native_batch_norm"} if loop.startswith("conv")
                                     else {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"})
+
+
+def test_names_the_loop_gives_are_the_predictions_too(tmp_path):
+    """A loop that names its batch (`audit.step(i, tensors=...)`) and predict_loop given the same
+    names (`inputs=`): every phase's lines equal, the given names in place of the found ones."""
+    from memory_audit import predict_loop
+    make, step = (lambda: llama_loop(False)), llama_step("float32")
+    model, opt, x, y = make()
+    audit = Audit(model, opt, out_dir=str(tmp_path / "run"))
+    kept = None  # the loop holds each step's output and loss until the next, as predict_loop's does
+    for s in range(3):
+        with audit.step(s, tensors={"inputs/x": x, "inputs/y": y}):
+            kept = step(model, opt, x, y, audit)
+    assert kept is not None
+    m = measure(str(tmp_path / "run"))
+    r = predict_loop(make, step, inputs=("inputs/x", "inputs/y"))
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        assert r["summary"]["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
+    assert {"inputs/x", "inputs/y"} <= set(r["summary"]["lines"])
+    assert "inputs/model.tokens" not in r["summary"]["lines"]
 
 
 def test_a_kernel_probe_inside_a_profile_is_named_not_guessed(tmp_path):
@@ -123,9 +143,11 @@ def test_checkpoint_regions_of_any_model_are_left_alone(tmp_path):
     model, opt, x, y = llama_loop(True)
     step = llama_step("float32")
     audit = Audit(model, opt, out_dir=str(tmp_path))
+    kept = None  # the loop holds each step's output and loss until the next, as predict_loop's does
     for s in range(3):
         with audit.step(s, tensors={"inputs/x": x, "inputs/y": y}):
-            step(model, opt, x, y, audit)
+            kept = step(model, opt, x, y, audit)
+    assert kept is not None
     m = measure(audit.run_dir)
     acts = m["phases"]["step2_before_backward"]["attribution"]["categories"].get("activations", 0)
     # the blocks keep only their inputs (2 x 2*32*64*4 B) and the rotary buffers they were given;
@@ -143,7 +165,7 @@ def test_report_sets_the_loops_prediction_beside_the_measurement(tmp_path):
     from conftest import run_cli
     from memory_audit import predict_loop
     make, step = (lambda: llama_loop(False)), llama_step("float32")
-    predicted = predict_loop(make, step, inputs=("inputs/model.tokens", "inputs/loop/nll_loss.target"))
+    predicted = predict_loop(make, step)
     model, opt, x, y = make()
     audit = Audit(model, opt, out_dir=str(tmp_path), predicted=predicted)
     kept = None  # the loop holds each step's output and loss until the next, as predict_loop's does
@@ -158,9 +180,13 @@ def test_report_sets_the_loops_prediction_beside_the_measurement(tmp_path):
     assert rec["predicted"] and rec["predicted_by"].startswith("predict_loop")
     for key in ("steady_state", "peak"):
         assert rec["totals"][key]["diff"] == 0 and rec["totals"][key]["actual"] == predicted["summary"][key]
-    assert rec["phases"]["step2_start"]["predicted_lines"] == rec["phases"]["step2_start"]["lines"]
+    assert rec["totals"]["activations"]["diff"] == 0 and rec["totals"]["activations"]["actual"] > 0
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        assert rec["phases"][phase]["predicted_lines"] == rec["phases"][phase]["lines"], phase
+    assert rec["peak"]["predicted_categories"] == rec["peak"]["categories"]
     md = (tmp_path / "report.md").read_text()
     assert "Predicted by predict_loop" in md and "| allocation | predicted | bytes |" in md
+    assert "## At the peak, by category" in md
     with pytest.raises(Exception, match="predicted= expects"):
         Audit(model, opt, out_dir=str(tmp_path / "bad"), predicted={"peak": "many"})
 

@@ -128,17 +128,22 @@ def measured(run_dir):
               "activations": m["phases"].get(PHASES[1], {}).get("attribution", {}).get("categories", {}).get("activations"),
               "peak": rp.get("peak", {}).get("bytes")}
     pred = meta.get("predicted") or {}  # Audit(predicted=predict_loop(...)): the loop's shadow run
-    guess = {"steady_state": pred.get("steady_state"), "activations": None, "peak": pred.get("peak")}
-    if pred:
-        start = phases.get(PHASES[0])
-        if start is not None:
-            start["predicted_lines"] = pred.get("lines", {})
+    before = (pred.get("phase_lines") or {}).get(PHASES[1])
+    guess = {"steady_state": pred.get("steady_state"), "peak": pred.get("peak"),
+             "activations": None if before is None else sum(v for k, v in before.items() if k.startswith("activations/"))}
+    peak = dict(rp.get("peak", {}))
+    if pred.get("peak_categories") is not None:
+        peak["predicted_categories"] = pred["peak_categories"]
+    # each phase's lines predicted beside measured (a summary from before phase_lines: step2_start's)
+    for phase, guessed in (pred.get("phase_lines") or ({PHASES[0]: pred["lines"]} if "lines" in pred else {})).items():
+        if phase in phases:
+            phases[phase]["predicted_lines"] = guessed
     return {"run": os.path.basename(os.path.normpath(run_dir)), "config": meta["config"], "device": meta["device"],
             "torch_version": meta["torch_version"], "predicted": bool(pred), "predicted_by": pred.get("source"),
             "probed": pred.get("probed", []), "unprobed": pred.get("unprobed", []),
             "totals": {k: total_row(guess[k], v) for k, v in actual.items()},
             "unattributed_bytes": max((p["unattributed_bytes"] for p in phases.values()), default=0),
-            "phases": phases, "peak": {k: v for k, v in rp.get("peak", {}).items()},
+            "phases": phases, "peak": peak,
             "series": rp.get("series", []), "error": meta.get("error")}
 
 
@@ -155,8 +160,8 @@ def _probes(rec):
 
 def measured_markdown(rec, top=15):
     c = rec["config"]
-    how = (f"Predicted by {rec['predicted_by']} (Audit(predicted=...)): the steady state and the peak."
-           + _probes(rec) if rec.get("predicted") else "Measured only: the ledger predictor models train.py's GPT; "
+    how = (f"Predicted by {rec['predicted_by']} (Audit(predicted=...)): the totals, each phase's lines and "
+           "the peak's categories." + _probes(rec) if rec.get("predicted") else "Measured only: the ledger predictor models train.py's GPT; "
            "memory_audit.predict_loop predicts any loop (docs/any_model.md).")
     lines = [f"# Memory report: {rec['run']}", "",
              f"{c.get('model_class', 'model')} with {c.get('optimizer_class', 'an optimizer')} on "
@@ -172,9 +177,15 @@ def measured_markdown(rec, top=15):
             continue
         lines += [f"## {phase}", "", table(("allocation", "bytes"), [(k, f"{v:,}") for k, v in
                                                                       list(ph["lines"].items())[:top]]), ""]
-    if rec["peak"].get("lines"):
+    peak = rec["peak"]
+    if peak.get("predicted_categories") is not None and peak.get("categories") is not None:
+        guess, got = peak["predicted_categories"], peak["categories"]
+        keys = list(dict.fromkeys(list(got) + list(guess)))
+        lines += ["## At the peak, by category", "", table(("category", "predicted", "bytes"), [
+            (k, f"{guess[k]:,}" if k in guess else "-", f"{got[k]:,}" if k in got else "-") for k in keys]), ""]
+    if peak.get("lines"):
         lines += ["## Live at the peak", "", table(("allocation", "bytes"), [
-            (k, f"{v:,}") for k, v in list(rec["peak"]["lines"].items())[:top]]), ""]
+            (k, f"{v:,}") for k, v in list(peak["lines"].items())[:top]]), ""]
     return "\n".join(lines)
 
 

@@ -249,15 +249,21 @@ def _naming(tracker, model, device_type):
     with saved_tensor_ledger(model, records, device, ident=_address) as label:
         def name(loss, held, loop):
             label(loss, held=held)
-            ids = {sid: aid for sid, (aid, _) in tracker.live.items()}
-            ids.update((ref.cdata, aid) for ref, aid in tracker.saved)  # real scalars and RNG states
             names = [(_address(local_tensor(t).untyped_storage()), n) for n, t in named_tensors(*loop)]
-            names += [(r["data_ptr"], r["key"]) for r in records]  # the held outputs among them, last
-            out = tracker.saved_names = {}
-            for sid, n in names:
-                if sid in ids:
-                    out.setdefault(ids[sid], n)
+            tracker.saved_names = _saved_names(tracker, names, records)  # the held outputs among them, last
         yield name
+
+
+def _saved_names(tracker, names, records, last=()):
+    """{allocation id: name} of what is live: `names` [(storage address, name)] first, then the
+    saved-tensor ledger's records, then `last`, as attribute.phase_names orders them."""
+    ids = {sid: aid for sid, (aid, _) in tracker.live.items()}
+    ids.update((ref.cdata, aid) for ref, aid in tracker.saved)  # real scalars and RNG states
+    out = {}
+    for sid, n in names + [(r["data_ptr"], r["key"]) for r in records] + list(last):
+        if sid in ids:
+            out.setdefault(ids[sid], n)
+    return out
 
 
 def _address(storage):
@@ -442,57 +448,125 @@ def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0):
         return None if d3 is None or d4 is None else shadow_repeat.expand(d3, d4, cfg["n_layer"], carry=False)
 
 
-def run_loop(make, step, inputs=("inputs/x", "inputs/y"), audited=1):
-    """The shadow run of any loop (issue #28; a first cut, CPU): `make()` builds (model,
-    optimizer, *batch) and is called on fake CPU tensors, the batch named by `inputs`;
-    `step(model, optimizer, *batch)` is one training step (forward, loss, backward, optimizer
-    step, zero_grad) and returns {ledger key: tensor} of what the loop keeps until the next step
-    (its loss, its output). Steps 0..audited run; step `audited` is recorded, as Audit(step=...)
-    records it, its before-backward moment at its last `.backward()`. Returns run()'s dict;
-    raises ShadowError (one line, naming the op) for a step fake tensors cannot run. oneDNN's
-    kernels (LSTM layers, convolution, batch norm, bf16 matmuls on CPUs with native bf16) are
-    asked for their own buffers at the step's shapes (shadow_probe: one real kernel per call
-    signature); result["unprobed"] names those a probe could not ask (inside another profile)."""
+def run_loop(make, step, inputs=None, audited=1):
+    """The shadow run of any loop (issue #28; CPU): `make()` builds (model, optimizer, *batch)
+    and is called on fake CPU tensors; `step(model, optimizer, *batch)` is one training step
+    (forward, loss, backward, optimizer step, zero_grad) and returns what the loop keeps until
+    the next step (its loss, its output: {name: tensor}, or the loss). Steps 0..audited run; step
+    `audited` is recorded, as Audit(step=...) records it, its before-backward moment at its last
+    `.backward()`. Every allocation is named as an Audit of the same loop names it when the loop
+    calls `audit.before_backward(loss)` before each backward (the loop's own names found by
+    recording.loop_names, the same code: the model's arguments, its output, the loss and its
+    targets; the saved tensors by the audit's ledger); `inputs`: names for the batch, as the
+    loop would give them with `audit.step(i, tensors=...)`; what `step` returns is named by its
+    keys where nothing else names it. Returns run()'s dict, lines() reads any phase; raises
+    ShadowError (one line, naming the op) for a step fake tensors cannot run. oneDNN's kernels
+    (LSTM layers, convolution, batch norm, bf16 matmuls on CPUs with native bf16) are asked for
+    their own buffers at the step's shapes (shadow_probe: one real kernel per call signature);
+    result["unprobed"] names those a probe could not ask (inside another profile)."""
     tracker = Tracker()
+    tracker.naming = True
     return _one_line(tracker, _run_loop, make, step, inputs, audited, tracker)
 
 
 def _run_loop(make, step, inputs, audited, tracker):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from ..recording.loop_names import LoopNames
     phases, original, made = {}, torch.Tensor.backward, {}
+    found = LoopNames(ident=_ident)
 
     def backward(self, *args, **kwargs):  # the last one in the audited step: before backward
         if tracker.recording:
             tracker.before_op()
             phases["step2_before_backward"] = len(tracker.events)
+        with _unseen(tracker):  # the loss's targets: reading what its nodes saved is no op of the step
+            found.note_loss(self)
+        if tracker.recording:  # the registry, then the saved tensors, then what the loop holds
+            made["ledger"].name(self, named({}), named(found.held()))
         tracker.phase = "backward"
         try:
             return original(self, *args, **kwargs)
         finally:
             tracker.phase = "optimizer"
             _name_grads(tracker, made["model"])
+
+    def named(last):
+        return _names(made["model"], made["optimizer"], _merged(found.tensors(given), last))
     with FakeTensorMode(), dispatch_mode(tracker, "cpu"), cpu_rules(tracker):
         model, optimizer, *batch = make()
-        made["model"] = model
+        made.update(model=model, optimizer=optimizer)
         handles = module_labels(model, tracker, root=type(model).__name__.lower())
-        held, kept = dict(zip(inputs, batch)), {}
+        given, kept = dict(zip(inputs or (), batch)), {}
+        found.watch(model)
         torch.Tensor.backward = backward
         try:
             for it in range(audited + 1):
                 if it == audited:
-                    pre = _begin(tracker, _names(model, optimizer, dict(held, **kept)), phases)
+                    pre = _begin(tracker, named(_merged(found.held(), kept)), phases)
+                    made["ledger"] = _LoopLedger(tracker, model)
                 tracker.phase = "forward"
                 kept = step(model, optimizer, *batch)
                 kept = {"temporary/loop/loss": kept} if isinstance(kept, torch.Tensor) else dict(kept or {})
         finally:
             torch.Tensor.backward = original
+            found.remove()
+            if "ledger" in made:
+                made["ledger"].close()
             for h in handles:
                 h.remove()
-        _end(tracker, _names(model, optimizer, dict(held, **kept)))
+        _end(tracker, named(_merged(found.held(), kept)))
     result = _result(tracker, pre, phases)
     result["summary"] = loop_summary(result)
     return result
+
+
+def _ident(t):
+    from ..recording.recorder import local_tensor
+    return _address(local_tensor(t).untyped_storage())
+
+
+def _merged(first, then):
+    """{name: tensor}: `first`'s, then `then`'s names not taken."""
+    return dict(first, **{k: v for k, v in then.items() if k not in first})
+
+
+@contextlib.contextmanager
+def _unseen(tracker):
+    outer, tracker.unseen = tracker.unseen, True
+    try:
+        yield
+    finally:
+        tracker.unseen = outer
+
+
+class _LoopLedger:
+    """The audit's saved-tensor ledger over a loop's audited step (recorder.saved_tensor_ledger,
+    as Audit runs it): open from the step's start, named at each backward (the last one
+    counts), open again for the next micro-step's forward."""
+
+    def __init__(self, tracker, model):
+        self.tracker, self.model = tracker, model
+        self._open()
+
+    def _open(self):
+        from ..recording.recorder import saved_tensor_ledger
+        self.records, self.stack = [], contextlib.ExitStack()
+        self.label = self.stack.enter_context(saved_tensor_ledger(self.model, self.records, "cpu", ident=_address))
+
+    def name(self, loss, registry, held):
+        """At a backward: {allocation id: name} in tracker.saved_names, the loop's `registry`
+        ({storage: name}) first, then the saved tensors', then `held`'s (the model's output,
+        the loss), as attribute.phase_names orders them."""
+        with _unseen(self.tracker):
+            self.label(loss)
+        self.close()
+        self.tracker.saved_names = _saved_names(self.tracker, list(registry.items()), self.records,
+                                                list(held.items()))
+        self._open()
+
+    def close(self):
+        self.stack.close()
 
 
 def _name_grads(tracker, model):
@@ -523,14 +597,20 @@ def peak_categories(result):
 def loop_summary(result):
     """A loop's shadow run as plain numbers an Audit keeps in meta.json (Audit(predicted=...))
     and `report` sets beside the measurement: {"source", "steady_state", "before_backward",
-    "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}, "peak_categories",
-    "probed", "unprobed" (the ops whose kernels were asked, and could not be: shadow_probe)}."""
-    lines = {}
+    "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}, "phase_lines"
+    {phase: {key: bytes}} at step2_start, step2_before_backward and step2_end (named as the
+    audit names them: lines()), "peak_categories", "probed", "unprobed" (the ops whose kernels
+    were asked, and could not be: shadow_probe)}."""
+    start = {}
     for _, key, nbytes in result["pre"]:
-        lines[key] = lines.get(key, 0) + nbytes
+        start[key] = start.get(key, 0) + nbytes
     levels = step_levels(result)
     at = {phase: levels[i] for phase, i in result["phases"].items()}
+    phase_lines = {"step2_start": start}
+    if "saved" in result:
+        phase_lines.update((phase, lines(result, phase)) for phase in ("step2_before_backward", "step2_end")
+                           if phase in result["phases"])
     return {"source": "predict_loop: the loop's shadow run on fake tensors", "steady_state": result["start_bytes"],
             "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": levels[-1],
-            "lines": lines, "peak_categories": peak_categories(result), "probed": result.get("probed", []),
-            "unprobed": result.get("unprobed", [])}
+            "lines": start, "phase_lines": phase_lines, "peak_categories": peak_categories(result),
+            "probed": result.get("probed", []), "unprobed": result.get("unprobed", [])}

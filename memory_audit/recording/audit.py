@@ -19,12 +19,12 @@ An Audit made after the model finds the weights already allocated: CPU keeps the
 profiler's pre-existing tensors, CUDA through the snapshot's segments (a named baseline).
 """
 
-import weakref
 from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .recorder import AuditError, AuditRecording, tensors_in, named_tensors, saved_tensor_ledger, distributed_info
+from .loop_names import LoopNames
+from .recorder import AuditError, AuditRecording, named_tensors, saved_tensor_ledger, distributed_info
 
 
 class Audit:
@@ -56,11 +56,8 @@ class Audit:
         self._inside = False  # within any `with audit.step(...)`
         self._ledger = None
         self._hooks = []
-        self._output_hook = None
         self._graphs = self._compile_ctx = None  # compiled: the partitioner's saved values
-        self._loop = {}  # name -> weak reference: the model's last output and loss, as the loop holds them
-        self._inputs = {}  # name -> weak reference: what the step was fed (the model's arguments, the loss's targets)
-        self._returned_at = -1  # the autograd sequence number of the model output's node
+        self._found = LoopNames()  # the batch, the model's output and the loss, found without being told
         self.recording = AuditRecording(out_dir, device, config or {}, max_entries=max_entries, defer_cpu=compiled)
         self.recording.predicted = _prediction(predicted)
         self.recording.__enter__()
@@ -83,8 +80,7 @@ class Audit:
         if torch.device(_model_device(model)) != self.recording.device:
             raise AuditError(f"the model is on {_model_device(model)} but the audit records {self.recording.device}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        if self._output_hook is not None:
-            self._output_hook.remove()
+        self._found.remove()
         if compiled:  # hooks on the compiled model would change its graph
             from .compiled import capture, no_cache
             self._graphs = []
@@ -94,7 +90,7 @@ class Audit:
             self._compile_ctx.enter_context(capture(self._graphs, getattr(model, "audit_prefix", ""),
                                                     wrappers=self.recording.compiled_wrappers))
         else:
-            self._output_hook = model.register_forward_hook(self._note_output, with_kwargs=True)
+            self._found.watch(model)
         self.recording.distributed = distributed_info(model)
         config = self.recording.config
         config.setdefault("model_class", type(model).__name__)
@@ -150,9 +146,7 @@ class Audit:
         if not self._inside:
             raise AuditError("Audit.before_backward() called outside `with audit.step(...)`")
         if torch.is_tensor(loss):
-            self._loop["temporary/loop/loss"] = weakref.ref(loss)
-            if self.state != "done" and self._graphs is None:
-                self._note_loss_inputs(loss)
+            self._found.note_loss(loss, targets=self.state != "done" and self._graphs is None)
         if self.state != "recording":
             return
         _, label, saved = self._ledger
@@ -184,43 +178,15 @@ class Audit:
 
     # -- internals
     def _current_tensors(self):
-        t = dict((self._tensors() if callable(self._tensors) else self._tensors) or {})
-        named = {_storage_ptr(v) for v in t.values() if torch.is_tensor(v)}
-        for name, r in self._inputs.items():  # found without help; what the loop names comes first
-            v = r()
-            if v is not None and _storage_ptr(v) not in named:
-                named.add(_storage_ptr(v))
-                t.setdefault(name, v)
-        return t
+        return self._found.tensors(self._tensors() if callable(self._tensors) else self._tensors)
 
     def _live_tensors(self):
         """Every tensor a phase would name now (registry, the loop's tensors)."""
         named = named_tensors(self.model, self.optimizer, self.scaler, self._current_tensors())
-        return [t for _, t in named] + [r() for r in self._loop.values() if r() is not None]
-
-    def _note_output(self, module, args, kwargs, output):
-        if torch._C._current_autograd_node() is None:  # a forward, not a checkpoint's recompute
-            tensors = tensors_in(output)
-            for k in [k for k in self._loop if k.startswith("temporary/loop/output")]:
-                del self._loop[k]
-            for i, t in enumerate(tensors):
-                self._loop["temporary/loop/output" + (f"{i}" if len(tensors) > 1 else "")] = weakref.ref(t)
-            self._inputs = {k: r for k, r in self._inputs.items() if not k.startswith("inputs/model.")}
-            for name, t in _arguments(module, args, kwargs):  # what the model's forward receives
-                self._inputs[f"inputs/model.{name}"] = weakref.ref(t)
-            # autograd numbers nodes as they are made: the loss's come after these
-            self._returned_at = max((t.grad_fn._sequence_nr() for t in tensors if t.grad_fn is not None), default=-1)
-
-    def _note_loss_inputs(self, loss):
-        """What the loss was computed from outside the model without needing a gradient (the
-        targets): the tensors the loss's own autograd nodes saved, up to the model's output,
-        that no op made (no grad_fn) and that need no gradient."""
-        self._inputs = {k: r for k, r in self._inputs.items() if not k.startswith("inputs/loop/")}
-        for name, t in _loss_inputs(loss.grad_fn, self._returned_at):
-            self._inputs.setdefault(f"inputs/loop/{name}", weakref.ref(t))
+        return [t for _, t in named] + list(self._found.held().values())
 
     def _phase(self, name, dump=True):
-        held = {k: r() for k, r in self._loop.items() if r() is not None}
+        held = self._found.held()
         self.recording.phase(name, self.model, self.optimizer, self.scaler, self._current_tensors(),
                              dump=dump, held=held)
 
@@ -264,48 +230,11 @@ class Audit:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self.state == "done" and self._output_hook is not None:
-            self._output_hook.remove()
-            self._output_hook = None
+        if self.state == "done":
+            self._found.remove()
         if self.state == "done" and self._compile_ctx is not None:
             self._compile_ctx.close()
             self._compile_ctx = None
-
-
-def _storage_ptr(t):
-    from .recorder import local_tensor
-    return local_tensor(t).untyped_storage().data_ptr()
-
-
-def _arguments(module, args, kwargs):
-    """(parameter name, tensor) of a forward call's tensor arguments: x for forward(self, x),
-    arg<i> where the signature does not say."""
-    import inspect
-    try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        bound = {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
-    return [(k, v) for k, v in bound.items() if torch.is_tensor(v)]
-
-
-def _loss_inputs(root, returned_at, limit=64):
-    """(op.attr, tensor) of leaf tensors that need no gradient, saved by the autograd nodes made
-    after the model returned (sequence number above `returned_at`: the loss's; at most `limit`);
-    a saved view stands for its base tensor."""
-    from .recorder import op_name, saved_values_of
-    out, seen, todo = [], set(), [root]
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or node in seen or node._sequence_nr() <= returned_at:
-            continue
-        seen.add(node)
-        for attr, value in saved_values_of(node, False):
-            for t in value if isinstance(value, (list, tuple)) else [value]:
-                if torch.is_tensor(t) and t.grad_fn is None and not t.requires_grad and t.dim() > 0:
-                    # a view made for the loss (y.view(-1)) dies with the step: keep its base, the loop's
-                    out.append((op_name(node.name(), attr), t._base if t._base is not None else t))
-        todo.extend(fn for fn, _ in node.next_functions)
-    return out
 
 
 def _prediction(predicted):
