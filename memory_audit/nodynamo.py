@@ -49,7 +49,31 @@ class _Guard(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.startswith(NAME + ".") and name not in OWN and sys.modules.get(NAME) is _STAND_IN:
             _real()
+            return loaded_spec(name)
         return None
+
+
+class _Loaded(importlib.abc.Loader):
+    """Loads a module that is loaded already: hands it back as it is."""
+
+    def __init__(self, module):
+        self.module, self.spec = module, getattr(module, "__spec__", None)
+
+    def create_module(self, spec):
+        return self.module
+
+    def exec_module(self, module):
+        module.__spec__ = self.spec  # module_from_spec set the spec it was handed
+
+
+def loaded_spec(name):
+    """For a stand-in's import guard, once the real package is imported: the spec of submodule
+    `name` if that import loaded it, else None (the other finders find it). The import under way
+    began before the package's and would execute the module's file a second time (it takes the
+    spec of a module already in sys.modules and loads it again); taken out of sys.modules, the
+    module is handed back as it is and put in again by that import."""
+    module = sys.modules.pop(name, None)
+    return None if module is None else importlib.util.spec_from_loader(name, _Loaded(module))
 
 
 def _loaded():

@@ -64,6 +64,23 @@ print("ok")
     assert _python(code) == "ok"
 
 
+def test_a_submodule_asked_for_under_the_stand_in_is_executed_once():
+    """`import torch._dynamo.utils` under the stand-in: the real package is imported first (it
+    imports utils itself), and the import under way hands back that module instead of executing
+    the file again (it once did: two copies of utils' counters and caches). torch executes
+    torch.utils._cxx_pytree twice on its own, stand-in or not."""
+    from test_nosympy import EXECUTED
+    code = EXECUTED + """
+import torch
+from memory_audit.nodynamo import stood_in
+with stood_in():
+    import torch._dynamo.utils as utils
+assert utils is sys.modules["torch._dynamo.utils"] is sys.modules["torch._dynamo"].utils
+print(sorted(k for k, v in executed.items() if v > 1 and k != "torch.utils._cxx_pytree"))
+"""
+    assert _python(code) == "[]"
+
+
 def test_a_config_that_cannot_load_alone_is_read_from_the_real_module():
     code = """
 import importlib, sys, torch

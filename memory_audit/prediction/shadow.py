@@ -21,6 +21,7 @@ import gc
 
 from . import shadow_cuda, shadow_dist, shadow_repeat
 from ..schema import PREDICTED_FRAME
+from .. import nosympy
 from ..nodynamo import stood_in
 from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, module_labels
 
@@ -155,9 +156,10 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
 def _one_line(tracker, fn, *args):
     """fn(*args), an exception other than ValueError becoming one ShadowError line that names
     the op where the step stopped: no number is better than a wrong one. torch._dynamo is stood
-    in for while it runs, where it is not imported yet (nodynamo.py: 1 s less, the same step)."""
+    in for while it runs, where it is not imported yet, and so is symbolic_shapes, which imports
+    sympy (nodynamo.py, nosympy.py: 1 s and 0.7 s less, the same step)."""
     try:
-        with stood_in():
+        with stood_in(), nosympy.stood_in():
             return fn(*args)
     except ValueError:
         raise

@@ -1,0 +1,174 @@
+"""torch.fx.experimental.symbolic_shapes stood in for while a shadow runs, so a step on meta
+tensors does not import sympy (issue #26: speed).
+
+The meta kernels' Python references (torch._refs, torch._prims, torch._meta_registrations) ask
+symbolic_shapes a dozen questions about their sizes and conditions (`guard_or_false(a)`,
+`expect_true(a)` through torch._check, `sym_eq(shape, other)`, ...), each imported inside the
+function that asks. The first import of that module imports sympy: 0.7 s of the 1.1 s that
+`predict --preset=gpt2-xl` took after torch's own import on 2 cores, for questions about plain
+ints and bools. A shadow of a CUDA step runs on meta tensors with plain int sizes, so there the
+answers are the arguments themselves.
+
+The stand-in answers those questions for plain Python values exactly as the real functions do
+(each is written from torch 2.13's), and for anything else (a SymInt, a SymBool, any other name
+asked of the module) imports the real module and answers from it. What it handed out (a function
+a module imported by name while it was in place) does the same from then on: the stand-in
+changes how long a step takes, never what it computes. It is in place only while a shadow runs
+(`stood_in()`), and only where symbolic_shapes is not imported yet; a CPU shadow's FakeTensorMode
+asks for more (its unbacked-symbol bookkeeping) and so imports the real module anyway.
+"""
+
+import contextlib
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import operator
+import sys
+import types
+import warnings
+
+from .nodynamo import loaded_spec
+
+NAME = "torch.fx.experimental.symbolic_shapes"
+
+
+def _plain(*values):
+    return all(type(v) in (bool, int) for v in values)
+
+
+def _answer(name, plain_ok, answer):
+    """A function of the module: answer(*args) where plain_ok(*args), else the real one's."""
+    def fn(*args):
+        if plain_ok(*args):
+            return answer(*args)
+        return getattr(_real(NAME), name)(*args)
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def _is_bool(a, *rest):
+    return type(a) is bool and not rest
+
+
+def _eq(x, y):  # sym_eq on plain ints and lists or tuples of them
+    if isinstance(x, (tuple, list)) and isinstance(y, (list, tuple)):
+        return len(x) == len(y) and all(_eq(a, b) for a, b in zip(x, y))
+    return x == y
+
+
+def _eq_plain(x, y):
+    if isinstance(x, (tuple, list)) and isinstance(y, (list, tuple)):
+        return all(_eq_plain(a, b) for a, b in zip(x, y))
+    return type(x) is int and type(y) is int
+
+
+def _size_oblivious(a):
+    warnings.warn("guard_size_oblivious will be removed. Consider using explicit unbacked handling "
+                  "potentially utilizing guard_or_false, guard_or_true, or statically_known_true",
+                  FutureWarning, stacklevel=3)
+    return a
+
+
+_ANSWERS = {
+    # bool in, the same bool out (expect_true through torch._check)
+    **{name: (_is_bool, lambda a: a) for name in ("expect_true", "guard_or_false", "guard_or_true",
+                                                   "statically_known_true")},
+    "guard_size_oblivious": (_is_bool, _size_oblivious),
+    "guard_int": (lambda a, *rest: type(a) is int and not rest, lambda a: a),
+    "guarding_hint_or_throw": (lambda a, *rest: type(a) in (bool, int) and not rest, lambda a: a),
+    "has_guarding_hint": (lambda a, *rest: type(a) in (bool, int, float) and not rest, lambda a: True),
+    "is_nested_int": (lambda s, *rest: type(s) in (bool, int, float) and not rest, lambda s: False),
+    "sym_and": (lambda *a: bool(a) and all(type(v) is bool for v in a), lambda x, *o: functools.reduce(operator.and_, o, x)),
+    "sym_or": (lambda *a: bool(a) and all(type(v) is bool for v in a), lambda x, *o: functools.reduce(operator.or_, o, x)),
+    "sym_eq": (lambda *a: len(a) == 2 and _eq_plain(*a), _eq),
+}
+
+
+class _StandIn(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(_real(self.__name__), name)
+
+
+class _NoSympyObject:
+    """sympy.Basic while sympy is not imported: no sympy object can exist, so nothing is one
+    (torch._prims_common.elementwise_dtypes asks isinstance(x, sympy.Basic) of every argument)."""
+
+
+_SHAPES = _StandIn(NAME, __doc__)
+for _name, (_ok, _fn) in _ANSWERS.items():
+    setattr(_SHAPES, _name, _answer(_name, _ok, _fn))
+_SYMPY = _StandIn("sympy", "sympy, stood in for by memory_audit.nosympy")
+_SYMPY.Basic = _NoSympyObject
+_STAND_INS = {NAME: _SHAPES, "sympy": _SYMPY}
+
+
+class _Guard(importlib.abc.MetaPathFinder):
+    """A sympy submodule asked for while the stand-in is in place: the real package first."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("sympy.") and sys.modules.get("sympy") is _SYMPY:
+            _real("sympy")
+            return loaded_spec(name)
+        return None
+
+
+_GUARD = _Guard()
+
+
+def _parent(name):
+    """The package that holds symbolic_shapes as an attribute (imported with torch)."""
+    return importlib.import_module("torch.fx.experimental") if name == NAME else None
+
+
+def _real(name):
+    """The real module, imported now if its stand-in is in its place."""
+    if sys.modules.get(name) is _STAND_INS[name]:
+        _remove(name)
+        importlib.import_module(name)
+    return sys.modules[name]
+
+
+_SPECS = {}  # name -> its spec, found once (a search of sys.path each shadow run otherwise)
+
+
+def _install(name):
+    if name not in _SPECS:
+        _SPECS[name] = importlib.util.find_spec(name)
+    spec = _SPECS[name]
+    if spec is None:  # not installed: the real import raises as it would
+        return False
+    _STAND_INS[name].__file__ = spec.origin
+    if spec.submodule_search_locations is not None:  # a package: its submodules' imports reach _Guard
+        _STAND_INS[name].__path__ = list(spec.submodule_search_locations)
+    sys.modules[name] = _STAND_INS[name]
+    if _parent(name) is not None:
+        _parent(name).symbolic_shapes = _STAND_INS[name]
+    return True
+
+
+def _remove(name):
+    if sys.modules.get(name) is _STAND_INS[name]:
+        del sys.modules[name]
+    parent = _parent(name)
+    if parent is not None and getattr(parent, "symbolic_shapes", None) is _STAND_INS[name]:
+        del parent.symbolic_shapes
+
+
+@contextlib.contextmanager
+def stood_in():
+    """symbolic_shapes and sympy stood in for inside the block, where neither is imported yet."""
+    if NAME in sys.modules or "sympy" in sys.modules:
+        yield
+        return
+    mine = [name for name in _STAND_INS if _install(name)]
+    sys.meta_path.insert(0, _GUARD)
+    try:
+        yield
+    finally:
+        if _GUARD in sys.meta_path:
+            sys.meta_path.remove(_GUARD)
+        for name in mine:
+            _remove(name)

@@ -1,0 +1,151 @@
+"""symbolic_shapes and sympy stood in for while a shadow runs (nosympy.py): the same step without
+importing sympy, the stand-in's answers the real functions' on every value, and the real modules
+intact afterwards. Each check runs in a fresh process (this one may have imported sympy)."""
+
+import random
+
+import torch
+
+from test_nodynamo import _python
+
+# CUDA shadows (meta tensors) over what a step asks the meta kernels: fp16 autocast with selective
+# checkpointing, dropout and accumulation; bf16 SAC with fused AdamW; fp32 SDPA with full
+# checkpointing, no clipping, set_to_none=False; then a CPU one (FakeTensorMode), which imports
+# symbolic_shapes itself
+STEP = """
+import hashlib, json, sys
+from memory_audit.prediction import shadow
+from memory_audit.prediction.ledger import resolved
+out = {}
+for i, extra in enumerate(({"dtype": "float16", "activation_checkpointing": "selective", "dropout": 0.1,
+                            "gradient_accumulation_steps": 2},
+                           {"dtype": "bfloat16", "activation_checkpointing": "sac", "optimizer_impl": "fused"},
+                           {"dtype": "float32", "attention": "sdpa", "activation_checkpointing": "full",
+                            "grad_clip": 0.0, "set_to_none": False})):
+    cfg = resolved(dict({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2}, **extra))
+    r = shadow.run(cfg, "cuda", workspace_bytes=1 << 20)
+    out[i] = [len(r["events"]), r["peak"], hashlib.sha1(repr(r["history"] + r["events"]).encode()).hexdigest()]
+out["sympy_imported"] = "sympy" in sys.modules
+r = shadow.run(resolved({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2}), "cpu")
+out["cpu"] = [len(r["events"]), r["peak"], hashlib.sha1(repr(r["events"]).encode()).hexdigest()]
+print(json.dumps(out))
+"""
+
+
+def test_the_shadow_step_is_the_same_without_importing_sympy():
+    import json
+    alone = json.loads(_python(STEP))
+    imported = json.loads(_python("import torch.fx.experimental.symbolic_shapes, sympy\n" + STEP))
+    assert alone.pop("sympy_imported") is False  # the three CUDA shadows asked it nothing it could not answer
+    assert imported.pop("sympy_imported") is True
+    assert alone == imported  # every event of every step, in order, named and sized alike
+    assert all(alone[k][0] > 0 for k in alone)
+
+
+def test_the_stand_ins_answers_are_the_real_functions():
+    """On plain values each function answers what torch's own does (type included), its error
+    where torch's raises one; on a SymInt it asks the real module."""
+    code = """
+import sys, warnings
+from memory_audit import nosympy
+with nosympy.stood_in():
+    import torch.fx.experimental.symbolic_shapes as mine
+    assert type(mine).__name__ == "_StandIn"
+    names = ["expect_true", "guard_or_false", "guard_or_true", "statically_known_true", "guard_size_oblivious",
+             "guard_int", "guarding_hint_or_throw", "has_guarding_hint", "is_nested_int", "sym_and", "sym_or", "sym_eq"]
+    ours = {n: getattr(mine, n) for n in names}
+    assert type(sys.modules["sympy"]).__name__ == "_StandIn"
+assert "torch.fx.experimental.symbolic_shapes" not in sys.modules
+import torch
+import torch.fx.experimental.symbolic_shapes as real
+cases = {n: [(True,), (False,), (1,), (0,), (2.0,), (None,)] for n in names}
+cases["sym_and"] = cases["sym_or"] = [(True,), (True, False), (True, True, True), (False, True), (1, True), ()]
+cases["sym_eq"] = [(3, 3), (3, 4), ((2, 3), (2, 3)), ([2, 3], (2, 4)), ((2,), (2, 3)), ([[1], 2], [[1], 2]), (True, 1),
+                   (2.0, 2.0), ((2, 3.0), (2, 3.0))]
+n = 0
+for name in names:
+    for args in cases[name]:
+        def answer(fn):
+            try:
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    out = fn(*args)
+                return ("value", out, type(out), [x.category for x in w])
+            except Exception as e:
+                return ("error", type(e))
+        assert answer(ours[name]) == answer(getattr(real, name)), (name, args, answer(ours[name]))
+        n += 1
+env = real.ShapeEnv()
+s = env.create_unbacked_symint()
+assert ours["is_nested_int"](s) is False and ours["has_guarding_hint"](s) is real.has_guarding_hint(s) is False
+assert ours["guard_or_false"](s == 3) is real.guard_or_false(s == 3) is False
+print(n)
+"""
+    assert int(_python(code)) == 9 * 6 + 2 * 6 + 9  # every case compared
+
+
+def test_sympy_stood_in_then_real():
+    code = """
+import sys
+from memory_audit import nosympy
+with nosympy.stood_in():
+    import sympy
+    assert type(sympy).__name__ == "_StandIn" and not isinstance(1, sympy.Basic)
+    x = sympy.Symbol("x")  # anything else: the real package, imported now
+    assert type(sys.modules["sympy"]).__name__ == "module" and isinstance(x, sys.modules["sympy"].Basic)
+with nosympy.stood_in():  # imported: nothing stood in for
+    assert type(sys.modules["sympy"]).__name__ == "module"
+print("ok")
+"""
+    assert _python(code) == "ok"
+    code = EXECUTED + """
+from memory_audit import nosympy
+with nosympy.stood_in():
+    from sympy.core import numbers  # a submodule: the real package first, each file executed once
+    import sympy.core.numbers as again
+    assert type(sys.modules["sympy"]).__name__ == "module"
+assert numbers is again is sys.modules["sympy.core.numbers"] and sys.modules["sympy"].core is sys.modules["sympy.core"]
+assert "torch.fx.experimental.symbolic_shapes" not in sys.modules
+import torch.fx.experimental.symbolic_shapes
+print(sorted(k for k, v in executed.items() if v > 1))
+"""
+    assert _python(code) == "[]"
+
+
+# counts each module file executed, for the checks that a submodule asked for under a stand-in
+# is executed once (the import under way would run it again once the real package had)
+EXECUTED = """
+import collections, importlib._bootstrap_external as external, sys
+executed, _run = collections.Counter(), external._LoaderBasics.exec_module
+def _counted(self, module):
+    executed[module.__name__] += 1
+    return _run(self, module)
+external._LoaderBasics.exec_module = _counted
+"""
+
+
+def test_dense_is_what_cpp_decides():
+    """shadow_tracker.dense (autograd's in-place gradient sum asks it; torch's Python reference
+    imports sympy) against c10's own answer, read through empty_like (which keeps the strides of
+    a non-overlapping, dense tensor) on random layouts: permuted contiguous ones, some spoiled,
+    and random strides, sizes 0-5 over 1-5 dims."""
+    from memory_audit.prediction.shadow_tracker import dense
+    seed = random.randrange(1 << 20)
+    rng = random.Random(seed)
+    dense_seen = 0
+    for _ in range(3000):
+        dim = rng.randint(1, 5)
+        sizes = [rng.choice([0, 1, 1, 2, 3, 4, 5]) for _ in range(dim)]
+        if rng.random() < 0.6:
+            strides, acc = [0] * dim, 1
+            for d in rng.sample(range(dim), dim):
+                strides[d], acc = acc, acc * max(sizes[d], 1)
+            if rng.random() < 0.3:
+                strides[rng.randrange(dim)] = rng.choice([0, 1, 2, 7])
+        else:
+            strides = [rng.choice([0, 1, 2, 3, 4, 6, 12, 20]) for _ in range(dim)]
+        t = torch.empty_strided(sizes, strides)
+        cpp = t.is_contiguous() or torch.empty_like(t).stride() == t.stride()
+        assert dense(sizes, strides) == cpp, (seed, sizes, strides)
+        dense_seen += cpp and not t.is_contiguous()
+    assert dense_seen > 100, seed  # not only contiguous ones
