@@ -11,7 +11,7 @@ from the base modules schema.py and text.py; tests/test_layout.py holds it to th
 
 `from memory_audit import Audit` imports torch; reading snapshots does not (it stays light).
 `from memory_audit import predict_loop` predicts any model's training step before it runs
-(prediction/shadow.py's run_loop: the loop shadow-run on fake tensors; CPU).
+(prediction/shadow_loop.py's run_loop: the loop shadow-run on fake tensors; CPU).
 """
 
 
@@ -23,6 +23,6 @@ def __getattr__(name):  # the recorder (and torch) only for those who record
         from .recording.recorder import AuditError
         return AuditError
     if name == "predict_loop":
-        from .prediction.shadow import run_loop
+        from .prediction.shadow_loop import run_loop
         return run_loop
     raise AttributeError(f"module 'memory_audit' has no attribute {name!r}")

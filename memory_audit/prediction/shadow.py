@@ -8,8 +8,8 @@ The order and the lifetimes are PyTorch's own; nothing here knows which op saves
 dispatcher cannot see is added by rules: shadow_tracker.RULES (measured on CPU audits) and, for
 a GPU, shadow_cuda.RULES (read from the tiny CUDA audits); a CUDA step's whole process is then
 played through the caching allocator's model (shadow_allocator). Eager: one process, or on CPU
-one rank of a torchrun strategy (shadow_dist); torch.compile is not in it. run_loop()
-shadow-runs any model's loop (a first cut, CPU).
+one rank of a torchrun strategy (shadow_dist); torch.compile is not in it. shadow_loop.py
+shadow-runs any model's loop the same way (CPU).
 
 run() returns plain data: the step's events [(action, key, bytes, id)] in order (and on CUDA the
 history before it), what is live when it starts, the phase positions, the peak; replayed()
@@ -25,7 +25,7 @@ from .. import nosympy
 from ..nodynamo import stood_in
 from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, module_labels
 
-def _names(model, optimizer, held):
+def held_names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
     import torch
     from ..recording.recorder import is_view_into_more, local_tensor, named_tensors
@@ -135,7 +135,7 @@ class ShadowError(ValueError):
 def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False,
         names=False):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
-    tensors and return the second (see _result). fake=False runs the same on real tensors (a
+    tensors and return the second (see step_result). fake=False runs the same on real tensors (a
     check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
     view op through the tracker's whole path (the check of shadow_metacache and of that
     shortcut; otherwise the process's one cache, shadow_metacache.SHARED, answers). blocks=True
@@ -150,10 +150,10 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     if device_type == "cuda" and fake and cache:
         from .shadow_metacache import SHARED
         tracker.meta_cache = SHARED
-    return _one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
+    return one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
 
 
-def _one_line(tracker, fn, *args):
+def one_line(tracker, fn, *args):
     """fn(*args), an exception other than ValueError becoming one ShadowError line that names
     the op where the step stopped: no number is better than a wrong one. torch._dynamo is stood
     in for while it runs, where it is not imported yet, and so is symbolic_shapes, which imports
@@ -195,7 +195,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
         phases = {}
         for it in range(2):
             if it == 1:
-                pre = _begin(tracker, _names(model, optimizer, _held(X, Y, loss, scaler)), phases)
+                pre = begin_step(tracker, held_names(model, optimizer, _held(X, Y, loss, scaler)), phases)
             for micro in range(accum):
                 tracker.micro = micro
                 if cfg.get("parallel", "none").startswith("fsdp"):  # gradients reduced after the last only
@@ -231,10 +231,10 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                     tracker.forget(t.untyped_storage())
             scaler.update()
             optimizer.zero_grad(set_to_none=cfg["set_to_none"])
-        _end(tracker, _names(model, optimizer, _held(X, Y, loss, scaler)))
+        end_step(tracker, held_names(model, optimizer, _held(X, Y, loss, scaler)))
         for h in handles:
             h.remove()
-    return _result(tracker, pre, phases)
+    return step_result(tracker, pre, phases)
 
 
 @contextlib.contextmanager
@@ -248,15 +248,15 @@ def _naming(tracker, model, device_type):
     from ..recording.recorder import local_tensor, named_tensors, saved_tensor_ledger
     records = []
     device = "meta" if device_type == "cuda" else "cpu"  # a CUDA step's wrapped scalars are host memory
-    with saved_tensor_ledger(model, records, device, ident=_address) as label:
+    with saved_tensor_ledger(model, records, device, ident=address) as label:
         def name(loss, held, loop):
             label(loss, held=held)
-            names = [(_address(local_tensor(t).untyped_storage()), n) for n, t in named_tensors(*loop)]
-            tracker.saved_names = _saved_names(tracker, names, records)  # the held outputs among them, last
+            names = [(address(local_tensor(t).untyped_storage()), n) for n, t in named_tensors(*loop)]
+            tracker.saved_names = live_names(tracker, names, records)  # the held outputs among them, last
         yield name
 
 
-def _saved_names(tracker, names, records, last=()):
+def live_names(tracker, names, records, last=()):
     """{allocation id: name} of what is live: `names` [(storage address, name)] first, then the
     saved-tensor ledger's records, then `last`, as attribute.phase_names orders them."""
     ids = {sid: aid for sid, (aid, _) in tracker.live.items()}
@@ -268,11 +268,11 @@ def _saved_names(tracker, names, records, last=()):
     return out
 
 
-def _address(storage):
+def address(storage):
     return storage._cdata
 
 
-def _begin(tracker, names, phases):
+def begin_step(tracker, names, phases):
     """The audited step starts: what is live then, [(allocation id, its name or None)], and the
     recording on from here."""
     tracker.before_op()
@@ -282,7 +282,7 @@ def _begin(tracker, names, phases):
     return pre
 
 
-def _end(tracker, names):
+def end_step(tracker, names):
     """The audited step ends: recording off; what the step made and the loop keeps (grads, the
     new batch, the loss) takes the name the loop gives it."""
     tracker.before_op()
@@ -292,7 +292,7 @@ def _end(tracker, names):
             tracker.allocs[tracker.live[sid][0]][0] = name
 
 
-def _result(tracker, pre, phases):
+def step_result(tracker, pre, phases):
     """{"events": [(action, key, bytes, id)] of the step in order, "history": the same before it
     (a CUDA shadow records from model.to(device) on; empty on CPU), "pre": [(id, key, bytes)]
     live when it starts, "start_bytes", "phases": {phase: position in events}, "peak", "probed"
@@ -448,171 +448,3 @@ def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0):
     d3, d4 = (at_depth(n) for n in shadow_repeat.SOURCE)
     with collector_paused():
         return None if d3 is None or d4 is None else shadow_repeat.expand(d3, d4, cfg["n_layer"], carry=False)
-
-
-def run_loop(make, step, inputs=None, audited=1):
-    """The shadow run of any loop (issue #28; CPU): `make()` builds (model, optimizer, *batch)
-    and is called on fake CPU tensors; `step(model, optimizer, *batch)` is one training step
-    (forward, loss, backward, optimizer step, zero_grad) and returns what the loop keeps until
-    the next step (its loss, its output: {name: tensor}, or the loss). Steps 0..audited run; step
-    `audited` is recorded, as Audit(step=...) records it, its before-backward moment at its last
-    `.backward()`. Every allocation is named as an Audit of the same loop names it when the loop
-    calls `audit.before_backward(loss)` before each backward (the loop's own names found by
-    recording.loop_names, the same code: the model's arguments, its output, the loss and its
-    targets; the saved tensors by the audit's ledger); `inputs`: names for the batch, as the
-    loop would give them with `audit.step(i, tensors=...)`; what `step` returns is named by its
-    keys where nothing else names it. Returns run()'s dict, lines() reads any phase; raises
-    ShadowError (one line, naming the op) for a step fake tensors cannot run. oneDNN's kernels
-    (LSTM layers, convolution, batch norm, bf16 matmuls on CPUs with native bf16) are asked for
-    their own buffers at the step's shapes (shadow_probe: one real kernel per call signature);
-    result["unprobed"] names those a probe could not ask (inside another profile)."""
-    tracker = Tracker()
-    tracker.naming = True
-    return _one_line(tracker, _run_loop, make, step, inputs, audited, tracker)
-
-
-def _run_loop(make, step, inputs, audited, tracker):
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from ..recording.loop_names import LoopNames
-    phases, original, made = {}, torch.Tensor.backward, {}
-    found = LoopNames(ident=_ident)
-
-    def backward(self, *args, **kwargs):  # the last one in the audited step: before backward
-        if tracker.recording:
-            tracker.before_op()
-            phases["step2_before_backward"] = len(tracker.events)
-        with _unseen(tracker):  # the loss's targets: reading what its nodes saved is no op of the step
-            found.note_loss(self)
-        if tracker.recording:  # the registry, then the saved tensors, then what the loop holds
-            made["ledger"].name(self, named({}), named(found.held()))
-        tracker.phase = "backward"
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            tracker.phase = "optimizer"
-            _name_grads(tracker, made["model"])
-
-    def named(last):
-        return _names(made["model"], made["optimizer"], _merged(found.tensors(given), last))
-    with FakeTensorMode(), dispatch_mode(tracker, "cpu"), cpu_rules(tracker):
-        model, optimizer, *batch = make()
-        made.update(model=model, optimizer=optimizer)
-        handles = module_labels(model, tracker, root=type(model).__name__.lower())
-        given, kept = dict(zip(inputs or (), batch)), {}
-        found.watch(model)
-        torch.Tensor.backward = backward
-        try:
-            for it in range(audited + 1):
-                if it == audited:
-                    pre = _begin(tracker, named(_merged(found.held(), kept)), phases)
-                    made["ledger"] = _LoopLedger(tracker, model)
-                tracker.phase = "forward"
-                kept = step(model, optimizer, *batch)
-                kept = {"temporary/loop/loss": kept} if isinstance(kept, torch.Tensor) else dict(kept or {})
-        finally:
-            torch.Tensor.backward = original
-            found.remove()
-            if "ledger" in made:
-                made["ledger"].close()
-            for h in handles:
-                h.remove()
-        _end(tracker, named(_merged(found.held(), kept)))
-    result = _result(tracker, pre, phases)
-    result["summary"] = loop_summary(result)
-    return result
-
-
-def _ident(t):
-    from ..recording.recorder import local_tensor
-    return _address(local_tensor(t).untyped_storage())
-
-
-def _merged(first, then):
-    """{name: tensor}: `first`'s, then `then`'s names not taken."""
-    return dict(first, **{k: v for k, v in then.items() if k not in first})
-
-
-@contextlib.contextmanager
-def _unseen(tracker):
-    outer, tracker.unseen = tracker.unseen, True
-    try:
-        yield
-    finally:
-        tracker.unseen = outer
-
-
-class _LoopLedger:
-    """The audit's saved-tensor ledger over a loop's audited step (recorder.saved_tensor_ledger,
-    as Audit runs it): open from the step's start, named at each backward (the last one
-    counts), open again for the next micro-step's forward."""
-
-    def __init__(self, tracker, model):
-        self.tracker, self.model = tracker, model
-        self._open()
-
-    def _open(self):
-        from ..recording.recorder import saved_tensor_ledger
-        self.records, self.stack = [], contextlib.ExitStack()
-        self.label = self.stack.enter_context(saved_tensor_ledger(self.model, self.records, "cpu", ident=_address))
-
-    def name(self, loss, registry, held):
-        """At a backward: {allocation id: name} in tracker.saved_names, the loop's `registry`
-        ({storage: name}) first, then the saved tensors', then `held`'s (the model's output,
-        the loss), as attribute.phase_names orders them."""
-        with _unseen(self.tracker):
-            self.label(loss)
-        self.close()
-        self.tracker.saved_names = _saved_names(self.tracker, list(registry.items()), self.records,
-                                                list(held.items()))
-        self._open()
-
-    def close(self):
-        self.stack.close()
-
-
-def _name_grads(tracker, model):
-    """After a backward, each parameter's gradient names its allocation from its making on, as
-    the audit names it (a gradient zero_grad lets go has no name at the step's end)."""
-    for name, p in model.named_parameters():
-        entry = None if p.grad is None else tracker.live.get(p.grad.untyped_storage()._cdata)
-        if entry is not None:
-            tracker.allocs[entry[0]][0] = f"grads/{name}"
-
-
-def peak_categories(result):
-    """{category: bytes} live at the step's peak (the first level of each allocation's name)."""
-    level, best, now = 0, 0, {}  # the start is the peak unless an event goes above it
-    for _, key, nbytes in result["pre"]:
-        now[key.split("/")[0]] = now.get(key.split("/")[0], 0) + nbytes
-    at = dict(now)
-    for action, key, nbytes, aid in result["events"]:
-        c = key.split("/")[0]
-        step = nbytes if action == "alloc" else -nbytes
-        now[c] = now.get(c, 0) + step
-        level += step
-        if level > best:
-            best, at = level, dict(now)
-    return {c: v for c, v in at.items() if v}
-
-
-def loop_summary(result):
-    """A loop's shadow run as plain numbers an Audit keeps in meta.json (Audit(predicted=...))
-    and `report` sets beside the measurement: {"source", "steady_state", "before_backward",
-    "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}, "phase_lines"
-    {phase: {key: bytes}} at step2_start, step2_before_backward and step2_end (named as the
-    audit names them: lines()), "peak_categories", "probed", "unprobed" (the ops whose kernels
-    were asked, and could not be: shadow_probe)}."""
-    start = {}
-    for _, key, nbytes in result["pre"]:
-        start[key] = start.get(key, 0) + nbytes
-    levels = step_levels(result)
-    at = {phase: levels[i] for phase, i in result["phases"].items()}
-    phase_lines = {"step2_start": start}
-    if "saved" in result:
-        phase_lines.update((phase, lines(result, phase)) for phase in ("step2_before_backward", "step2_end")
-                           if phase in result["phases"])
-    return {"source": "predict_loop: the loop's shadow run on fake tensors", "steady_state": result["start_bytes"],
-            "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": levels[-1],
-            "lines": start, "phase_lines": phase_lines, "peak_categories": peak_categories(result),
-            "probed": result.get("probed", []), "unprobed": result.get("unprobed", [])}
