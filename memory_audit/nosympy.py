@@ -33,16 +33,13 @@ from .nodynamo import loaded_spec
 NAME = "torch.fx.experimental.symbolic_shapes"
 
 
-def _plain(*values):
-    return all(type(v) in (bool, int) for v in values)
-
-
 def _answer(name, plain_ok, answer):
-    """A function of the module: answer(*args) where plain_ok(*args), else the real one's."""
-    def fn(*args):
-        if plain_ok(*args):
+    """A function of the module: answer(*args) where plain_ok(*args), else the real one's
+    (keyword arguments too: the real one's)."""
+    def fn(*args, **kwargs):
+        if not kwargs and plain_ok(*args):
             return answer(*args)
-        return getattr(_real(NAME), name)(*args)
+        return getattr(_real(NAME), name)(*args, **kwargs)
     fn.__name__ = fn.__qualname__ = name
     return fn
 

@@ -79,6 +79,7 @@ env = real.ShapeEnv()
 s = env.create_unbacked_symint()
 assert ours["is_nested_int"](s) is False and ours["has_guarding_hint"](s) is real.has_guarding_hint(s) is False
 assert ours["guard_or_false"](s == 3) is real.guard_or_false(s == 3) is False
+assert ours["expect_true"](True, skip=1) is True  # a keyword: the real function's
 print(n)
 """
     assert int(_python(code)) == 9 * 6 + 2 * 6 + 9  # every case compared
