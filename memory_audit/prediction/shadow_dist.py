@@ -164,11 +164,8 @@ def propagation_unseen(tracker, cfg):
     real = ShardingPropagator._propagate_tensor_meta_non_cached
 
     def unseen(self, *args, **kwargs):
-        outer, tracker.unseen = tracker.unseen, True
-        try:
+        with tracker.unseeing():
             return real(self, *args, **kwargs)
-        finally:
-            tracker.unseen = outer
     ShardingPropagator._propagate_tensor_meta_non_cached = unseen
     try:
         yield

@@ -48,7 +48,7 @@ def _run_loop(make, step, inputs, audited, tracker):
         if tracker.recording:
             tracker.before_op()
             phases["step2_before_backward"] = len(tracker.events)
-        with _unseen(tracker):  # the loss's targets: reading what its nodes saved is no op of the step
+        with tracker.unseeing():  # the loss's targets: reading what its nodes saved is no op of the step
             found.note_loss(self)
         if tracker.recording:  # the registry, then the saved tensors, then what the loop holds
             made["ledger"].name(self, named({}), named(found.held()))
@@ -99,15 +99,6 @@ def _merged(first, then):
     return dict(first, **{k: v for k, v in then.items() if k not in first})
 
 
-@contextlib.contextmanager
-def _unseen(tracker):
-    outer, tracker.unseen = tracker.unseen, True
-    try:
-        yield
-    finally:
-        tracker.unseen = outer
-
-
 class _LoopLedger:
     """The audit's saved-tensor ledger over a loop's audited step (recorder.saved_tensor_ledger,
     as Audit runs it): open from the step's start, named at each backward (the last one
@@ -126,7 +117,7 @@ class _LoopLedger:
         """At a backward: {allocation id: name} in tracker.saved_names, the loop's `registry`
         ({storage: name}) first, then the saved tensors', then `held`'s (the model's output,
         the loss), as attribute.phase_names orders them."""
-        with _unseen(self.tracker):
+        with self.tracker.unseeing():
             self.label(loss)
         self.close()
         self.tracker.saved_names = live_names(self.tracker, list(registry.items()), self.records,

@@ -149,6 +149,15 @@ class Tracker:
         self.free(entry[0])
         self.live[storage._cdata] = list(self.alloc(key, nbytes))
 
+    @contextlib.contextmanager
+    def unseeing(self):
+        """Ops inside go straight to their kernels, unrecorded (they are no op of the step)."""
+        outer, self.unseen = self.unseen, True
+        try:
+            yield
+        finally:
+            self.unseen = outer
+
     def block_of(self, aid):
         """An allocation's block: the one it was made in, else the one its name says (a
         parameter's optimizer state made by an op with no tensor of the block)."""
