@@ -216,3 +216,18 @@ def test_a_loop_is_named_without_help(tmp_path, inside):
     peak = m["phases"]["step2_end"]["replay"]["peak"]
     assert peak["categories"].get("unattributed", 0) == 0
     assert_books_match_the_pickle(str(tmp_path / "run"), m["phases"])
+
+
+def test_a_model_on_cuda_0_is_on_the_device_an_audit_of_cuda_records(monkeypatch):
+    """Parameters name the index (cuda:0), `Audit(..., device="cuda")` does not: the recording
+    resolves it to cuda:<current>, so the model check and the saved tensors' device filter
+    (str(t.device) == the recording's) see one device. Both once refused every CUDA train.py
+    audit (a GPU found it; none runs the suite)."""
+    from memory_audit.recording.audit import _same_device
+    from memory_audit.recording.recorder import indexed_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert str(indexed_device("cuda")) == "cuda:0" == str(indexed_device(torch.device("cuda", 0)))
+    assert _same_device("cuda:0", torch.device("cuda")) and _same_device("cuda", "cuda:0")
+    assert not _same_device("cuda:1", torch.device("cuda"))
+    assert not _same_device("cpu", torch.device("cuda")) and str(indexed_device("cpu")) == "cpu"

@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from .loop_names import LoopNames
-from .recorder import AuditError, AuditRecording, named_tensors, saved_tensor_ledger, distributed_info
+from .recorder import AuditError, AuditRecording, named_tensors, saved_tensor_ledger, distributed_info, indexed_device
 
 
 class Audit:
@@ -77,7 +77,7 @@ class Audit:
         compiled: the loop runs `torch.compile(model)`; call watch before its first step, so the
         partitioner's saved values are captured (they name the saved tensors)."""
         _check_pair(model, optimizer)
-        if torch.device(_model_device(model)) != self.recording.device:
+        if not _same_device(_model_device(model), self.recording.device):
             raise AuditError(f"the model is on {_model_device(model)} but the audit records {self.recording.device}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self._found.remove()
@@ -252,6 +252,12 @@ def _model_device(model):
     for p in model.parameters():
         return str(p.device)
     raise AuditError(f"the model ({type(model).__name__}) has no parameters: nothing to audit")
+
+
+def _same_device(a, b):
+    """cuda:0 and cuda are one device where 0 is the current one (the model's parameters name the
+    index; an audit may be given the type alone)."""
+    return indexed_device(a) == indexed_device(b)
 
 
 def _check_pair(model, optimizer):

@@ -519,6 +519,15 @@ def graph_savers(roots, skip=(), ident=None, raw=False):
 # ---------------------------------------------------------------------------------------------
 # recording
 
+def indexed_device(device):
+    """torch.device("cuda") as the device it means, cuda:<current>: the index a tensor's device
+    names (the saved tensors are kept by comparing the two; without the index none was)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 class AuditRecording:
     """Record allocator history from before the model exists to the end of the audited step.
 
@@ -529,7 +538,7 @@ class AuditRecording:
     def __init__(self, run_dir, device, config, max_entries=1_000_000, defer_cpu=False):
         self.run_dir = run_dir
         self.defer_cpu = defer_cpu
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         self.cuda = self.device.type == "cuda"
         self.config = config
         self.max_entries = max_entries
