@@ -146,6 +146,7 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     tracker = Tracker()
     tracker.naming = names
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
+    tracker.lt_workspace_bytes = shadow_cuda.LT_WORKSPACE_BYTES if tracker.workspace_bytes else 0
     tracker.tagging = blocks
     if device_type == "cuda" and fake and cache:
         from .shadow_metacache import SHARED

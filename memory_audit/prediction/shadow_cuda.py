@@ -17,16 +17,21 @@ does differently is added here, each rule read from the committed tiny CUDA audi
   kernel_choices     clip_grad_norm_'s foreach path; SDPA through cuDNN's attention (fp16/bf16 on
                      an H100: philox seed and offset, 8 B each, made before its output) or
                      efficient attention (fp32: logsumexp padded to 32, seed and offset on the
-                     host); dropout through the fused kernel (a bool mask)
+                     host); dropout through the fused kernel (a bool mask, made before the output)
   foreach_norm_buffer  CUDA's _foreach_norm writes per-chunk partial norms to a buffer of
                      4 B x tensors x (the largest tensor's chunks of 65,536 elements), made
                      before its outputs and freed before it returns
-  softmax_backward_buffer  the backward of the half-to-float softmax (fp32 grad, fp16 input)
-                     makes an fp32 buffer of grad's size after its fp16 output, freed first
+  softmax_backward_buffer  softmax's backward makes a buffer of grad's size (grad * output's
+                     dtype: fp32 for the half-to-float softmax, fp16 input) after its output,
+                     freed first; fp32 in and out too (H200, torch 2.11: manual attention, fp32
+                     and bf16)
   cudnn_attention_buffers  256 B after cuDNN attention's forward outputs; after its backward's,
                      an fp32 copy of q + the logsumexp + 256 B (one shape measured)
   cublas_workspace   each thread's first GEMM makes its workspace (shadow_tracker), after the
-                     GEMM's output
+                     GEMM's output; each thread's first addmm (a Linear with a bias: cuBLASLt's
+                     bias epilogue) then makes cuBLASLt's, CUBLASLT_WORKSPACE_SIZE KiB (1 MiB;
+                     measured on an H200, torch 2.11: every random config with bias=True, one per
+                     thread that ran an addmm, the backward thread's under full checkpointing)
 The inputs: train.py makes the batch on the host and copies it to the GPU; only the copies (x,
 then y) are device memory. Wrapped scalars, RNG states and the foreach/for AdamW's `step` are
 host tensors on a CUDA run: no device memory. Checkpointing's recomputation runs under the same
@@ -48,6 +53,7 @@ _FOREACH_CHUNK = 65536  # elements per chunk of multi_tensor_apply's kernels
 # 2 heads, T 64, head 32, bf16): 256 B in forward; 67,840 B in backward, read as an fp32 copy of
 # q (65,536) + the logsumexp (2,048) + the same 256. How either scales, no committed trace tells.
 _CUDNN_ATTENTION_BUFFER = 256
+LT_WORKSPACE_BYTES = 1024 * 1024  # CUBLASLT_WORKSPACE_SIZE's default, 1024 KiB (REFERENCE.md section 3)
 
 
 _ACTIVE = []  # the autocast emulations entered and not left (a checkpoint's forward reads it)
@@ -150,9 +156,8 @@ def after_outputs(func, args):
         q, lse = args[1], args[5]  # grad_out, query, key, value, out, logsumexp, ...
         return [4 * q.numel() + lse.numel() * lse.element_size() + _CUDNN_ATTENTION_BUFFER]
     if func is torch.ops.aten._softmax_backward_data.default:
-        grad, _, _, input_dtype = args
-        if grad.dtype != input_dtype:  # the half-to-float softmax's backward: an fp32 copy of grad
-            return [grad.numel() * grad.element_size()]
+        grad, output = args[0], args[1]  # grad * output, in their promoted dtype
+        return [grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize]
     return []
 
 
@@ -238,7 +243,8 @@ def _sdpa(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 def outputs(func, out):
     """[(tensor, bytes)] of an op's outputs in the order CUDA allocates them: the
     cuDNN attention kernel makes its philox seed and offset (8 B each) first, then the output
-    and logsumexp; efficient attention's seed and offset stay on the CPU."""
+    and logsumexp; efficient attention's seed and offset stay on the CPU; the fused dropout
+    makes its mask before its output."""
     import torch
     from torch.utils._pytree import tree_leaves
     if func is torch.ops.aten._scaled_dot_product_cudnn_attention.default:
@@ -248,6 +254,8 @@ def outputs(func, out):
         o, lse = out[0], out[1]  # its philox seed and offset are CPU tensors; lse's T is padded to 32
         B, nh, T = lse.shape
         return [(o, None), (lse, 4 * B * nh * (-(-T // 32) * 32))]
+    if func is torch.ops.aten.native_dropout.default:  # the fused kernel makes its bool mask first
+        return [(out[1], None), (out[0], None)]
     if isinstance(out, torch.Tensor):  # the common case, without pytree
         return [(out, None)] if out.untyped_storage().nbytes() else []
     return [(t, None) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()]

@@ -80,6 +80,8 @@ class Tracker:
         self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
         self.workspace_bytes = 0  # a cuBLAS workspace per thread (the shadow of a CUDA step)
+        self.lt_workspace_bytes = 0  # a cuBLASLt workspace per thread that runs an addmm (CUDA)
+        self.host = set()  # storage ids that are host memory on the device stood for (forget)
         self.adds_in_place = False  # inside F.scaled_dot_product_attention or F.linear (a CPU shadow: cpu_rules)
         self.meta_cache = None  # a shadow_metacache.MetaCache on meta tensors: kernels asked once,
         # and a view op (no storage, nothing pending) straight to its kernel
@@ -133,7 +135,7 @@ class Tracker:
         """A storage an op returned: an allocation of its bytes (or `nbytes`, what it stands
         for on the device) the first time it is seen."""
         sid = storage._cdata
-        if sid in self.live:
+        if sid in self.live or sid in self.host:  # host memory: an in-place op's output stays there
             return
         self.live[sid] = list(self.alloc(key, storage.nbytes() if nbytes is None else nbytes, tag))
         weakref.finalize(storage, self._freed, sid)
@@ -179,9 +181,13 @@ class Tracker:
     def forget(self, storage):
         """A storage that is host memory on the device the shadow stands for: its alloc is
         dropped and its free never recorded."""
-        entry = self.live.pop(storage._cdata, None)
+        sid = storage._cdata
+        entry = self.live.pop(sid, None)
         if entry is not None and entry[1] is not None:
             self.events[entry[1]][0] = None
+        if sid not in self.host:
+            self.host.add(sid)
+            weakref.finalize(storage, self.host.discard, sid)
 
     def hold(self, name, key, nbytes):
         """An allocation that no op returns and nothing frees (a cuBLAS workspace), once."""
@@ -409,7 +415,9 @@ def _view_op(tracker, func, args, kwargs):
     tracker.last = (func, tracker.label)
     out = func(*args, **kwargs)
     for t, nbytes in shadow_cuda.outputs(func, out):
-        if t.untyped_storage()._cdata not in tracker.live:
+        if t.device.type == "cpu":  # host memory (torch.tensor(1.0, device="cpu") lifted): see _device_op
+            tracker.forget(t.untyped_storage())
+        elif t.untyped_storage()._cdata not in tracker.live:
             tracker.add(t.untyped_storage(), tracker.key(_short_name(func)), nbytes)
     return out
 
@@ -424,11 +432,16 @@ def _device_op(tracker, func, args, kwargs, key):
     outs = shadow_cuda.outputs(func, out)
     tags = _foreach_blocks(tracker, func, args, len(outs))
     for (t, nbytes), tag in zip(outs, tags):
+        if t.device.type == "cpu":  # meta tensors stand for the GPU's: a CPU one is host memory there
+            tracker.forget(t.untyped_storage())  # (torch.tensor(1.0, device="cpu") in foreach AdamW)
+            continue
         tracker.add(t.untyped_storage(), key, nbytes, tag)
     held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
     if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS:
         thread = "backward" if tracker.phase == "backward" else "main"
         tracker.hold(("cublas", thread), "workspace/cublas", tracker.workspace_bytes)  # one line, as audits name it
+        if tracker.lt_workspace_bytes and _short_name(func) == "addmm":  # a bias epilogue: cuBLASLt's own
+            tracker.hold(("cublaslt", thread), "workspace/cublaslt", tracker.lt_workspace_bytes)
     return out, held, []
 
 
