@@ -179,3 +179,24 @@ def test_random_h200_audit_is_the_shadow_run(name):
         assert divergence is not None and divergence["measured"][0] == "alloc"
     else:
         assert divergence is None, divergence
+
+
+def test_the_cublaslt_workspace_is_named_where_measured_and_predicted():
+    """A Linear with a bias runs cuBLASLt's addmm, whose first call on each thread makes a 1 MiB
+    workspace (H200, torch 2.11): the audit names it from the trace (live at the end, made in a
+    GEMM, in a trace with a cuBLAS workspace) and the ledger predicts one per thread that runs an
+    addmm (autograd's too when full checkpointing recomputes a Linear in backward)."""
+    from memory_audit.comparison.reconcile import device_from_meta
+    from memory_audit.prediction.predict import predict
+    from memory_audit.reading.attribute import attribute
+    from memory_audit.reading.loader import load_meta, load_snapshot
+    for name, threads in (("h200-02-bf16-sdpa-none-for", 1), ("h200-09-fp16-manual-full-for", 2),
+                          ("h200-01-fp32-manual-none-fused", 0)):
+        run = os.path.join(EXAMPLES, "shadow-cuda", name)
+        meta = load_meta(run)
+        measured = attribute(load_snapshot(os.path.join(run, "step2_end.pickle")), meta, "step2_end")[0]
+        assert measured["lines"].get("workspace/cublaslt", 0) == threads * 1024 * 1024, name
+        assert measured["categories"]["unattributed"] == 0
+        ledger = predict(meta["config"], device_from_meta(meta))["ledger"]
+        assert sum(ln["bytes"] for ln in ledger if ln["key"] == "workspace/cublaslt" and "step2_end" in ln["phases"]) \
+            == threads * 1024 * 1024, name

@@ -2,10 +2,10 @@
 configs and machines they take, the steady-state lines (weights, buffers, grads, optimizer
 state, the batch, workspaces) and the totals a ledger sums to. Pure Python, no torch."""
 
-from ..reading.attribute import workspace_size_from_env
+from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE, workspace_size_from_env
 from .gap_sim import predicted_gaps
 from .parts import grad_phases, line, numel as _numel
-from ..schema import PHASES, check_model_config
+from ..schema import PHASES, check_model_config, sac_ops
 from . import fsdp, tensor_parallel as tp
 
 GiB = 2 ** 30
@@ -192,7 +192,18 @@ def steady_lines(s, cfg, dev, params, owned=None):
     out += [line(s, "workspace/cublas", dev["workspace_bytes"], "uint8", [dev["workspace_bytes"]],
                  "CUBLAS_WORKSPACE_CONFIG size", PHASES, ("forward thread", "backward thread")[i])
             for i in range(dev["workspaces"])]
+    if dev["workspaces"] and cfg.get("bias"):  # cuBLASLt's, one per thread that runs an addmm (a biased Linear)
+        out += [line(s, "workspace/cublaslt", CUBLASLT_WORKSPACE_SIZE, "uint8", [CUBLASLT_WORKSPACE_SIZE],
+                     "CUBLASLT_WORKSPACE_SIZE (1024 KiB)", PHASES, thread) for thread in lt_threads(cfg)]
     return out
+
+
+def lt_threads(cfg):
+    """The threads whose first addmm makes a cuBLASLt workspace: the forward's, and autograd's
+    when the backward recomputes a Linear (full checkpointing; SAC when addmm is not kept)."""
+    ac = cfg.get("activation_checkpointing", "none")
+    again = ac == "full" or (ac == "sac" and "addmm" not in sac_ops(cfg))
+    return ["forward thread"] + (["backward thread"] if again else [])
 
 
 _LEVER_FIELDS = ("region", "alias", "graph", "input_alias", "feeds")

@@ -23,6 +23,10 @@ from .trace import A, as_trace
 # Only a hint: a block must also have been allocated at a GEMM and never freed (see below).
 CUBLAS_WORKSPACE_SIZES = (8_519_680, 33_554_432)
 _GEMM_FRAMES = ("linear.py", "functional.py", "matmul", "addmm", "bmm", "einsum")
+# cuBLASLt's workspace (CUBLASLT_WORKSPACE_SIZE KiB, default 1024): made by each thread's first
+# addmm with a bias epilogue (a Linear with a bias), after that thread's cuBLAS workspace; measured
+# on an H200, torch 2.11 (session 24: every random tiny config with bias=True)
+CUBLASLT_WORKSPACE_SIZE = 1024 * 1024
 
 
 def workspace_size_from_env(env):
@@ -162,20 +166,32 @@ def live_at_end(trace):
     return t.cache["live_at_end"]
 
 
-def trace_workspaces(trace, meta=None):
-    """Addresses of the cuBLAS workspaces in a trace: still live at its end, made inside a GEMM
-    call or on a thread with no Python frames (autograd's backward thread, which does the first
-    backward GEMM), and of a workspace's size."""
+def lt_workspace_size(meta):
+    """Bytes of one cuBLASLt workspace: the run's CUBLASLT_WORKSPACE_SIZE (KiB), else 1 MiB."""
+    kib = ((meta or {}).get("env") or {}).get("CUBLASLT_WORKSPACE_SIZE")
+    return int(kib) * 1024 if str(kib or "").isdigit() else CUBLASLT_WORKSPACE_SIZE
+
+
+def trace_workspaces(trace, meta=None, lt=None):
+    """Addresses of the cuBLAS and cuBLASLt workspaces in a trace: still live at its end, made
+    inside a GEMM call or on a thread with no Python frames (autograd's backward thread, which does
+    the first backward GEMM), and of a workspace's size. `lt`: a set that receives the cuBLASLt
+    ones (made only in a trace that holds a cuBLAS workspace, which every CUDA GEMM makes first)."""
     t = as_trace(trace)
-    sizes = workspace_sizes(meta)
-    out = set()
+    sizes, lt_size = workspace_sizes(meta), lt_workspace_size(meta)
+    out, lts = set(), set()
     for addr, i in live_at_end(t).items():
-        if int(t.size[i]) not in sizes:
+        size = int(t.size[i])
+        if size not in sizes and size != lt_size:
             continue
         frames = t.frames(i)
         top = frames[0].get("filename", "") if frames else ""
         if not frames or any(k in top for k in _GEMM_FRAMES):
-            out.add(addr)
+            (out if size in sizes else lts).add(addr)
+    if out and lts:
+        out |= lts
+        if lt is not None:
+            lt |= lts
     return out
 
 
@@ -222,9 +238,9 @@ def block_namer(snap, meta=None, phase=None):
     by_addr = phase_names(meta, phase)
     for addr, hit in earlier_names(snap, meta, phase).items():
         by_addr.setdefault(addr, hit)
-    workspaces = set()
+    workspaces, lt = set(), set()
     for trace in snap.get("device_traces", []):
-        workspaces |= trace_workspaces(trace, meta)
+        workspaces |= trace_workspaces(trace, meta, lt)
 
     seen = set()  # allocations the trace saw made (and not freed since)
     if meta is None:
@@ -236,7 +252,7 @@ def block_namer(snap, meta=None, phase=None):
         if hit:
             return hit
         if block.get("address") in workspaces:
-            return "workspace/cublas", "workspace"
+            return ("workspace/cublaslt" if block.get("address") in lt else "workspace/cublas"), "workspace"
         kept = distributed_name(block.get("frames"))
         if kept:
             return kept, "frames:distributed"
