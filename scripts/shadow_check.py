@@ -12,6 +12,7 @@ against the shadow's events, by action and bytes). Not a test: each config takes
 """
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -25,10 +26,6 @@ sys.path.insert(0, ROOT)
 
 
 def check(cfg, tmp, device="cpu", keep=None):
-    from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import resolved
-    from memory_audit.reading.loader import load_meta
-    from memory_audit.comparison.reconcile import device_from_meta, first_divergence, mismatched, shadow_lines_off, step_events
     args = [f"--{k}={v}" for k, v in cfg.items()]
     shutil.rmtree(os.path.join(tmp, "r"), ignore_errors=True)  # what a failed config left
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--device={device}", "--preset=cpu-tiny",
@@ -38,17 +35,31 @@ def check(cfg, tmp, device="cpu", keep=None):
         return {"config": cfg, "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
     run = os.path.join(tmp, "r")
     if keep:  # the audited step with its whole trace: what CUDA rules for the shadow are read from
-        dest = os.path.join(keep, "-".join(f"{k}{v}" for k, v in cfg.items()).replace(".", "p")[:150])
+        name = "-".join(f"{k}{v}" for k, v in cfg.items()).replace(".", "p")
+        tag = hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:8]  # names cut short can collide
+        dest = os.path.join(keep, f"{name[:120]}-{tag}")
         shutil.copytree(run, dest, ignore=shutil.ignore_patterns("step2_start*", "step2_before*"))
+    row = compare(run, cfg)
+    shutil.rmtree(run, ignore_errors=True)
+    return row
+
+
+def compare(run, cfg=None):
+    """One audited run (its report.json, meta.json and step2_end snapshot with the whole trace)
+    against the shadow run of its config: peaks, steady state, lines, the first divergent event."""
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import resolved
+    from memory_audit.reading.loader import load_meta
+    from memory_audit.comparison.reconcile import device_from_meta, first_divergence, mismatched, shadow_lines_off, step_events
     with open(os.path.join(run, "report.json")) as f:
         report = json.load(f)
     peak = report["totals"]["peak"]
+    cfg = cfg if cfg is not None else report["config"]
     full = resolved(report["config"])
     try:  # on CUDA through the allocator's model, with the device's facts (SDPA kernel, workspaces)
         sh = shadow.replayed(full, device_from_meta(load_meta(run)), names=True)
-    except ValueError as e:
-        shutil.rmtree(run, ignore_errors=True)
-        return {"config": cfg, "measured": peak["actual"], "shadow": None, "shadow_error": str(e),
+    except Exception as e:  # noqa: BLE001 -- a row that says why, and the next config still runs
+        return {"config": cfg, "measured": peak["actual"], "shadow": None, "shadow_error": f"{type(e).__name__}: {e}",
                 "predictor": peak["predicted"]}
     row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"],
            "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"],
@@ -61,8 +72,29 @@ def check(cfg, tmp, device="cpu", keep=None):
     row["events_agree"] = divergence is None  # every allocation and free of step 2, in order
     if divergence is not None:
         row["first_divergence"] = divergence
-    shutil.rmtree(run, ignore_errors=True)
     return row
+
+
+def kept_runs(dirs):
+    """Audits kept earlier (--keep; snapshots/examples/shadow-cuda): each against the shadow run
+    of this checkout, without auditing again (a CUDA run's rules checked on a machine without one)."""
+    rows = []
+    for run in dirs:
+        row = compare(run)
+        rows.append(row)
+        c = row["config"]
+        label = f"{c.get('dtype')} {c.get('attention')} {c.get('activation_checkpointing')} {c.get('optimizer_impl')} " \
+                f"bias={c.get('bias')} dropout={c.get('dropout')}"
+        d = "-" if row["shadow"] is None else f"{row['shadow'] - row['measured']:+,}"
+        print(f"{os.path.basename(run.rstrip('/'))[:60]}  {label}  shadow {d}"
+              + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
+              + (f"  {row['shadow_error']}" if "shadow_error" in row else "")
+              + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
+    ok = [r for r in rows if r["shadow"] is not None]
+    print(f"kept runs: shadow peak exact {sum(r['shadow'] == r['measured'] for r in ok)}/{len(rows)}, steady state "
+          f"{sum(r['steady_state_exact'] for r in ok)}/{len(rows)}, step 2 event by event "
+          f"{sum(r['events_agree'] for r in ok)}/{len(rows)}")
+    return rows
 
 
 def committed_rows(paths):
@@ -107,9 +139,13 @@ def main():
                    "bf16 matmuls go through oneDNN: docs/limits.md)")
     p.add_argument("--rows", nargs="+", default=None, help="instead: re-predict committed results rows "
                    "(snapshots/results/*.jsonl, single-process CPU ones) with the shadow run")
+    p.add_argument("--runs", nargs="+", default=None, help="instead: kept audits (run dirs, e.g. "
+                   "snapshots/examples/shadow-cuda/*) against the shadow run, without auditing again")
     args = p.parse_args()
     if args.rows:
         return committed_rows(args.rows)
+    if args.runs:
+        return kept_runs(args.runs)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)
     print(f"seed {seed} (replay: --seed={seed})", flush=True)
     rng = random.Random(seed)
@@ -119,8 +155,14 @@ def main():
             cfg = random_config(rng)
             if args.dtype:
                 cfg["dtype"] = args.dtype
-            row = check(cfg, tmp, args.device, args.keep)
+            try:
+                row = check(cfg, tmp, args.device, args.keep)
+            except Exception as e:  # noqa: BLE001 -- a timeout or a broken snapshot: say so, go on
+                row = {"config": cfg, "error": f"{type(e).__name__}: {e}"}
             rows.append(row)
+            if args.out:  # row by row: a run stopped at a time limit keeps what it measured
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(dict(row, seed=seed)) + "\n")
             if "error" in row:
                 print(f"{i}: error {row['error']}", flush=True)
                 continue
@@ -136,10 +178,6 @@ def main():
           f"{sum(r.get('events_agree', False) for r in ok)}/{len(ok)}; every line exact: "
           f"{sum(not r.get('lines_off', [None]) for r in ok)}/{len(ok)}, the shadow's own lines "
           f"{sum(not r.get('shadow_lines_off', [None]) for r in ok)}/{len(ok)} (seed {seed})")
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(dict(r, seed=seed)) + "\n")
 
 
 if __name__ == "__main__":
