@@ -72,16 +72,32 @@ def audit(tmp_dir, name, *args):
     return os.path.join(tmp_dir, name)
 
 
+def made_once(tmp_path_factory, name, args, make):
+    """The path <session tmp>/shared/<name>, made by make(path) once per test session: under
+    pytest-xdist the workers share it (the session's temporary root, a lock per name), so what
+    tests on both workers use is made once. `args` say what was made; a name asked for again
+    with other args is an error."""
+    import fcntl
+    shared = os.environ.get("PYTEST_XDIST_WORKER") is not None
+    base = tmp_path_factory.getbasetemp().parent / "shared" if shared else tmp_path_factory.getbasetemp() / "shared"
+    base.mkdir(exist_ok=True)
+    path, done = base / name, base / f"{name}.done"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker making this one: wait for it
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)  # one that failed half-way
+            make(path)
+            done.write_text(repr(args))
+        assert done.read_text() == repr(args), f"{name!r} asked for with other arguments"
+    return path
+
+
 @pytest.fixture(scope="session")
 def audits(tmp_path_factory):
-    """name -> run dir, for a few CPU audits shared by the tests."""
-    base = str(tmp_path_factory.mktemp("audits"))
-    cache = {}
-
+    """name -> run dir, for a few CPU audits shared by the tests (made once: cpu_run alone is
+    used by eight files, and each worker made its own, 4-6 s each on 2 cores)."""
     def get(name, *args):
-        if name not in cache:
-            cache[name] = audit(base, name, *args)
-        return cache[name]
+        return str(made_once(tmp_path_factory, name, args, lambda path: audit(str(path.parent), name, *args)))
     return get
 
 

@@ -35,6 +35,9 @@ def test_bad_checkpointing_input_is_one_line(args, message):
     assert "tokens per iteration" not in p.stdout  # refused before any work
     q = run_cli("predict", "--gpu=cpu", *args)
     assert q.returncode == 2 and "Traceback" not in q.stderr, q.stderr
+
+
+def test_predict_prints_a_good_checkpointing_config():
     ok = run_cli("predict", "--gpu=cpu", "--preset=cpu-tiny", "--activation_checkpointing=sac")  # text output
     assert ok.returncode == 0 and "peak at: " in ok.stdout, ok.stderr
 

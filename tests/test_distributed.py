@@ -11,7 +11,9 @@ import subprocess
 import sys
 import warnings
 
-from conftest import ROOT, assert_repredicted_exactly, committed_rows, load_json, run_cli, run_train
+import pytest
+
+from conftest import ROOT, assert_repredicted_exactly, committed_rows, load_json, made_once, run_cli, run_train
 from memory_audit.prediction.predict import device_facts, predict
 from memory_audit.comparison.reconcile import mismatched
 
@@ -87,21 +89,15 @@ def assert_shadow_exact(run_dir):
                       f"shadow {part['predicted']} (the peak agrees)")
 
 
-def test_default_accumulation_under_torchrun_is_one_micro_step_per_rank(tmp_path):
-    """No --gradient_accumulation_steps under torchrun: one micro-step on each rank, said once
-    (nanoGPT's meaning, the total, stays for an explicit value: 3 over 2 ranks still fails)."""
-    p = _torchrun("--audit", f"--audit_dir={tmp_path}", "--run_name=default", accumulation=None)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert p.stdout.count("gradient_accumulation_steps not given: 2 in all, one micro-step per data-parallel rank") == 1
-    for rank in (0, 1):
-        rec = json.load(open(tmp_path / "default" / f"rank{rank}" / "report.json"))
-        assert rec["config"]["gradient_accumulation_steps"] == 1
-
-
 def test_ddp_audit_per_rank_is_predicted_and_changes_nothing(tmp_path):
+    """The audited run gives no --gradient_accumulation_steps: under torchrun that is one
+    micro-step on each rank, said once (nanoGPT's meaning, the total, stays for an explicit
+    value, as the plain run's 2 here; 3 over 2 ranks still fails: test_bad_parallel_input)."""
     plain = _torchrun("--max_iters=3", f"--losses_out={tmp_path}/plain.json")
-    audited = _torchrun("--audit", f"--audit_dir={tmp_path}", "--run_name=ddp", f"--losses_out={tmp_path}/audited.json")
+    audited = _torchrun("--audit", f"--audit_dir={tmp_path}", "--run_name=ddp", f"--losses_out={tmp_path}/audited.json",
+                        accumulation=None)
     assert plain.returncode == 0 and audited.returncode == 0, audited.stdout[-3000:] + audited.stderr[-3000:]
+    assert audited.stdout.count("gradient_accumulation_steps not given: 2 in all, one micro-step per data-parallel rank") == 1
     assert load_json(tmp_path / "plain.json") == load_json(tmp_path / "audited.json")
     for rank in (0, 1):
         rec = json.load(open(tmp_path / "ddp" / f"rank{rank}" / "report.json"))
@@ -273,7 +269,18 @@ def test_committed_torchrun_rows_are_shadow_run_to_the_byte():
     assert set(done) == {"ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp"} and len(done) >= 26, done
 
 
-def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
+@pytest.fixture(scope="session")
+def fsdp_losses(tmp_path_factory):
+    """The losses of 3 steps of FSDP2 over 2 ranks, two micro-steps each, not audited (made
+    once: the FSDP2 audit and the 2-D mesh compare with them)."""
+    def make(path):
+        path.mkdir()
+        p = _torchrun("--parallel=fsdp", "--max_iters=3", f"--losses_out={path}/losses.json", accumulation=4)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return load_json(made_once(tmp_path_factory, "fsdp-losses", ("fsdp", 3, 4), make) / "losses.json")
+
+
+def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path, fsdp_losses):
     """parallel=fsdp on 2 gloo ranks, two micro-steps each: padded shards, the root unsharded
     before backward, the first micro-step's gradients accumulated whole (no reduce-scatter until
     the last), the last block's all-gather buffer at the peak, every line exact on both ranks;
@@ -282,9 +289,7 @@ def test_fsdp2_per_rank_is_predicted_and_under_ddp(tmp_path):
     audited = _torchrun("--parallel=fsdp", "--audit", f"--audit_dir={tmp_path}", "--run_name=fsdp",
                         f"--losses_out={tmp_path}/audited.json", accumulation=4)
     assert audited.returncode == 0, audited.stdout[-3000:] + audited.stderr[-3000:]
-    plain = _torchrun("--parallel=fsdp", "--max_iters=3", f"--losses_out={tmp_path}/plain.json", accumulation=4)
-    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-6000:]
-    assert load_json(tmp_path / "plain.json") == load_json(tmp_path / "audited.json")
+    assert fsdp_losses == load_json(tmp_path / "audited.json")
     rec = _tp_ranks(tmp_path, "fsdp")[0]
     params = 4 * 135_488  # cpu-tiny's fp32 weights, whole
     assert _line(rec, "weights/transformer.wte.weight", "step2_start") == 4 * 512 * 64 // 2
@@ -343,19 +348,18 @@ def test_fsdp2_with_dimensions_that_do_not_split_evenly(tmp_path):
             assert_shadow_exact(tmp_path / name / f"rank{r}")
 
 
-def test_fsdp_across_tensor_parallel_groups_on_a_2d_mesh(tmp_path):
+def test_fsdp_across_tensor_parallel_groups_on_a_2d_mesh(tmp_path, fsdp_losses):
     """parallel=fsdp+tp-sp on 4 gloo ranks, a (dp 2, tp 2) DeviceMesh: tensor and sequence
     parallelism within each pair of ranks, FSDP2 across the pairs. The same losses as FSDP2 over
-    2 ranks with the same data, to 1e-5 (the model is the same function). Its audit (about a
+    2 ranks with the same data (two micro-steps per data-parallel rank in both), to 1e-5 (the
+    model is the same function). Its audit (about a
     minute on 2 cores), every line exact on every rank, is committed in cpu-parallel.jsonl and
     re-predicted by test_committed_torchrun_rows_are_predicted_to_the_byte; the mesh coordinates
     in meta.json and the report are checked on the FSDP2 audit below (a (dp 2, tp 1) mesh)."""
     four = _torchrun("--parallel=fsdp+tp-sp", "--tp_size=2", "--max_iters=3", f"--losses_out={tmp_path}/2d.json",
-                     ranks=4, timeout=400)
+                     ranks=4, timeout=400, accumulation=4)
     assert four.returncode == 0, four.stdout[-3000:] + four.stderr[-3000:]
-    two = _torchrun("--parallel=fsdp", "--max_iters=3", f"--losses_out={tmp_path}/fsdp.json")
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    fsdp = [float.fromhex(x) for x in load_json(tmp_path / "fsdp.json")]
+    fsdp = [float.fromhex(x) for x in fsdp_losses]
     two_d = load_json(tmp_path / "2d.json")
     assert len(two_d) == len(fsdp) == 3
     assert all(math.isclose(float.fromhex(x), y, rel_tol=1e-5) for x, y in zip(two_d, fsdp, strict=True))
@@ -375,8 +379,10 @@ def test_a_failing_rank_leaves_snapshots_and_every_rank_one_line(tmp_path):
 
 
 def test_bad_parallel_input_is_one_line(tmp_path):
-    for strategy, says in (("ddp", "torchrun"), ("tp-sp", "torchrun"), ("fsdp", "torchrun"),
-                           ("fsdp+tp --tp_size=1", "torchrun"), ("none --tp_size=2", "tp_size=2 is for parallel=tp"),
+    # one strategy of the four that say "runs under torchrun" (the same line names each) and
+    # fsdp+tp with tp_size=1, which its tp_size check lets through to it
+    for strategy, says in (("ddp", "runs under torchrun"), ("fsdp+tp --tp_size=1", "parallel=fsdp+tp runs under torchrun"),
+                           ("none --tp_size=2", "tp_size=2 is for parallel=tp"),
                            ("pipeline", "parallel must be one of none, ddp, fsdp, tp, tp-sp, fsdp+tp, fsdp+tp-sp")):
         p = run_train("--device=cpu", "--preset=cpu-tiny", *f"--parallel={strategy}".split(), "--max_iters=1")
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
@@ -501,7 +507,6 @@ def test_fsdp2_shards_are_named_by_parameter(tmp_path):
 def test_parallel_prediction_per_rank_and_plan_options():
     """predict/fit/plan per rank without a run: the TP and FSDP2 rules on GPT-2 medium, bad configs
     in one line, plan's tensor-parallel options with the bytes each rank sends."""
-    import pytest
     from memory_audit.prediction import tensor_parallel
     from memory_audit.comparison.plan import plan
     h100 = device_facts()

@@ -19,14 +19,21 @@ def _sweep(tmp_path, name, rows=None):
     return [json.loads(line) for line in open(out)], out
 
 
+# cpu-small's second size as a half fraction of its dtype x attention x activation cube: each
+# level of each factor, and each pair of two factors' levels, once (2 x 2 x 2 would be 8 audits)
+CPU_SMALL_LIVE = (("float32", "manual", "gelu"), ("float32", "sdpa", "relu"),
+                  ("bfloat16", "manual", "relu"), ("bfloat16", "sdpa", "gelu"))
+
+
 def test_cpu_small_grid(tmp_path):
-    """cpu-small's second size (1 layer, 4 heads, block 32, batch 3) runs here; its first half,
-    cpu-tiny at batch 2 in every dtype x attention x activation, is what
+    """cpu-small's second size (1 layer, 4 heads, block 32, batch 3) runs here, half of its
+    eight; its first half, cpu-tiny at batch 2 in every dtype x attention x activation, is what
     test_predict.test_cpu_audit_matches_prediction_line_by_line audits line by line."""
     rows = grid("cpu-small")
     assert len(rows) == 16 and [r["preset"] for r in rows[:8]] == ["cpu-tiny"] * 8 and all(r.get("n_layer") == 1 for r in rows[8:])
-    rows, out = _sweep(tmp_path, "cpu-small", rows[8:])
-    assert len(rows) == 8
+    live = [r for r in rows[8:] if (r["dtype"], r["attention"], r["activation"]) in CPU_SMALL_LIVE]
+    rows, out = _sweep(tmp_path, "cpu-small", live)
+    assert len(rows) == 4
     for r in rows:
         assert r["status"] == "ok", r
         assert r["unattributed_bytes"] == 0
@@ -34,7 +41,7 @@ def test_cpu_small_grid(tmp_path):
         assert r["steady_lines_mismatched"] == []
         assert r["totals"]["peak"]["diff"] == 0, r["config"]
     table = accuracy_table(str(out))
-    assert table.count("\n") == 9 and "+0.000%" in table
+    assert table.count("\n") == 5 and "+0.000%" in table
 
 
 # cpu-ac rows run live here: both attentions and dtypes, every mode, every 2nd block, the peak at
