@@ -436,6 +436,12 @@ def _device_op(tracker, func, args, kwargs, key):
             tracker.forget(t.untyped_storage())  # (torch.tensor(1.0, device="cpu") in foreach AdamW)
             continue
         tracker.add(t.untyped_storage(), key, nbytes, tag)
+    made = []  # a kernel's temporaries that interleave after its outputs
+    for action, n in shadow_cuda.after_output_events(func, args) or ():
+        if action == "alloc":
+            made.append(tracker.alloc(f"{key}/kernel_temporary", n)[0])
+        else:
+            tracker.free(made[n])
     held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
     if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS:
         thread = "backward" if tracker.phase == "backward" else "main"
