@@ -193,3 +193,29 @@ def test_the_cublaslt_workspace_is_named_where_measured_and_predicted():
         ledger = predict(meta["config"], device_from_meta(meta))["ledger"]
         assert sum(ln["bytes"] for ln in ledger if ln["key"] == "workspace/cublaslt" and "step2_end" in ln["phases"]) \
             == threads * 1024 * 1024, name
+
+
+RESERVED_TRACES = os.path.join(ROOT, "snapshots", "results", "reserved-traces")
+
+
+@pytest.mark.parametrize("name", sorted(n[:-len(".json.gz")] for n in os.listdir(RESERVED_TRACES)
+                                        if n.endswith(".json.gz")))
+def test_gpt2_sized_h200_process_is_the_shadow_run_event_by_event(name):
+    """GPT-2 small to xl audited on an H200 (torch 2.11; compact traces): every allocation and
+    free of the process, from model.to(device) to the end of step 2 (3,249-15,259 events), is
+    the shadow run's, CUDA's sorting embedding backward included. What is left of the peak and
+    reserved misses is the allocator model's: fed the measured requests, it gives the shadow's
+    numbers (the model's block choice, not the shadow's requests, is what a miss points at)."""
+    import gzip
+    from memory_audit.comparison.reconcile import device_from_meta, first_divergence
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.gap_sim import replay_requests
+    from memory_audit.reading.trace import A
+    with gzip.open(os.path.join(RESERVED_TRACES, name + ".json.gz"), "rt") as f:
+        d = json.load(f)
+    acts = {A["alloc"]: "alloc", A["free_requested"]: "free", A["free"]: "free"}
+    measured = [(acts[a], "", s, i) for i, (a, s) in enumerate(zip(d["act"], d["size"])) if a in acts]
+    device = device_from_meta({"device": {"type": "cuda", "name": "NVIDIA H200", "capability": [9, 0]}})
+    r = shadow.replayed(resolved(d["config"]), device, names=True)  # names: the whole step, unrepeated
+    assert first_divergence(measured, r["result"]["history"] + r["result"]["events"]) is None
+    assert r["reserved"] == replay_requests(d["act"], d["addr"], d["size"])["reserved"]

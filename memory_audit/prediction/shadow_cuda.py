@@ -53,6 +53,8 @@ _FOREACH_CHUNK = 65536  # elements per chunk of multi_tensor_apply's kernels
 # 2 heads, T 64, head 32, bf16): 256 B in forward; 67,840 B in backward, read as an fp32 copy of
 # q (65,536) + the logsumexp (2,048) + the same 256. How either scales, no committed trace tells.
 _CUDNN_ATTENTION_BUFFER = 256
+_EMBEDDING_DIRECT = 3072  # indices up to which CUDA's embedding backward needs no sort
+_CUB_SCAN = 1279  # cub's scan storage in the embedding backward (the same at N 4,096-12,288)
 LT_WORKSPACE_BYTES = 1024 * 1024  # CUBLASLT_WORKSPACE_SIZE's default, 1024 KiB (REFERENCE.md section 3)
 
 
@@ -147,24 +149,44 @@ def before_outputs(func, args):
     return []
 
 
-def after_output_events(func, args):
-    """[("alloc", bytes) | ("free", k)] a CUDA kernel runs after its outputs, in order (k: the
-    k-th alloc of the list), where its temporaries interleave; None for the other ops.
-    Efficient attention's backward (fp32 SDPA; 91 random H200 configs, torch 2.11, head size 16
-    and 32, T 16-256): a buffer of q's size and an fp32 row buffer (B x heads x T), a second
-    row buffer made and freed at once when there are several heads, then a workspace of
-    B x heads x ceil(T/64) x (64 x 64 fp32 + 16 B)."""
+def kernel_events(func, args):
+    """(before, after): the temporaries a CUDA kernel makes and frees before and after its
+    outputs, where they interleave, as ("alloc", bytes) | ("free", k) (k: the k-th alloc of the
+    two lists together); None for the other ops. Read from the H200 audits (torch 2.11):
+      efficient attention's backward (fp32 SDPA; 91 random tiny configs, head size 16 and 32,
+        T 16-256): a buffer of q's size and an fp32 row buffer (B x heads x T), a second row
+        buffer made and freed at once with several heads, then a workspace of
+        B x heads x ceil(T/64) x (64 x 64 fp32 + 16 B);
+      the embedding's backward over more than 3,072 indices (CUDA sorts them; 11 GPT-2-sized
+        runs, N = B x T 4,096-12,288, vocabulary 50,304): three int64 index arrays and cub's
+        radix-sort storage (16N + 1,024 x ceil(N/4,608) + 16,895 B, fitted to the four N) before
+        the output, then segment arrays, cub's scan storage (1,279 B) twice and the partial
+        sums of N + N/10 segments in fp32."""
     import torch
-    if func is not torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
-        return None
-    B, nh, T, _ = args[1].shape  # grad_out, query, key, value, bias, out, logsumexp, ...
-    row = 4 * B * nh * T
-    events = [("alloc", 4 * args[1].numel()), ("alloc", row)]  # allocs 0 and 1
-    if nh > 1:
-        events += [("alloc", row), ("free", 2)]
-    workspace = B * nh * -(-T // 64) * (64 * 64 * 4 + 16)
-    last = 3 if nh > 1 else 2  # the workspace's place among the allocs
-    return events + [("free", 0), ("alloc", workspace), ("free", 1), ("free", last)]
+    if func is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
+        B, nh, T, _ = args[1].shape  # grad_out, query, key, value, bias, out, logsumexp, ...
+        row = 4 * B * nh * T
+        after = [("alloc", 4 * args[1].numel()), ("alloc", row)]  # allocs 0 and 1
+        if nh > 1:
+            after += [("alloc", row), ("free", 2)]
+        workspace = B * nh * -(-T // 64) * (64 * 64 * 4 + 16)
+        last = 3 if nh > 1 else 2  # the workspace's place among the allocs
+        return [], after + [("free", 0), ("alloc", workspace), ("free", 1), ("free", last)]
+    if func is torch.ops.aten.embedding_dense_backward.default:
+        grad, indices, scale_by_freq = args[0], args[1], args[4]
+        n = indices.numel()
+        if n <= _EMBEDDING_DIRECT or scale_by_freq:
+            return None
+        idx, parts = 8 * n, n + n // 10
+        sort = 16 * n + 1024 * -(-n // 4608) + 16895
+        before = [("alloc", idx), ("alloc", idx), ("alloc", idx), ("alloc", sort), ("free", 3), ("free", 2)]
+        after = [("alloc", idx), ("alloc", 8), ("alloc", idx), ("alloc", _CUB_SCAN), ("free", 7), ("free", 6),
+                 ("alloc", idx), ("alloc", idx), ("alloc", _CUB_SCAN), ("free", 10),
+                 ("alloc", 8), ("alloc", 8 * parts), ("alloc", 4 * parts * grad.shape[-1]),
+                 ("free", 13), ("free", 12), ("free", 11), ("free", 9), ("free", 8), ("free", 5), ("free", 4),
+                 ("free", 1), ("free", 0)]
+        return before, after
+    return None
 
 
 def after_outputs(func, args):

@@ -427,6 +427,9 @@ def _device_op(tracker, func, args, kwargs, key):
     (in CUDA's order), what it allocates after them (freed first) and a thread's first GEMM's
     cuBLAS workspace (shadow_cuda). Returns (out, [ids freed as it returns], [])."""
     held = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
+    before, after = shadow_cuda.kernel_events(func, args) or ((), ())
+    made = []  # a kernel's temporaries that interleave with its outputs, made and freed in order
+    _kernel_events(tracker, key, before, made)
     cache = tracker.meta_cache
     out = func(*args, **kwargs) if cache is None else cache.call(func, args, kwargs)
     outs = shadow_cuda.outputs(func, out)
@@ -436,12 +439,7 @@ def _device_op(tracker, func, args, kwargs, key):
             tracker.forget(t.untyped_storage())  # (torch.tensor(1.0, device="cpu") in foreach AdamW)
             continue
         tracker.add(t.untyped_storage(), key, nbytes, tag)
-    made = []  # a kernel's temporaries that interleave after its outputs
-    for action, n in shadow_cuda.after_output_events(func, args) or ():
-        if action == "alloc":
-            made.append(tracker.alloc(f"{key}/kernel_temporary", n)[0])
-        else:
-            tracker.free(made[n])
+    _kernel_events(tracker, key, after, made)
     held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
     if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS:
         thread = "backward" if tracker.phase == "backward" else "main"
@@ -449,6 +447,15 @@ def _device_op(tracker, func, args, kwargs, key):
         if tracker.lt_workspace_bytes and _short_name(func) == "addmm":  # a bias epilogue: cuBLASLt's own
             tracker.hold(("cublaslt", thread), "workspace/cublaslt", tracker.lt_workspace_bytes)
     return out, held, []
+
+
+def _kernel_events(tracker, key, events, made):
+    """("alloc", bytes) | ("free", k): the k-th of `made`, the allocations these events made."""
+    for action, n in events:
+        if action == "alloc":
+            made.append(tracker.alloc(f"{key}/kernel_temporary", n)[0])
+        else:
+            tracker.free(made[n])
 
 
 def _cpu_op(tracker, func, args, kwargs, key):
