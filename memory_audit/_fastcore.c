@@ -980,8 +980,10 @@ static int64_t model_take_free(Model *m, int64_t start) {
     return take_free(&m->s, start);
 }
 static int64_t model_new_segment(Model *m, int small, int64_t size) {
+    /* each new segment below the last: cudaMalloc hands out lower addresses as it goes, and the
+       address breaks best fit's ties (gap_sim.CachingAllocatorModel) */
+    m->next_segment -= size + MODEL_GAP;
     int64_t seg = m->next_segment;
-    m->next_segment += size + MODEL_GAP;
     if (map_put(&m->small_seg, seg, small) < 0 || map_put(&m->s.segs, seg, size) < 0 ||
         model_add_free(m, seg, size, seg) < 0) return -1;
     m->reserved += size;
@@ -994,10 +996,10 @@ static int64_t segment_size(int64_t rounded) {
 }
 static int64_t model_grow(Model *m, int small, int64_t rounded) {
     if (m->grown[small] < 0) {
+        m->next_segment -= INT64_C(1) << 44;  /* room above it to grow into */
         int64_t seg = model_new_segment(m, small, 0);
         if (seg < 0) return -1;
         m->grown[small] = seg;
-        m->next_segment += INT64_C(1) << 44;
     }
     int64_t seg = m->grown[small], *segsize = map_find(&m->s.segs, seg);
     int64_t end = seg + *segsize, *tail = map_find(&m->s.free_by_end, end), start = end, have = 0;
@@ -1046,7 +1048,7 @@ static PyObject *py_model(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *cols[4] = {NULL, NULL, NULL, NULL};
     Model m; Map placed; /* allocation id -> its event */
     memset(&m, 0, sizeof m); memset(&placed, 0, sizeof placed);
-    m.next_segment = INT64_C(1) << 40; m.grown[0] = m.grown[1] = -1; m.expandable = expandable;
+    m.next_segment = INT64_C(1) << 60; m.grown[0] = m.grown[1] = -1; m.expandable = expandable;
     Py_ssize_t n = act.len;
     if (size.len != n * 8 || ids.len != n * 8) {
         PyErr_SetString(PyExc_ValueError, "model: columns differ in length");
