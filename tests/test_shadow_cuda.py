@@ -199,9 +199,9 @@ RESERVED_TRACES = os.path.join(ROOT, "snapshots", "results", "reserved-traces")
 def test_gpt2_sized_h200_process_is_the_shadow_run_event_by_event(name):
     """GPT-2 small to xl audited on an H200 (torch 2.11; compact traces): every allocation and
     free of the process, from model.to(device) to the end of step 2 (3,249-15,259 events), is
-    the shadow run's, CUDA's sorting embedding backward included. What is left of the peak and
-    reserved misses is the allocator model's: fed the measured requests, it gives the shadow's
-    numbers (the model's block choice, not the shadow's requests, is what a miss points at)."""
+    the shadow run's, CUDA's sorting embedding backward included; played through the allocator
+    model (new segments below the last, as cudaMalloc's addresses go), the steady state, peak and
+    reserved memory of step 2 are the measured ones to the byte."""
     import gzip
     from memory_audit.comparison.reconcile import device_from_meta, first_divergence
     from memory_audit.prediction import shadow
@@ -215,3 +215,6 @@ def test_gpt2_sized_h200_process_is_the_shadow_run_event_by_event(name):
     r = shadow.replayed(resolved(d["config"]), device, names=True)  # names: the whole step, unrepeated
     assert first_divergence(measured, r["result"]["history"] + r["result"]["events"]) is None
     assert r["reserved"] == replay_requests(d["act"], d["addr"], d["size"])["reserved"]
+    with open(os.path.join(RESERVED_TRACES, "totals.json")) as f:
+        totals = json.load(f)[name]  # the run's report: steady state, peak, memory_reserved()
+    assert (r["steady_state"], r["peak"], r["reserved"]) == (totals["steady_state"], totals["peak"], totals["reserved"])
