@@ -199,8 +199,8 @@ class _Region:
     inside the region, whose saved tensors the checkpoint keeps as placeholders (reading them
     would run the recomputation, so the graph walk must not)."""
 
-    def __init__(self, inner, windows):
-        self.inner, self.windows = inner, windows
+    def __init__(self, inner, windows, keep=None):
+        self.inner, self.windows, self.keep = inner, windows, keep
 
     def __enter__(self):
         self.start = torch._C._autograd._get_sequence_nr()
@@ -208,7 +208,28 @@ class _Region:
 
     def __exit__(self, *exc):
         self.windows.append((self.start, torch._C._autograd._get_sequence_nr()))
+        if self.keep is not None and exc[0] is None:
+            _kept_by_sac(self.inner, self.keep)
         return self.inner.__exit__(*exc)
+
+
+def _sac_policy_sees_outputs():
+    """Whether torch hands SAC's policy the op's output (torch >= 2.12: ctx.op_output), which
+    model.py passes on to the audit as the op runs."""
+    import inspect
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+    return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+def _kept_by_sac(mode, keep):
+    """An older torch asks SAC's policy before the op runs: the outputs it kept are read from the
+    forward mode's storage ({op: [outputs]}) as the region ends, each given to keep(op, output)."""
+    from torch.utils._pytree import tree_map
+    storage = getattr(mode, "storage", None)
+    for op, outputs in (list(storage.items()) if isinstance(storage, dict) else []):
+        for out in outputs if isinstance(outputs, list) else []:
+            if hasattr(op, "overloadpacket"):
+                keep(op, tree_map(lambda x: getattr(x, "val", x), out))
 
 
 class _RecomputeLabel:
@@ -298,9 +319,12 @@ def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: 
         if fn is None:
             continue
 
-        def context_fn(fn=fn, name=name):
+        late = hasattr(m, "sac_observer") and not _sac_policy_sees_outputs()
+
+        def context_fn(fn=fn, name=name, late=late):
             fwd, rec = fn()
-            return _Region(fwd, windows), _RecomputeLabel(rec, short(name), cuda) if label else rec
+            region = _Region(fwd, windows, keep if late else None)
+            return region, _RecomputeLabel(rec, short(name), cuda) if label else rec
         wrapped.append((m, fn, getattr(m, "sac_observer", None)))
         m.ac_context_fn = context_fn
         if hasattr(m, "sac_observer"):
