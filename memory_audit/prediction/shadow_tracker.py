@@ -424,8 +424,9 @@ def _view_op(tracker, func, args, kwargs):
 
 def _device_op(tracker, func, args, kwargs, key):
     """An op of a CUDA step's shadow: what its kernel allocates before its outputs, the outputs
-    (in CUDA's order), what it allocates after them (freed first) and a thread's first GEMM's
-    cuBLAS workspace (shadow_cuda). Returns (out, [ids freed as it returns], [])."""
+    (in CUDA's order; host tensors left out), the temporaries that interleave with them
+    (kernel_events), what it allocates after them (freed first) and a thread's first GEMM's
+    cuBLAS and cuBLASLt workspaces (shadow_cuda). Returns (out, [ids freed as it returns], [])."""
     held = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
     before, after = shadow_cuda.kernel_events(func, args) or ((), ())
     made = []  # a kernel's temporaries that interleave with its outputs, made and freed in order

@@ -214,8 +214,8 @@ class _Region:
 
 
 def _sac_policy_sees_outputs():
-    """Whether torch hands SAC's policy the op's output (torch >= 2.12: ctx.op_output), which
-    model.py passes on to the audit as the op runs."""
+    """Whether torch hands SAC's policy the op's output (ctx.op_output: torch 2.13 does, 2.11
+    not), which model.py passes on to the audit as the op runs."""
     import inspect
     from torch.utils.checkpoint import SelectiveCheckpointContext
     return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
