@@ -34,8 +34,8 @@ if [ "$DEVICE" = cuda ]; then
     timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -n 3 tests/test_cuda.py tests/test_nodynamo.py \
         -k "not oom" > "$W/tests.log" 2>&1 &
 fi
-G1="gpt2-manual-fp16 large-sdpa-fp16-b8 xl-manual-bf16 medium-sdpa-fp16 medium-manual-fp16"
-G2="large-manual-fp16-b8 gpt2-manual-fp16-nonone gpt2-sdpa-fp16 gpt2-manual-bf16 medium-sdpa-bf16 large-manual-fp16-b10"
+G1="gpt2-sdpa-fp32-b4 gpt2-bias-b8 gpt2-manual-fp16 xl-manual-bf16"
+G2="gpt2-vocab32000-b8 medium-full-b8 large-sdpa-fp16-b8 large-manual-fp16-b10"
 if [ "$DEVICE" = cpu ]; then
     :
 elif [ "$MEM_MIB" -gt 120000 ]; then

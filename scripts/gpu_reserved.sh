@@ -29,11 +29,18 @@ declare -A ROWS=(
   [large-sdpa-bf16-b8]="--preset=gpt2-large --batch_size=8 --dtype=bfloat16 --attention=sdpa"
   [large-manual-fp16-b8]="--preset=gpt2-large --batch_size=8 --dtype=float16 --attention=manual"
   [gpt2-sdpa-fp16]="--preset=gpt2 --batch_size=12 --dtype=float16 --attention=sdpa"
+  # out of sample for session 24's rules (the first GPU call after it): efficient attention's
+  # backward at head size 64 and T 1024, the embedding sort at another vocabulary and N, cuBLASLt
+  # at GPT-2 size, full checkpointing's recomputation at size
+  [gpt2-sdpa-fp32-b4]="--preset=gpt2 --batch_size=4 --dtype=float32 --attention=sdpa"
+  [gpt2-vocab32000-b8]="--preset=gpt2 --batch_size=8 --vocab_size=32000 --dtype=bfloat16 --attention=sdpa"
+  [gpt2-bias-b8]="--preset=gpt2 --batch_size=8 --bias=True --dtype=bfloat16 --attention=sdpa"
+  [medium-full-b8]="--preset=gpt2-medium --batch_size=8 --activation_checkpointing=full --dtype=bfloat16 --attention=sdpa"
   [large-manual-fp16-b10]="--preset=gpt2-large --batch_size=10 --dtype=float16 --attention=manual"
   [gpt2-manual-fp16-nonone]="--preset=gpt2 --batch_size=12 --dtype=float16 --attention=manual --set_to_none=False"
   [gpt2-manual-fp16-nonone-nologits]="--preset=gpt2 --batch_size=12 --dtype=float16 --attention=manual --set_to_none=False --keep_logits=False"
 )
-ORDER="medium-sdpa-fp16 medium-sdpa-bf16 medium-manual-fp16 gpt2-manual-bf16 gpt2-manual-fp16 xl-manual-bf16
+ORDER="gpt2-sdpa-fp32-b4 gpt2-vocab32000-b8 gpt2-bias-b8 medium-full-b8 medium-sdpa-fp16 medium-sdpa-bf16 medium-manual-fp16 gpt2-manual-bf16 gpt2-manual-fp16 xl-manual-bf16
        large-sdpa-fp16-b8 large-sdpa-bf16-b8 large-manual-fp16-b8 gpt2-sdpa-fp16 large-manual-fp16-b10 gpt2-manual-fp16-nonone gpt2-manual-fp16-nonone-nologits"
 left() { echo $(( ${DEADLINE:-9999999999} - $(date +%s) )); }
 lim() { local l; l=$(left); if [ "$l" -gt 1 ]; then echo "$l"; else echo 1; fi; }  # timeout 0 would mean none
