@@ -20,6 +20,7 @@ import contextlib
 import gc
 
 from . import shadow_cuda, shadow_dist, shadow_repeat
+from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from ..schema import PREDICTED_FRAME
 from .. import nosympy
 from ..nodynamo import stood_in
@@ -146,7 +147,7 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     tracker = Tracker()
     tracker.naming = names
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
-    tracker.lt_workspace_bytes = shadow_cuda.LT_WORKSPACE_BYTES if tracker.workspace_bytes else 0
+    tracker.lt_workspace_bytes = CUBLASLT_WORKSPACE_SIZE if tracker.workspace_bytes else 0
     tracker.tagging = blocks
     if device_type == "cuda" and fake and cache:
         from .shadow_metacache import SHARED
@@ -227,9 +228,6 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
             scaler.step(optimizer)
-            if device_type == "cuda" and it == 0:
-                for t in shadow_cuda.host_tensors(optimizer, cfg["optimizer_impl"]):
-                    tracker.forget(t.untyped_storage())
             scaler.update()
             optimizer.zero_grad(set_to_none=cfg["set_to_none"])
         end_step(tracker, held_names(model, optimizer, _held(X, Y, loss, scaler)))

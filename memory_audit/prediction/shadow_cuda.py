@@ -34,7 +34,8 @@ does differently is added here, each rule read from the committed tiny CUDA audi
                      thread that ran an addmm, the backward thread's under full checkpointing)
 The inputs: train.py makes the batch on the host and copies it to the GPU; only the copies (x,
 then y) are device memory. Wrapped scalars, RNG states and the foreach/for AdamW's `step` are
-host tensors on a CUDA run: no device memory. Checkpointing's recomputation runs under the same
+host tensors on a CUDA run: no device memory (any CPU tensor an op of the step returns is
+left out: shadow_tracker). Checkpointing's recomputation runs under the same
 rules (_checkpointed). Plain Python until a shadow run starts: torch is imported inside.
 """
 
@@ -55,7 +56,6 @@ _FOREACH_CHUNK = 65536  # elements per chunk of multi_tensor_apply's kernels
 _CUDNN_ATTENTION_BUFFER = 256
 _EMBEDDING_DIRECT = 3072  # indices up to which CUDA's embedding backward needs no sort
 _CUB_SCAN = 1279  # cub's scan storage in the embedding backward (the same at N 4,096-12,288)
-LT_WORKSPACE_BYTES = 1024 * 1024  # CUBLASLT_WORKSPACE_SIZE's default, 1024 KiB (REFERENCE.md section 3)
 
 
 _ACTIVE = []  # the autocast emulations entered and not left (a checkpoint's forward reads it)
@@ -313,14 +313,6 @@ def to_device(model, tracker):
             if t is not None:
                 tracker.adopt(t.untyped_storage())
     visit(model)
-
-
-def host_tensors(optimizer, impl):
-    """What stays in host memory on a CUDA run: the foreach and for-loop AdamW's `step` counts
-    (fused AdamW keeps them on the device)."""
-    if impl == "fused":
-        return []
-    return [st["step"] for st in optimizer.state.values() if "step" in st]
 
 
 @contextlib.contextmanager

@@ -172,14 +172,14 @@ def lt_workspace_size(meta):
     return int(kib) * 1024 if str(kib or "").isdigit() else CUBLASLT_WORKSPACE_SIZE
 
 
-def trace_workspaces(trace, meta=None, lt=None):
-    """Addresses of the cuBLAS and cuBLASLt workspaces in a trace: still live at its end, made
-    inside a GEMM call or on a thread with no Python frames (autograd's backward thread, which does
-    the first backward GEMM), and of a workspace's size. `lt`: a set that receives the cuBLASLt
-    ones (made only in a trace that holds a cuBLAS workspace, which every CUDA GEMM makes first)."""
+def trace_workspaces(trace, meta=None):
+    """{address: ledger key} of the cuBLAS and cuBLASLt workspaces in a trace: still live at its
+    end, made inside a GEMM call or on a thread with no Python frames (autograd's backward thread,
+    which does the first backward GEMM), and of a workspace's size; cuBLASLt's only in a trace
+    that holds a cuBLAS workspace (every CUDA GEMM makes that one first)."""
     t = as_trace(trace)
     sizes, lt_size = workspace_sizes(meta), lt_workspace_size(meta)
-    out, lts = set(), set()
+    out = {}
     for addr, i in live_at_end(t).items():
         size = int(t.size[i])
         if size not in sizes and size != lt_size:
@@ -187,11 +187,9 @@ def trace_workspaces(trace, meta=None, lt=None):
         frames = t.frames(i)
         top = frames[0].get("filename", "") if frames else ""
         if not frames or any(k in top for k in _GEMM_FRAMES):
-            (out if size in sizes else lts).add(addr)
-    if out and lts:
-        out |= lts
-        if lt is not None:
-            lt |= lts
+            out[addr] = "workspace/cublas" if size in sizes else "workspace/cublaslt"
+    if "workspace/cublas" not in out.values():
+        return {}
     return out
 
 
@@ -238,9 +236,9 @@ def block_namer(snap, meta=None, phase=None):
     by_addr = phase_names(meta, phase)
     for addr, hit in earlier_names(snap, meta, phase).items():
         by_addr.setdefault(addr, hit)
-    workspaces, lt = set(), set()
+    workspaces = {}
     for trace in snap.get("device_traces", []):
-        workspaces |= trace_workspaces(trace, meta, lt)
+        workspaces.update(trace_workspaces(trace, meta))
 
     seen = set()  # allocations the trace saw made (and not freed since)
     if meta is None:
@@ -252,7 +250,7 @@ def block_namer(snap, meta=None, phase=None):
         if hit:
             return hit
         if block.get("address") in workspaces:
-            return ("workspace/cublaslt" if block.get("address") in lt else "workspace/cublas"), "workspace"
+            return workspaces[block["address"]], "workspace"
         kept = distributed_name(block.get("frames"))
         if kept:
             return kept, "frames:distributed"
