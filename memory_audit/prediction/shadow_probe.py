@@ -30,6 +30,11 @@ PROBED = frozenset((
 # bf16 (fp16) matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported(),
 # _is_mkldnn_fp16_supported())
 MATMULS = frozenset(("mm", "addmm", "bmm", "baddbmm"))
+# and CPU flash attention in bf16 (fp16) there: its blocks run through oneDNN's brgemm, which packs
+# and allocates per block inside the backward (a bf16 SDPA audit on an AMD EPYC with avx512_bf16:
+# 67,328 B, 4 B and 71,296 B made and freed per block at T=256, head size 16); elsewhere, and in
+# fp32, shadow_tracker._flash_cpu_buffers' rule answers
+FLASH_CPU = frozenset(("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"))
 
 LIMIT = 256 << 20  # a call whose inputs and outputs take more is not run (named in "unprobed")
 _CACHE = {}  # call signature -> (entries, {output index: (shape, stride, dtype)})
@@ -55,7 +60,7 @@ def wanted(name, args):
     """Whether a CPU op (its short name) is one whose kernel the shadow asks."""
     if name in PROBED:
         return True
-    if name not in MATMULS:
+    if name not in MATMULS and name not in FLASH_CPU:
         return False
     import torch
     return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) and native(a.dtype)

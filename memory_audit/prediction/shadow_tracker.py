@@ -497,13 +497,14 @@ def _cpu_op(tracker, func, args, kwargs, key):
             held += ids
     # a functional collective's wait returns the tensor it waited on (the fake kernel, a new one)
     out = args[0] if func.namespace == "_c10d_functional" and _short_name(func) == "wait_tensor" else func(*args, **kwargs)
-    if shadow_probe.wanted(_short_name(func), args):
-        _probed_op(tracker, func, args, kwargs, key, out)
+    probed = shadow_probe.wanted(_short_name(func), args) and _probed_op(tracker, func, args, kwargs, key, out)
     for t in tree_leaves(out):
         if isinstance(t, torch.Tensor):
             tracker.add(t.untyped_storage(), key)
-    # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse
-    held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
+    # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse (the
+    # kernel itself answers where it was probed: bf16/fp16 through oneDNN's brgemm)
+    if not probed:
+        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
     if func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
@@ -549,7 +550,8 @@ def _mean_buffers(tracker, key, x, out):
 def _probed_op(tracker, func, args, kwargs, key, out):
     """The kernel's own allocations and frees around its outputs, in its order, as a kernel
     probe found them (shadow_probe): an output at its real size (remembered when the fake one
-    differs, for the op that reads it next), a buffer as a temporary (_buffer)."""
+    differs, for the op that reads it next), a buffer as a temporary (_buffer). False where no
+    probe could run (the call keeps its fake sizes and is listed as unprobed)."""
     import torch
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
 
@@ -559,7 +561,7 @@ def _probed_op(tracker, func, args, kwargs, key, out):
     found = shadow_probe.sequence(func, args, kwargs, real_shape, made)
     if found is None:
         tracker.unprobed.add(_short_name(func))
-        return
+        return False
     tracker.probed.add(_short_name(func))
     entries, shapes = found
     ids = {}
@@ -573,6 +575,7 @@ def _probed_op(tracker, func, args, kwargs, key, out):
             tracker.add(storage, key, nbytes)
             if (tuple(t.shape), tuple(t.stride()), t.dtype) != shapes[which]:  # what the next probe must feed it
                 tracker.real_shapes[storage._cdata] = shapes[which]
+    return True
 
 
 def op_block(tracker, args):
