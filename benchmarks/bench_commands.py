@@ -41,7 +41,7 @@ COMMANDS = [  # (name, argv, (target seconds, "after imports" or "in all") or No
     ("plan gpt2-large b16, one process", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--jobs=1"], None),
     ("plan gpt2-large b16 --ledger", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--ledger"], None),
 ]
-# what every shadow-backed command imports before it computes (torch._dynamo no longer: a shadow run
+# what every shadow-backed command imports before it computes (not torch._dynamo: a shadow run
 # stands in for it, nodynamo.py)
 IMPORTS = [sys.executable, "-c", "import torch, model, memory_audit.cli"]
 

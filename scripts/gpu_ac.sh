@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Activation checkpointing on a lent GPU, in one call (issue #10). From the repo root:
+# Activation checkpointing on a GPU, in one command (issue #10). From the repo root:
 #   OUT=$OUT bash scripts/gpu_ac.sh
 # 1. the CUDA tests (3 tiny AC audits: losses unchanged, lines exact, recomputation labelled);
 # 2. GPT-2 small and medium, fp16, manual and sdpa, none/full/selective (sweep grid gpu-ac),

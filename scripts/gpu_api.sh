@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The public Audit API on a lent GPU, in one call (issue #14). From the repo root:
+# The public Audit API on a GPU, in one command (issue #14). From the repo root:
 #   OUT=$OUT bash scripts/gpu_api.sh
 # 1. the CUDA tests, the API's included (a conv net audited after it was built: the weights
 #    predate the trace and must be named from the segments);

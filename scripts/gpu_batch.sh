@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU_RUNS.md's items 1, 3, 5 and 7 side by side in ONE device call (a lent GPU now gets 15 minutes
-# of device time in all, start-up included). From the repo root, with the machine's own python3:
+# GPU_RUNS.md's items 1, 3, 5 and 7 side by side in ONE command of under 10 minutes (every stream
+# stops SECONDS_FOR_WORK seconds after the start, default 470). From the repo root, with the
+# machine's own python3:
 #   OUT=$OUT SECONDS_FOR_WORK=470 bash scripts/gpu_batch.sh
 # Streams, all started at once, each stopped at the deadline (one process's CUDA allocator never sees
 # another's, so running them together changes no byte measured):
@@ -9,7 +10,7 @@
 #   - tests/test_cuda.py and tests/test_nodynamo.py (the OOM test last and alone: it fills the GPU);
 #   - scripts/gpu_reserved.sh with TRACE=1 on GPT-2-sized rows: compact traces to commit, and the
 #     shadow run against each measured step (`report --trace`); two streams on a GPU of over 120 GB.
-# Returns at most 8 files in $OUT (the tool's limit): logs.tgz, reserved.tgz, keep-{a,b,c,d}.tgz.
+# Returns at most 8 files in $OUT: logs.tgz, reserved.tgz, keep-{a,b,c,d}.tgz.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OMP_NUM_THREADS=2
 OUT=${OUT:-/tmp/gpu_out}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# torch.compile on a lent GPU (issue #11). From the repo root, two calls of under 10 minutes:
+# torch.compile on a GPU (issue #11). From the repo root, two commands of under 10 minutes each:
 #   OUT=$OUT bash scripts/gpu_compile.sh tests    # CUDA tests (compiled tiny audits) + nanoGPT's defaults
 #   OUT=$OUT bash scripts/gpu_compile.sh sweep    # GPT-2 small fp16 at budgets 1.0, 0.5, 0.1
 # tests: tests/test_cuda.py -k compiled (losses unchanged, lines exact, peak within 0.5%), then

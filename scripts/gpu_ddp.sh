@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DDP, FSDP2, TP and FSDP2 x TP on a lent GPU (issue #12), world size 1 with nccl, in one call. From the repo root:
+# DDP, FSDP2, TP and FSDP2 x TP on a GPU (issue #12), world size 1 with nccl, in one command. From the repo root:
 #   OUT=$OUT bash scripts/gpu_ddp.sh
 # GPT-2 small fp16 (manual attention) and a tiny model under torchrun: every line named
 # (grads/ddp_buckets, FSDP2's weights/<name>/unsharded and temporary/fsdp_all_gather, the

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The real OOM edge and reserved memory on a lent GPU, in one call (issue #13). From the repo root:
+# The real OOM edge and reserved memory on a GPU, in one command (issue #13). From the repo root:
 #   OUT=$OUT bash scripts/gpu_fit.sh
 # For GPT-2 small, medium and large at block 1024 (fp16, manual attention): `fit`'s largest batch
 # must run and the next one must OOM (one process per try, each OOM leaves its snapshot under
 # $OUT/fit-runs); then one audited run with expandable segments against its prediction, and the
-# memory outside PyTorch that audits now record (meta.json's outside_pytorch).
+# memory outside PyTorch that audits record (meta.json's outside_pytorch).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}

@@ -17,7 +17,7 @@ RUNS=${RUNS:-/tmp/reserved-runs}
 mkdir -p "$OUT/reserved" "$RUNS"
 declare -A ROWS=(
   # the reserved-memory misses (#13), gpt2 manual fp16 beside its bf16 twin (same tensors, 0.53 GiB
-  # less reserved), one xl row the forward's temporaries fixed (-3.7% -> -0.8%: out of sample)
+  # less reserved), one xl row the forward's temporaries bring from -3.7% to -0.8% (out of sample)
   [medium-sdpa-fp16]="--preset=gpt2-medium --batch_size=12 --dtype=float16 --attention=sdpa"
   [medium-sdpa-bf16]="--preset=gpt2-medium --batch_size=12 --dtype=bfloat16 --attention=sdpa"
   [medium-manual-fp16]="--preset=gpt2-medium --batch_size=12 --dtype=float16 --attention=manual"
@@ -29,7 +29,7 @@ declare -A ROWS=(
   [large-sdpa-bf16-b8]="--preset=gpt2-large --batch_size=8 --dtype=bfloat16 --attention=sdpa"
   [large-manual-fp16-b8]="--preset=gpt2-large --batch_size=8 --dtype=float16 --attention=manual"
   [gpt2-sdpa-fp16]="--preset=gpt2 --batch_size=12 --dtype=float16 --attention=sdpa"
-  # out of sample for session 24's rules (the first GPU call after it): efficient attention's
+  # out of sample for the H200 rules (e1a5f2b, dea00f6, c2af077, e6532a9): efficient attention's
   # backward at head size 64 and T 1024, the embedding sort at another vocabulary and N, cuBLASLt
   # at GPT-2 size, full checkpointing's recomputation at size
   [gpt2-sdpa-fp32-b4]="--preset=gpt2 --batch_size=4 --dtype=float32 --attention=sdpa"

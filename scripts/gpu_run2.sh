@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Second batch of CUDA work: the committed examples, the reference audit and the sweeps.
+# CUDA runs for the committed examples, the reference audit and the sweeps.
 #   OUT=/tmp/out bash scripts/gpu_run2.sh {examples|sizes|variants}
 set -u
 export PYTHONUNBUFFERED=1
@@ -19,5 +19,5 @@ variants)
     timeout 540 python3 -m memory_audit sweep --grid=variants --out="$OUT/h100-variants.jsonl" --timeout=240
     tar -C snapshots -cJf "$OUT/sweep_variants.tar.xz" sweep ;;
 esac
-# the rest of gpt2-sizes when one call's time ran out (sweep rows append):
+# the rest of gpt2-sizes when `timeout 540` stops the sizes grid (sweep rows append):
 #   python3 -m memory_audit sweep --configs=scripts/xl_rest.json --out=$OUT/h100.jsonl

@@ -221,8 +221,8 @@ def test_a_loop_is_named_without_help(tmp_path, inside):
 def test_a_model_on_cuda_0_is_on_the_device_an_audit_of_cuda_records(monkeypatch):
     """Parameters name the index (cuda:0), `Audit(..., device="cuda")` does not: the recording
     resolves it to cuda:<current>, so the model check and the saved tensors' device filter
-    (str(t.device) == the recording's) see one device. Both once refused every CUDA train.py
-    audit (a GPU found it; none runs the suite)."""
+    (str(t.device) == the recording's) see one device. Without it both refuse every CUDA train.py
+    audit (seen on an H200, 2026-11-26; CI has no GPU)."""
     from memory_audit.recording.audit import _same_device
     from memory_audit.recording.recorder import indexed_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""CUDA-only checks; they skip on machines without a GPU (CI) and run whenever one is lent."""
+"""CUDA-only checks; they skip on machines without a GPU (CI) and run on any machine with one."""
 
 import os
 

@@ -206,7 +206,7 @@ def _last_reads(events, reads, outputs):
     collectives (weights) is not one of them, nor are DDP's buckets (named from their stack),
     whose last read is their all-reduce when the optimizer reads them through views: the
     profiler saw that all-reduce end after later reads in some runs, and the buckets vanished
-    from the end of the step (a flaky test in session 7)."""
+    from the end of the step (a flaky test, 3b16daf)."""
     touched = {addr for addr, rs in reads.items() if any(r[2] for r in rs)} | {addr for addr, _ in outputs}
     allocs, passing, lasting = {}, set(), set()
     for t, action, addr, _, frames, *_ in events:
