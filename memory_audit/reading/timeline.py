@@ -141,9 +141,10 @@ def name_events(trace, cuts, wrappers=None):
         for j in np.flatnonzero(hit).tolist():
             event_name[int(allocs[j])] = names[int(addr[allocs[j]])]
         named |= hit
-    first_cut = min((cut for cut, names, _ in cuts if names), default=0)
-    for j in np.flatnonzero(~named & (ends > n) & (allocs < first_cut)).tolist():  # made before the step, live at its end
-        frames_name = distributed_name(t.frames(int(allocs[j])))  # DDP's buckets, the mesh: by their stack
+    # live at the trace's end and named by no phase's registry: DDP's buckets, the mesh, by their
+    # stack, whether made before the step or in it (DDP rebuilds its buckets in step 2's forward)
+    for j in np.flatnonzero(~named & (ends > n)).tolist():
+        frames_name = distributed_name(t.frames(int(allocs[j])))
         if frames_name:
             event_name[int(allocs[j])] = frames_name
     for i, name in compiled_names(t, wrappers).items():  # inductor's buffers, by wrapper name

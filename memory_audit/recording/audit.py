@@ -35,11 +35,16 @@ class Audit:
     directory, made new (an existing audit there is never replaced). step: the index given to
     `step()` that is audited. scaler: a GradScaler whose state should be named. device: needed
     only without a model. config: a dict stored in meta.json (train.py's keys let `report`
-    predict the run; any other dict is kept as it is).
+    predict the run; any other dict is kept as it is). cpu_timeline: on CPU, how the profile
+    becomes a trace: "memory_profile" (the profiler's memory profile, falling back to the raw
+    road where its checks fail) or "raw allocations" (every allocation paired with its free by
+    address); None takes the first on one process and the second under torchrun. meta.json's
+    `cpu_timeline` says which was taken.
     """
 
     def __init__(self, model=None, optimizer=None, out_dir="snapshots/audit", *, step=1, scaler=None,
-                 device=None, config=None, max_entries=1_000_000, compiled=False, predicted=None):
+                 device=None, config=None, max_entries=1_000_000, compiled=False, predicted=None,
+                 cpu_timeline=None):
         if model is None and device is None:
             raise AuditError("Audit needs a model, or a device when it starts before the model exists")
         if model is not None:
@@ -58,7 +63,8 @@ class Audit:
         self._hooks = []
         self._graphs = self._compile_ctx = None  # compiled: the partitioner's saved values
         self._found = LoopNames()  # the batch, the model's output and the loss, found without being told
-        self.recording = AuditRecording(out_dir, device, config or {}, max_entries=max_entries, defer_cpu=compiled)
+        self.recording = AuditRecording(out_dir, device, config or {}, max_entries=max_entries, defer_cpu=compiled,
+                                        cpu_timeline=cpu_timeline)
         self.recording.predicted = _prediction(predicted)
         self.recording.__enter__()
         if model is not None:

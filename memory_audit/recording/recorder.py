@@ -17,6 +17,7 @@ since CPU memory has no caching allocator).
 import bisect
 import json
 import os
+import platform
 import pickle
 import re
 import sys
@@ -32,6 +33,9 @@ from ..schema import MARKER_PREFIX, META_SCHEMA_VERSION, PHASES, RECOMPUTE_LABEL
 
 MEMORY_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
                    "CUBLASLT_WORKSPACE_SIZE", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+# CPU: the roads from the profile to a trace (cpu_timeline.timeline_events), as meta.json names
+# the one taken; None picks by the process count
+CPU_TIMELINES = (None, "memory_profile", "raw allocations")
 
 
 class AuditError(RuntimeError):
@@ -559,9 +563,12 @@ class AuditRecording:
     an out-of-memory error still leaves a snapshot on disk.
     """
 
-    def __init__(self, run_dir, device, config, max_entries=1_000_000, defer_cpu=False):
+    def __init__(self, run_dir, device, config, max_entries=1_000_000, defer_cpu=False, cpu_timeline=None):
+        if cpu_timeline not in CPU_TIMELINES:
+            raise AuditError(f"cpu_timeline must be one of {', '.join(map(repr, CPU_TIMELINES))}, got {cpu_timeline!r}")
         self.run_dir = run_dir
         self.defer_cpu = defer_cpu
+        self.cpu_road = cpu_timeline  # CPU: the road asked for (None: by the process count)
         self.device = indexed_device(device)
         self.cuda = self.device.type == "cuda"
         self.config = config
@@ -739,7 +746,7 @@ class AuditRecording:
         end = self.phases.get(PHASES[-1], {})
         alive = {r["data_ptr"] for r in end.get("registry", []) + end.get("held", [])}
         events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses(), road,
-                                               alive, keyed=_world_size() == 1)
+                                               alive, keyed=self._keyed())
         self.cpu_timeline = road.get("source")
         if self.compiled_wrappers:
             from .cpu_timeline import name_compiled
@@ -756,6 +763,11 @@ class AuditRecording:
             if info["file"]:
                 _write_pickle(snap, os.path.join(self.run_dir, info["file"]))
                 self._wrote(info["file"])
+
+    def _keyed(self):
+        """Whether to try the memory profile: asked for, else on one process only (under
+        torchrun the raw road: cpu_timeline.timeline_events)."""
+        return _world_size() == 1 if self.cpu_road is None else self.cpu_road == "memory_profile"
 
     # -- meta.json
     def write_meta(self):
@@ -786,8 +798,23 @@ class AuditRecording:
     def device_info(self):
         if not self.cuda:
             return {"type": "cpu", "name": "cpu", "capability": None, "total_memory": None,
-                    "allocator_settings": None}
+                    "allocator_settings": None, "cpu": cpu_info()}
         props = torch.cuda.get_device_properties(self.device)
         return {"type": "cuda", "name": props.name, "capability": list(torch.cuda.get_device_capability(self.device)),
                 "total_memory": props.total_memory, "cuda_version": torch.version.cuda,
                 "allocator_settings": getattr(self, "allocator_settings", None)}
+
+
+def cpu_info():
+    """Which CPU measured a CPU audit, and what of it changes what its kernels allocate: its model
+    name, torch's thread count (per-thread kernel buffers) and whether its bf16 (fp16) matmuls run
+    through oneDNN (scratch buffers after their outputs: prediction/shadow_probe)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"model": model, "threads": torch.get_num_threads(),
+            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            "onednn_fp16": bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())}
