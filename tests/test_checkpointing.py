@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import load_json, plain_bf16, run_cli, run_train
+from conftest import load_json, run_cli, run_train
 from memory_audit.prediction.predict import device_facts, predict, published_formulas
 from memory_audit.comparison.reconcile import mismatched, reconcile
 
@@ -65,15 +65,15 @@ def test_full_checkpointing_moves_the_peak_into_the_backward(audits):
 
 @pytest.mark.parametrize("name, args, peak_at", [
     ("b1-fp32", ["--dtype=float32"], "tied gradients summed"),
-    pytest.param("b1-bf16", ["--dtype=bfloat16"], "backward of wte", marks=plain_bf16),
-    pytest.param("b1-bf16-dropout", ["--dtype=bfloat16", "--dropout=0.1"], "backward of h.0", marks=plain_bf16),
+    ("b1-bf16", ["--dtype=bfloat16"], "backward of wte"),
+    ("b1-bf16-dropout", ["--dtype=bfloat16", "--dropout=0.1"], "backward of h.0"),
 ])
-def test_batch_one_full_checkpointing_to_the_byte(audits, name, args, peak_at):
+def test_batch_one_full_checkpointing_to_the_byte(plain_audits, name, args, peak_at):
     """At batch 1 with full checkpointing the gradients outweigh what is saved: the peak is the
     embedding's backward, the last node (fp32 adds the tied wte/lm_head gradients out of place,
     one allocation later; bf16 adds them in place). Dropout: each region keeps the CPU RNG state.
     The batch is two tensors of B*T int64 (at batch 1 they were once views of one buffer)."""
-    run = audits(f"ac-full-{name}", "--batch_size=1", "--attention=manual", "--activation_checkpointing=full", *args)
+    run = plain_audits(f"ac-full-{name}", "--batch_size=1", "--attention=manual", "--activation_checkpointing=full", *args)
     rec = reconcile(run)
     assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"], skip=()) == []
     assert [rec["totals"][k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0]
@@ -89,17 +89,17 @@ def test_batch_one_full_checkpointing_to_the_byte(audits, name, args, peak_at):
 
 
 @pytest.mark.parametrize("name, args, peak_at", [
-    pytest.param("relu-bias-bf16", ["--activation=relu", "--bias=True", "--dtype=bfloat16",
-                                    "--activation_checkpointing=full"], "backward of h.0.mlp.c_proj done", marks=plain_bf16),
+    ("relu-bias-bf16", ["--activation=relu", "--bias=True", "--dtype=bfloat16", "--activation_checkpointing=full"],
+     "backward of h.0.mlp.c_proj done"),
     ("selective-dropout", ["--dropout=0.1", "--dtype=float32", "--activation_checkpointing=selective"], "start of backward"),
 ])
-def test_moments_inside_a_block_backward_to_the_byte(audits, name, args, peak_at):
+def test_moments_inside_a_block_backward_to_the_byte(plain_audits, name, args, peak_at):
     """n_embd=128, 3 layers. ReLU under autocast: the peak comes once mlp.c_proj's backward is done
     (its weight gradient cast to fp32 while the bf16 one exists; its weight copy and the gradient
     it was handed gone). Selective checkpointing with dropout: the attention core is recomputed
     only when the backward reaches it, so c_proj's moment holds no recomputation (it once did,
     331,264 B over)."""
-    run = audits(f"moment-{name}", "--n_embd=128", "--n_layer=3", "--attention=manual", *args)
+    run = plain_audits(f"moment-{name}", "--n_embd=128", "--n_layer=3", "--attention=manual", *args)
     rec = reconcile(run)
     assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"], skip=()) == []
     assert [rec["totals"][k]["diff"] for k in ("steady_state", "activations", "peak")] == [0, 0, 0]

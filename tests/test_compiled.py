@@ -101,11 +101,14 @@ def test_the_committed_budget_sweep_is_predicted_exactly_from_its_plans():
     plan, gives every measured line, the activations and the peak to the byte; a lower budget
     keeps fewer bytes from 1.0 down to 0.5 and at 0, and costs recomputation (FLOPs rise as the
     budget falls)."""
+    from memory_audit.comparison.sweep import row_prediction
     rows = [json.loads(l) for l in open(RESULTS)]
     assert_repredicted_exactly(rows)
     by_budget = {}
-    for r in rows:
-        by_budget[r["config"]["activation_memory_budget"]] = (r["totals"]["activations"]["actual"], r["cost"]["recompute_flops"])
+    for r in rows:  # FLOPs: the current predictor's, read from the plan, against the audit's record
+        flops = row_prediction(r)["totals"]["recompute_flops"]
+        assert flops == r["cost"]["recompute_flops"], (r["config"], flops)
+        by_budget[r["config"]["activation_memory_budget"]] = (r["totals"]["activations"]["actual"], flops)
     assert by_budget[1.0][0] > by_budget[0.75][0] > by_budget[0.5][0] > by_budget[0.1][0] > by_budget[0.0][0]
     assert by_budget[1.0][1] == 0 < by_budget[0.5][1] < by_budget[0.1][1] < by_budget[0.0][1]
 
