@@ -1,6 +1,6 @@
 """Random single-process CPU configs: the measured peak beside the shadow run's and the predictor's.
 
-    python scripts/shadow_check.py [--n=10] [--seed=S] [--dtype=float32] [--out=FILE.jsonl] [--device=cuda --keep=DIR]
+    python scripts/shadow_check.py [--n=10] [--seed=S] [--dtype=float32] [--attention=sdpa] [--out=FILE.jsonl] [--device=cuda --keep=DIR]
     python scripts/shadow_check.py --rows snapshots/results/cpu-mini-ac.jsonl ...
 
 Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed replays one;
@@ -62,6 +62,7 @@ def compare(run, cfg=None):
         return {"config": cfg, "measured": peak["actual"], "shadow": None, "shadow_error": f"{type(e).__name__}: {e}",
                 "predictor": peak["predicted"]}
     row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"],
+           "cpu": load_meta(run)["device"].get("cpu"),  # which CPU measured it (None on CUDA)
            "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"],
            # the ledger's lines (what predict names) against the audit's, every phase
            "lines": len(report["rows"]),
@@ -137,6 +138,7 @@ def main():
     p.add_argument("--keep", default=None, help="copy each run's step2_end snapshot, meta and report here")
     p.add_argument("--dtype", default=None, help="run every drawn config at this dtype (float32 on a CPU whose "
                    "bf16 matmuls go through oneDNN: docs/limits.md)")
+    p.add_argument("--attention", default=None, help="run every drawn config with this attention (manual, sdpa)")
     p.add_argument("--rows", nargs="+", default=None, help="instead: re-predict committed results rows "
                    "(snapshots/results/*.jsonl, single-process CPU ones) with the shadow run")
     p.add_argument("--runs", nargs="+", default=None, help="instead: kept audits (run dirs, e.g. "
@@ -155,6 +157,8 @@ def main():
             cfg = random_config(rng)
             if args.dtype:
                 cfg["dtype"] = args.dtype
+            if args.attention:
+                cfg["attention"] = args.attention
             try:
                 row = check(cfg, tmp, args.device, args.keep)
             except Exception as e:  # noqa: BLE001 -- a timeout or a broken snapshot: say so, go on

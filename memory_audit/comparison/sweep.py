@@ -49,7 +49,7 @@ def grid(name):
     if name == "cpu-compile-budget":  # torch.compile's activation memory budget, cpu-tiny
         return [dict(preset="cpu-tiny", batch_size=2, device="cpu", compile=True, activation_memory_budget=b)
                 for b in COMPILE_BUDGETS]
-    if name == "gpu-compile-budget":  # for a lent GPU: GPT-2 small fp16 compiled (manual attention)
+    if name == "gpu-compile-budget":  # for a GPU: GPT-2 small fp16 compiled (manual attention)
         return [dict(preset="gpt2", batch_size=12, dtype="float16", attention="manual", compile=True,
                      activation_memory_budget=b) for b in (1.0, 0.5, 0.1)]
     if name == "cpu-parallel":  # every torchrun strategy on cpu-tiny (and FSDP2 with checkpointing), gloo; a row per rank
@@ -79,13 +79,13 @@ def grid(name):
                    dict(base, nproc=2, parallel="tp", dtype="bfloat16")])
     if name == "smoke":  # one tiny CPU run, for tests
         return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
-    if name == "gpu-long":  # for a lent GPU: cpu-long's attention-core peak on CUDA (autocast: fp32 softmax)
+    if name == "gpu-long":  # for a GPU: cpu-long's attention-core peak on CUDA (autocast: fp32 softmax)
         tiny = dict(preset="cpu-tiny", batch_size=2, block_size=512, n_head=8, attention="manual")
         return ([dict(tiny, dtype=d, activation_checkpointing=m) for d in ("float16", "bfloat16", "float32")
                  for m in ("none", "full", "selective")]
                 + [dict(preset="gpt2", batch_size=2, block_size=4096, dtype="float16", attention="manual",
                         activation_checkpointing=m) for m in ("full", "selective")])
-    if name == "gpu-ac":  # for a lent GPU: GPT-2 small and medium, fp16, full and selective
+    if name == "gpu-ac":  # for a GPU: GPT-2 small and medium, fp16, full and selective
         return [dict(preset=p, batch_size=12, dtype="float16", attention=a, activation_checkpointing=m)
                 for p in ("gpt2", "gpt2-medium") for a in ("manual", "sdpa") for m in ("none", "full", "selective")]
     raise ValueError(f"unknown grid {name!r}; one of {', '.join(GRIDS)}")
@@ -95,19 +95,31 @@ GRIDS = ("cpu-small", "cpu-ac", "cpu-long", "cpu-compile-budget", "cpu-parallel"
 COMPILE_BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
+# SAC op lists drawn by random_config: the default set ("", the key left out) and lists that keep less
+SAC_OP_LISTS = ("", "", "mm", "mm,bmm", "addmm,mm", "bmm,_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_flash_attention_for_cpu,_scaled_dot_product_efficient_attention")
+
+
 def random_config(rng):
     """One single-process CPU config drawn with `rng` (random.Random) over cpu-tiny-sized shapes
-    and every knob that changes memory (the space of issue "Predict the step as one trace")."""
+    and every knob that changes memory: head sizes 8-64, T 16-384, 1-6 layers, vocabularies
+    50-8,191, clipping on or off, dropout up to 0.25, checkpointing every 1st-3rd block with SAC
+    op lists, 1-3 micro-steps."""
     n_head = rng.randint(1, 4)
-    return dict(n_layer=rng.randint(1, 4), n_head=n_head, n_embd=n_head * rng.choice((16, 32)),
-                vocab_size=rng.choice((97, 512, 1000, 3001)), batch_size=rng.randint(1, 3),
-                block_size=rng.choice((16, 32, 64, 128, 256)), dtype=rng.choice(("float32", "bfloat16")),
-                attention=rng.choice(("manual", "sdpa")), activation=rng.choice(("gelu", "relu")),
-                dropout=rng.choice((0.0, 0.0, 0.1)), bias=rng.choice((False, True)),
-                activation_checkpointing=rng.choice(("none", "none", "full", "selective", "sac")),
-                ac_every=rng.choice((1, 1, 2)), gradient_accumulation_steps=rng.choice((1, 1, 2)),
-                set_to_none=rng.choice((True, False)), keep_logits=rng.choice((True, False)),
-                optimizer_impl=rng.choice(("fused", "foreach", "for")))
+    mode = rng.choice(("none", "none", "full", "selective", "sac"))
+    cfg = dict(n_layer=rng.randint(1, 6), n_head=n_head, n_embd=n_head * rng.choice((8, 16, 24, 32, 48, 64)),
+               vocab_size=rng.choice((50, 97, 512, 1000, 3001, rng.randint(50, 8191))), batch_size=rng.randint(1, 3),
+               block_size=rng.choice((16, 32, 64, 96, 128, 256, 384)), dtype=rng.choice(("float32", "bfloat16")),
+               attention=rng.choice(("manual", "sdpa")), activation=rng.choice(("gelu", "relu")),
+               dropout=rng.choice((0.0, 0.0, 0.1, 0.25)), bias=rng.choice((False, True)),
+               activation_checkpointing=mode, ac_every=rng.choice((1, 1, 2, 3)),
+               gradient_accumulation_steps=rng.choice((1, 1, 2, 3)), grad_clip=rng.choice((1.0, 1.0, 0.0)),
+               set_to_none=rng.choice((True, False)), keep_logits=rng.choice((True, False)),
+               optimizer_impl=rng.choice(("fused", "foreach", "for")))
+    ops = rng.choice(SAC_OP_LISTS) if mode == "sac" else ""
+    if ops:
+        cfg["sac_save_ops"] = ops
+    return cfg
 
 
 def _args(cfg):
@@ -197,7 +209,8 @@ def row_for(cfg, status, run_dir, log, wall, plain):
     rec = reconcile(run_dir)
     a = rec["config"].get("audit_step", 2)  # compiled CPU audits record step 3
     row["step_ms"].update({"audited": audited.get(a), "after_recording": audited.get(a + 1)})
-    row.update({"run": rec["run"], "device": rec["device"].get("name"), "torch": rec["torch_version"],
+    row.update({"run": rec["run"], "device": rec["device"].get("name"), "cpu": rec["device"].get("cpu"),
+                "torch": rec["torch_version"],
                 "params": rec["params"], "totals": rec["totals"], "unattributed_bytes": rec["unattributed_bytes"],
                 "checks": rec["checks"], "cost": rec["cost"], "resolved_config": rec["config"],
                 "reserved_actual": rec["totals"].get("reserved", {}).get("actual"),

@@ -1,0 +1,128 @@
+"""Every committed random row re-predicted by today's code: the measurements are data, the
+predictions are made again, so a claim about a random grid ("100 of 100") stays the current
+code's, not the code of the day the grid was drawn. Rows whose audit failed hold no measurement
+and are counted apart."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, native_bf16_matmul
+
+# Which CPU measured the single-process grids, per file (rows written since recorder.cpu_info
+# carry it themselves as "cpu"): snapshots/shadow-grids/ on 2026-11-24 on a CPU whose bf16 matmuls
+# take PyTorch's own kernels; snapshots/results/random/shadow-check-* on 2026-11-25/26 on an AMD
+# EPYC with avx512_bf16 (oneDNN). A bf16 row is re-predicted as its CPU ran it: the shadow asks
+# the kernels, so a oneDNN row needs a oneDNN CPU to be asked again (skipped elsewhere, said so).
+ONEDNN_FILES = ("shadow-check-*.jsonl",)
+CPU_FILES = sorted(glob.glob(os.path.join(ROOT, "snapshots", "shadow-grids", "*.jsonl"))
+                   + glob.glob(os.path.join(ROOT, "snapshots", "results", "random", "shadow-check-*.jsonl")))
+H200 = os.path.join(ROOT, "snapshots", "results", "random", "h200-shadow-cuda-119610-262229-630383-810458.jsonl")
+PARTS = 4  # the CPU rows in four tests, for xdist
+
+
+def _measured(path):
+    rows = [json.loads(line) for line in open(path)]
+    return [r for r in rows if "error" not in r and r.get("measured") is not None], len(rows)
+
+
+def _onednn(path, row):
+    if row.get("cpu") is not None:
+        return row["cpu"]["onednn_bf16"]
+    return any(glob.fnmatch.fnmatch(os.path.basename(path), p) for p in ONEDNN_FILES)
+
+
+TORCHRUN = sorted(glob.glob(os.path.join(ROOT, "snapshots", "results", "random", "torchrun-*.jsonl")))
+# The rank rows today's shadow run misses, (file, line): 675024's tp-sp rank 1 measured 6,144 B
+# under the shadow once and its own number when audited again alone (gloo's all_gather buffer let
+# go in another order: a flaky measurement); two FSDP2 bf16 ranks (+9,152 B, +399,872 B), not
+# explained. The rest, 147 of 150, exact.
+TORCHRUN_MISSES = {("torchrun-675024.jsonl", 19): 6144, ("torchrun-676553.jsonl", 17): 9152,
+                   ("torchrun-76377.jsonl", 20): 399872}
+TORCHRUN_SAMPLE = 12  # rank rows per test run (a shadow run of a rank takes about 1 s); ALL_ROWS=1: all
+
+
+def test_the_committed_random_files_are_all_here():
+    """The files the docs quote: 3 shadow grids (164 configs) and 4 shadow_check files (260), all
+    measured; the H200 file's 119 configs, 91 audited (28 died, each row says why); 4 torchrun
+    files, 155 configs, 150 rank rows measured."""
+    counts = {os.path.basename(p): _measured(p) for p in CPU_FILES}
+    assert {k: (len(m), n) for k, (m, n) in counts.items()} == {
+        "cpu-seed115967.jsonl": (40, 40), "cpu-seed163814.jsonl": (24, 24), "cpu-seed616607.jsonl": (100, 100),
+        "shadow-check-493858.jsonl": (100, 100), "shadow-check-680502.jsonl": (40, 40),
+        "shadow-check-783350.jsonl": (100, 100), "shadow-check-bf16-sdpa-790420.jsonl": (20, 20)}
+    measured, n = _measured(H200)
+    assert (len(measured), n) == (91, 119)
+    ranks = [json.loads(line)["status"] == "ok" for p in TORCHRUN for line in open(p)]
+    assert (sum(ranks), len(ranks)) == (150, 155)
+
+
+@pytest.mark.parametrize("part", range(PARTS))
+def test_committed_cpu_random_rows_are_the_shadow_runs_peak(part):
+    """A quarter of the 424 single-process CPU rows: the shadow run of each config, made now,
+    gives the measured peak to the byte (bf16 as the row's CPU ran its matmuls)."""
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import resolved
+    from memory_audit.prediction.shadow_probe import plain_bf16
+    rows = [(p, r) for p in CPU_FILES for r in _measured(p)[0]][part::PARTS]
+    here, misses, skipped = native_bf16_matmul(), [], 0
+    for path, r in rows:
+        onednn = r["config"]["dtype"] == "bfloat16" and _onednn(path, r)
+        if onednn and not here:
+            skipped += 1
+            continue
+        cfg = resolved(dict(r["config"], device="cpu"))
+        if r["config"]["dtype"] == "bfloat16" and not onednn:
+            with plain_bf16():
+                peak = shadow.run(cfg)["peak"]
+        else:
+            peak = shadow.run(cfg)["peak"]
+        if peak != r["measured"]:
+            misses.append((os.path.basename(path), r["config"], peak - r["measured"]))
+    print(f"part {part}: {len(rows) - skipped} rows re-predicted, {skipped} oneDNN bf16 rows skipped on this CPU")
+    assert misses == []
+
+
+def test_committed_h200_random_rows_are_the_shadow_runs():
+    """The 91 audited random tiny CUDA configs (H200, torch 2.11): the CUDA shadow run of each,
+    replayed through the allocator's model now, gives the measured peak to the byte."""
+    from memory_audit.comparison.reconcile import device_from_meta
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import DEFAULTS, resolved
+    device = device_from_meta({"device": {"type": "cuda", "name": "NVIDIA H200"}})
+    misses = []
+    for r in _measured(H200)[0]:
+        peak = shadow.replayed(resolved(dict(DEFAULTS, **r["config"], device="cuda")), device)["peak"]
+        if peak != r["measured"]:
+            misses.append((r["config"], peak - r["measured"]))
+    assert misses == []
+
+
+def test_committed_torchrun_random_rows_are_the_shadow_runs_of_their_ranks():
+    """Rank rows of the random torchrun files (scripts/random_torchrun.py; gloo, measured on the
+    oneDNN CPU), drawn with the run's seed (TORCHRUN_SAMPLE of them; ALL_ROWS=1 takes all 150,
+    about 140 s on 2 cores): the shadow run of that rank, made now, gives the measured peak to the
+    byte, and the known misses are still those bytes (a fixed one, or a new one, fails)."""
+    import random
+
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import resolved
+    rows = [(os.path.basename(p), i, json.loads(line)) for p in TORCHRUN for i, line in enumerate(open(p))]
+    rows = [(f, i, r) for f, i, r in rows if r["status"] == "ok"]
+    known = [x for x in rows if (x[0], x[1]) in TORCHRUN_MISSES]
+    rest = [x for x in rows if (x[0], x[1]) not in TORCHRUN_MISSES]
+    if not os.environ.get("ALL_ROWS"):
+        rest = random.Random(int(os.environ["SHADOW_SEED"])).sample(rest, TORCHRUN_SAMPLE)
+    off = {}
+    for f, i, r in known + rest:
+        rc = r["resolved_config"]
+        if rc["dtype"] == "bfloat16" and not native_bf16_matmul():
+            continue  # measured with oneDNN's bf16 matmuls: the shadow must ask those kernels
+        diff = shadow.run(resolved(rc))["peak"] - r["totals"]["peak"]["actual"]
+        if diff:
+            off[(f, i)] = diff
+    print(f"torchrun rows re-predicted: {[(f, i) for f, i, _ in rest]}")
+    assert off == {k: v for k, v in TORCHRUN_MISSES.items() if native_bf16_matmul() or
+                   next(r for f, i, r in known if (f, i) == k)["resolved_config"]["dtype"] != "bfloat16"}
