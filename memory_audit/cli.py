@@ -383,8 +383,8 @@ def _prediction_parsers(sub):
         q.add_argument("--json", action="store_true")
         q.add_argument("--gaps", type=int, default=None, help="measured allocator gaps (bytes) to use")
         q.add_argument("--headroom", type=float, default=0.02, help="fraction of the card kept free beyond the "
-                       "prediction (fit, plan); reserved memory is predicted exact on 22 of the 23 H100 rows and 0.0094%% over "
-                       "on the last (from the shadow run; the ledger's own model: -5.0%% to +3.8%%)")
+                       "prediction (fit, plan); reserved memory is predicted exact on the 23 H100 rows that measured it "
+                       "(from the shadow run; the ledger's own model: -0.76%% to +4.69%%)")
         q.add_argument("--outside", type=int, default=None, help=_outside_help)
         q.add_argument("--ledger", action="store_true", help="the ledger's candidate moments and allocator model "
                        "alone (no shadow run: no torch import); by default the peak, the end and memory_reserved() "

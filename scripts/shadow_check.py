@@ -116,7 +116,7 @@ def committed_rows(paths):
             full = resolved(rc)
             if uncovered(full, {"type": "cpu"}) is not None:
                 continue
-            with plain_bf16():  # every committed CPU row was measured without oneDNN's bf16 matmuls
+            with plain_bf16():  # the committed grid rows were measured without oneDNN's bf16 matmuls
                 result = shadow.run(full, names=True)
             t = row["totals"]
             ok = (result["start_bytes"], result["peak"]) == (t["steady_state"]["actual"], t["peak"]["actual"])

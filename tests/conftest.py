@@ -60,7 +60,7 @@ def native_bf16_matmul():
     bf16 path, e.g. AMD EPYC Zen 4). Those kernels allocate scratch buffers the ledger does not
     model (34,432 B after cpu-tiny's first c_attn mm at batch 1; docs/limits.md; the shadow run
     asks the kernels, shadow_probe), so the ledger's CPU bf16 predictions are held to the byte
-    only on CPUs without it, where every committed CPU row was measured."""
+    only where they take PyTorch's own kernels (PLAIN_BF16_ENV below)."""
     import torch
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -132,8 +132,10 @@ def plain_audits(tmp_path_factory):
     """audits' twin for the ledger's bf16 checks: each audit made with PLAIN_BF16_ENV (bf16
     matmuls in PyTorch's own kernels, whatever this CPU is)."""
     def get(name, *args):
-        return str(made_once(tmp_path_factory, "plain-" + name, args,
-                             lambda path: audit(str(path.parent), "plain-" + name, *args, env=PLAIN_BF16_ENV)))
+        run = str(made_once(tmp_path_factory, "plain-" + name, args,
+                            lambda path: audit(str(path.parent), "plain-" + name, *args, env=PLAIN_BF16_ENV)))
+        assert load_json(os.path.join(run, "meta.json"))["device"]["cpu"]["onednn_bf16"] is False, run
+        return run
     return get
 
 

@@ -94,9 +94,11 @@ def test_forward_history_is_the_h100_reference_forward():
 
 
 def test_reserved_phases_script_agrees_with_the_accuracy_rows():
-    """scripts/reserved_phases.py (where a reserved miss enters) prints, for each of the 23 stored
-    H100 rows with a report, the model's and the measured reserved per phase; its end-of-step
-    columns are the accuracy table's reserved pair (the measured side to the reports' 3 decimals)."""
+    """Consistency, not accuracy: scripts/reserved_phases.py (where a reserved miss enters)
+    prints, for each of the 23 stored H100 rows with a report, the model's and the measured
+    reserved per phase; its end-of-step columns are the accuracy table's reserved pair (two code
+    paths over the same rows; the measured side to the reports' 3 decimals). How close the model
+    is to the measurement is test_shadow_cuda's and docs/accuracy.md's."""
     import subprocess
     import sys
 
@@ -146,7 +148,8 @@ def test_reserved_read_from_a_report_is_what_the_allocator_said():
 @pytest.mark.parametrize("attention, dtype", [("manual", "float16"), ("sdpa", "bfloat16"), ("manual", "float32")])
 @pytest.mark.parametrize("mode", ["none", "full", "selective", "sac"])
 def test_the_allocator_model_holds_the_ledgers_peak(attention, dtype, mode):
-    """GPT-2 small at T=4096, batch 8: the reserved memory at the peak is played at the moment
+    """Consistency of two models, not accuracy (no measurement here): GPT-2 small at T=4096,
+    batch 8: the reserved memory at the peak is played at the moment
     the ledger names, its releases first (inside a block's attention backward the head's tensors
     and the later blocks' are gone). The model's live bytes then equal the ledger's peak but for
     the 4 B scalars, which it counts as asked (up to 3 x 508 B). Played without the releases, the

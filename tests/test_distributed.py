@@ -41,52 +41,92 @@ def _torchrun(*args, timeout=240, accumulation=2, ranks=2, **env_extra):
     return p
 
 
-# gloo's race: one rank's measured peak has come out exactly 32,768 B under the prediction, every
-# line of every phase still exact, in tp-sp (2 of about 30 audits, and session 12's sweep test,
-# which did not print its value) and once in DDP with ddp_bucket_view (session 13's CI run; 0 in
-# 90 rank audits here since, 36 of them three torchruns at once on two cores). Unexplained: at
-# the measured peak (the start of backward in both) 32 KiB that is predicted live is not, while
-# it matches at every phase (in the DDP run's trace no other moment is within 256 KiB of the
-# peak: not a second moment taking over). The two outcomes are allowed under torchrun and nothing
-# else; the race's is reported as a warning with what was live at the measured peak (a CI log's
-# warnings summary shows it), so that the next one names its cause.
-GLOO_PEAK_RACE = (0, -32768)
+# gloo's thread: a collective's buffers are let go by gloo's own thread when it gets to them, so
+# in a measurement a free can land on the other side of the main thread's next allocations (a
+# rank's measured peak has come out 32,768 B under the prediction, every line of every phase
+# still exact, in tp-sp and once in DDP with ddp_bucket_view). A measured peak that differs from
+# the prediction passes only as that: the measured step's allocations are the shadow run's, in
+# order and bytes, its frees the same bytes, only where some frees land differs
+# (frees_moved_only), the peak moved by no more than the moved frees' bytes (moved_free_bytes),
+# and the two predictors (the ledger's peak and the shadow's) agree. It is warned with the moved
+# free, so a CI log names it. Anything else, a different allocation or a free missing, fails.
 
 
-def assert_peak(rec):
-    """The measured peak equals the prediction, or is the race above (then warned, with the peak)."""
-    diff = rec["totals"]["peak"]["diff"]
-    assert diff in GLOO_PEAK_RACE, rec["totals"]["peak"]
-    if diff:
-        peak = rec["peak"]
-        warnings.warn(f"gloo peak race: rank {rec['config'].get('rank')} of {rec['run']} measured {-diff:,} B under; "
-                      f"peak at entry {peak.get('index')} ({peak.get('action')}, {peak.get('frames', [])[:2]}): "
-                      f"{json.dumps(peak.get('lines'))}")
+def frees_moved_only(measured, predicted):
+    """Whether two step event lists ([(action, op, bytes, ...)]) differ only in where frees land:
+    the same allocations in the same order and bytes, and the same bytes freed."""
+    allocs = [[e[2] for e in events if e[0] == "alloc"] for events in (measured, predicted)]
+    frees = [sorted(e[2] for e in events if e[0] == "free") for events in (measured, predicted)]
+    return allocs[0] == allocs[1] and frees[0] == frees[1]
+
+
+def moved_free_bytes(measured, predicted):
+    """Bytes of the frees that land after another number of allocations in one list than in the
+    other (frees of one size paired in order): the most a peak can move by their moving."""
+    def places(events):
+        out, allocs = {}, 0
+        for e in events:
+            if e[0] == "alloc":
+                allocs += 1
+            else:
+                out.setdefault(e[2], []).append(allocs)
+        return out
+    m, p = places(measured), places(predicted)
+    return sum(size * sum(a != b for a, b in zip(m[size], p.get(size, []))) for size in m)
+
+
+def _shadow_of(run_dir):
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import resolved
+    rec = json.load(open(os.path.join(run_dir, "report.json")))
+    return rec, shadow.run(resolved(rec["config"]), names=True)
+
+
+def assert_measured_peak(run_dir, predicted_peak, result=None):
+    """The rank's measured peak is `predicted_peak`, or differs from it only by gloo's thread
+    (above): then the shadow run's peak is the same prediction, its events are the measurement's
+    but for where frees land, and a warning names the first moved event."""
+    from memory_audit.comparison.reconcile import first_divergence, step_events
+    rec, result = _shadow_of(run_dir) if result is None else (json.load(open(os.path.join(run_dir, "report.json"))), result)
+    measured = rec["totals"]["peak"]["actual"]
+    if measured == predicted_peak:
+        return
+    events = step_events(run_dir)
+    part = first_divergence(events, result["events"])
+    assert result["peak"] == rec["totals"]["peak"]["predicted"] == predicted_peak and part is not None \
+        and frees_moved_only(events, result["events"]), (run_dir, measured, predicted_peak, result["peak"], part)
+    moved = moved_free_bytes(events, result["events"])
+    assert abs(measured - predicted_peak) <= moved, (run_dir, measured - predicted_peak, moved)
+    warnings.warn(f"gloo's thread moved a free: {run_dir} measured {measured - predicted_peak:+,} B from the prediction; "
+                  f"first moved event at {part['position']}: measured {part['measured']}, shadow {part['predicted']}")
+
+
+def assert_peak(rec, run_dir):
+    """The ledger's predicted peak is the measured one (or gloo's thread moved a free: above)."""
+    assert_measured_peak(run_dir, rec["totals"]["peak"]["predicted"])
 
 
 def assert_shadow_exact(run_dir):
     """The shadow run of this rank (shadow_dist: a fake process group standing for it) against its
-    audit: the step's start and its peak to the byte (or gloo's race above, warned). Its
-    allocations and frees are compared too, and a difference is warned, not failed: gloo's thread
-    lets collective buffers go when it gets to it, and under load the recording has moved a free
-    (a CI rehearsal: FSDP2's rank 1 freed an all-gather buffer before the next LayerNorm's
-    output, in order when run alone; DDP's rank 1 frees a 4 B bucket-layout tensor late) and once
-    differed in a tp-sp run with the peak equal; `report RUN --trace` names where they part."""
+    audit: the step's start and every line it names to the byte, its allocations and frees event
+    by event, and its peak; where the events part, only by where gloo's thread let a free go
+    (assert_measured_peak), warned. `report RUN --trace` names where they part."""
     from memory_audit.comparison.reconcile import first_divergence, shadow_lines_off, step_events
-    from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import resolved
-    rec = json.load(open(os.path.join(run_dir, "report.json")))
+    rec, result = _shadow_of(run_dir)
     # under torchrun the audit pairs allocations by address without building the memory profile
     assert load_json(os.path.join(run_dir, "meta.json"))["cpu_timeline"] == "raw allocations", run_dir
-    result = shadow.run(resolved(rec["config"]), names=True)
     t = rec["totals"]
     assert result["start_bytes"] == t["steady_state"]["actual"], run_dir
-    assert_peak({**rec, "totals": dict(t, peak=dict(t["peak"], diff=t["peak"]["actual"] - result["peak"]))})
     assert shadow_lines_off(rec["rows"], result) == [], run_dir  # every line, as the shadow names it itself
-    part = first_divergence(step_events(run_dir), result["events"])
-    if part is not None:
-        warnings.warn(f"shadow events of {run_dir.name} part at {part['position']}: measured {part['measured']}, "
-                      f"shadow {part['predicted']} (the peak agrees)")
+    events = step_events(run_dir)
+    part = first_divergence(events, result["events"])
+    if part is None:
+        assert result["peak"] == t["peak"]["actual"], run_dir
+        return
+    assert frees_moved_only(events, result["events"]), (run_dir, part)
+    warnings.warn(f"gloo's thread moved a free: shadow events of {run_dir} part at {part['position']}: "
+                  f"measured {part['measured']}, shadow {part['predicted']} (peak {t['peak']['actual'] - result['peak']:+,} B)")
+    assert_measured_peak(run_dir, result["peak"], result)
 
 
 def test_ddp_audit_per_rank_is_predicted_and_changes_nothing(tmp_path):
@@ -111,7 +151,7 @@ def test_ddp_audit_per_rank_is_predicted_and_changes_nothing(tmp_path):
         buckets = [r for r in rec["rows"] if r["key"] == "grads/ddp_buckets" and r["phase"] == "step2_start"]
         assert buckets and buckets[0]["predicted"] == buckets[0]["actual"] == 4 * rec["params"]
         assert [rec["totals"][k]["diff"] for k in ("steady_state", "activations")] == [0, 0]
-        assert_peak(rec)
+        assert_peak(rec, tmp_path / "ddp" / f"rank{rank}")
     side = open(tmp_path / "ddp" / "report.md").read()
     assert "| 0 |" in side and "| 1 |" in side and "Largest peak: rank" in side
     for rank in (0, 1):  # the shadow runs DDP's own reducer: its buckets, their rebuild, its scaling
@@ -129,7 +169,7 @@ def test_ddp_gradient_as_bucket_view_keeps_no_gradients_of_its_own(tmp_path):
         assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"]) == []
         assert not any(r["key"].startswith("grads/transformer.") for r in rec["rows"] if r["actual"])
         assert [rec["totals"][k]["diff"] for k in ("steady_state", "activations")] == [0, 0]
-        assert_peak(rec)
+        assert_peak(rec, tmp_path / "view" / f"rank{rank}")
         assert_shadow_exact(tmp_path / "view" / f"rank{rank}")
 
 
@@ -143,7 +183,7 @@ def _tp_ranks(tmp_path, name, ranks=2):
         assert mismatched(rec["rows"]) == []
         t = rec["totals"]
         assert t["steady_state"]["diff"] == t["activations"]["diff"] == 0, t
-        assert_peak(rec)
+        assert_peak(rec, tmp_path / name / f"rank{rank}")
         out.append(rec)
     assert all(r["totals"][k] == out[0]["totals"][k] for r in out for k in ("steady_state", "activations"))
     assert len({r["totals"]["peak"]["predicted"] for r in out}) == 1
@@ -168,13 +208,14 @@ def test_tensor_and_sequence_parallel_are_predicted_per_rank_and_change_nothing(
     (tmp_path / "sp.json").write_text(json.dumps([dict(preset="cpu-tiny", batch_size=2, device="cpu", nproc=2,
                                                        parallel="tp-sp", losses_out=str(tmp_path / "tp-sp.json"))]))
     p = run_cli("sweep", f"--configs={tmp_path}/sp.json", f"--out={tmp_path}/sp.jsonl", f"--audit-dir={tmp_path}/runs",
-                timeout=600)
+                "--keep", timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "sp.jsonl")]
     assert [r["config"]["rank"] for r in rows] == [0, 1]
-    assert all(r["totals"]["peak"]["diff"] in GLOO_PEAK_RACE for r in rows), [(r["totals"]["peak"], r["cost"]) for r in rows]
-    assert not list((tmp_path / "runs").rglob("*.pickle"))  # each rank's snapshots removed, reports kept
-    recs["tp-sp"] = _tp_ranks(tmp_path / "runs", next((tmp_path / "runs").iterdir()).name)[0]
+    sp_run = next((tmp_path / "runs").iterdir()).name  # kept (--keep): a moved free is checked on its events
+    for r in rows:
+        assert_measured_peak(tmp_path / "runs" / sp_run / f"rank{r['config']['rank']}", r["totals"]["peak"]["predicted"])
+    recs["tp-sp"] = _tp_ranks(tmp_path / "runs", sp_run)[0]
     for mode in ("tp", "tp-sp"):
         assert load_json(tmp_path / f"{mode}.json") != []
         one = [float.fromhex(x) for x in load_json(tmp_path / "one.json")]
@@ -193,9 +234,8 @@ def test_tensor_and_sequence_parallel_are_predicted_per_rank_and_change_nothing(
 def test_tensor_parallel_composes_with_activation_checkpointing(tmp_path):
     """The TP rule applies to what a checkpointing lever kept: tp-sp with SAC, two heads per rank,
     every line exact on both ranks (full and selective were measured exact too; README), the
-    peak too (at the start of backward here, 437,504 B above the largest block moment) but for
-    GLOO_PEAK_RACE: session 12 removed that allowance after 11 exact reruns, and a full parallel
-    test run in session 13 met the 32,768 B again."""
+    peak too (at the start of backward here, 437,504 B above the largest block moment), or a free
+    moved by gloo's thread (assert_measured_peak)."""
     for ac in ("sac",):
         p = _torchrun("--parallel=tp-sp", "--n_head=4", f"--activation_checkpointing={ac}", "--audit",
                       f"--audit_dir={tmp_path}", f"--run_name={ac}", accumulation=1)
@@ -476,9 +516,7 @@ dist.destroy_process_group()
 def test_fsdp2_shards_are_named_by_parameter(tmp_path):
     """FSDP2 (fully_shard), one rank: each parameter's padded local shard is weights/<name>; after
     the forward the root keeps its parameters unsharded, weights/<name>/unsharded; the
-    DeviceMesh's tensors are named from their stack. (Two gloo ranks: gloo frees some buffers
-    on its own thread, which the CPU profiler does not record, so a CPU audit there is not exact;
-    see README.)"""
+    DeviceMesh's tensors are named from their stack. (Two ranks: test_fsdp2_per_rank_is_predicted_and_under_ddp.)"""
     from memory_audit.reading.attribute import attribute
     from memory_audit.reading.loader import load_meta, load_snapshot
     script = tmp_path / "fsdp_loop.py"
@@ -538,35 +576,25 @@ def test_parallel_prediction_per_rank_and_plan_options():
     assert rows[-1][2] == 1024 * 8 * 1024 * (10 + 24 // 4) + 5 * 16 * 1024 * 1024 * 8 // 4  # sbh(10+24/t)+5as^2b/t
 
 
-SEED = int(os.environ.get("SHADOW_SEED") or __import__("random").SystemRandom().randrange(10 ** 6))
+SEED = int(os.environ["SHADOW_SEED"])  # conftest draws it once per run
 
 
 def test_random_torchrun_config_is_predicted_per_rank(tmp_path):
     """One config drawn at random over ddp, fsdp, tp and tp-sp at 2 ranks (scripts/random_torchrun's
     draw; the seed is new each run and printed, SHADOW_SEED=N replays it), audited under torchrun:
-    on each rank every line exact, 0 unattributed, and the step's start and peak equal the shadow
-    run of that rank. A rank whose measured peak misses is measured once more: gloo's thread made
-    two of 142 committed rank rows flaky, and both came out exact when re-measured."""
+    on each rank every line exact, 0 unattributed, and the step's start, its events and its peak
+    equal the shadow run of that rank (a free moved by gloo's thread only: assert_shadow_exact)."""
     import random
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from random_torchrun import draw
     cfg = draw(random.Random(SEED), ["ddp", "fsdp", "tp", "tp-sp"])
     print(f"torchrun seed {SEED} (replay: SHADOW_SEED={SEED}): {cfg}")
     args = [f"--{k}={v}" for k, v in cfg.items() if k not in ("preset", "device", "nproc", "gradient_accumulation_steps")]
-    for attempt in (1, 2):
-        p = _torchrun(*args, "--audit", f"--audit_dir={tmp_path}", f"--run_name=r{attempt}",
-                      accumulation=cfg["gradient_accumulation_steps"], timeout=600)
-        assert p.returncode == 0, f"seed {SEED}: " + p.stdout[-2000:] + p.stderr[-2000:]
-        missed = []
-        for rank in (0, 1):
-            run = tmp_path / f"r{attempt}" / f"rank{rank}"
-            rec = json.load(open(run / "report.json"))
-            assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"]) == [], (SEED, rank)
-            try:
-                assert_shadow_exact(run)
-            except AssertionError as e:
-                missed.append((rank, str(e)[:300]))
-        if not missed:
-            return
-        print(f"seed {SEED} attempt {attempt}: measured peak missed on {missed}")
-    raise AssertionError(f"seed {SEED}: the shadow's peak missed twice: {missed}")
+    p = _torchrun(*args, "--audit", f"--audit_dir={tmp_path}", "--run_name=r",
+                  accumulation=cfg["gradient_accumulation_steps"], timeout=600)
+    assert p.returncode == 0, f"seed {SEED}: " + p.stdout[-2000:] + p.stderr[-2000:]
+    for rank in (0, 1):
+        run = tmp_path / "r" / f"rank{rank}"
+        rec = json.load(open(run / "report.json"))
+        assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"]) == [], (SEED, rank)
+        assert_shadow_exact(run)

@@ -35,10 +35,9 @@ def _onednn(path, row):
 
 
 TORCHRUN = sorted(glob.glob(os.path.join(ROOT, "snapshots", "results", "random", "torchrun-*.jsonl")))
-# The rank rows today's shadow run misses, (file, line): 675024's tp-sp rank 1 measured 6,144 B
-# under the shadow once and its own number when audited again alone (gloo's all_gather buffer let
-# go in another order: a flaky measurement); two FSDP2 bf16 ranks (+9,152 B, +399,872 B), not
-# explained. The rest, 147 of 150, exact.
+# The rank rows today's shadow run misses, (file, line) -> shadow minus measured, each measured
+# once: 675024's tp-sp rank 1 (its first divergent event: gloo's all_gather buffer let go in
+# another order), two FSDP2 bf16 ranks, not explained. The rest, 147 of 150, exact.
 TORCHRUN_MISSES = {("torchrun-675024.jsonl", 19): 6144, ("torchrun-676553.jsonl", 17): 9152,
                    ("torchrun-76377.jsonl", 20): 399872}
 TORCHRUN_SAMPLE = 12  # rank rows per test run (a shadow run of a rank takes about 1 s); ALL_ROWS=1: all
@@ -66,9 +65,13 @@ def test_committed_cpu_random_rows_are_the_shadow_runs_peak(part):
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import resolved
     from memory_audit.prediction.shadow_probe import plain_bf16
+    import torch
     rows = [(p, r) for p in CPU_FILES for r in _measured(p)[0]][part::PARTS]
-    here, misses, skipped = native_bf16_matmul(), [], 0
+    here, misses, skipped, threads = native_bf16_matmul(), [], 0, torch.get_num_threads()
     for path, r in rows:
+        # CPU kernels' buffers are per thread: predicted at the row's thread count (the files
+        # without a "cpu" record were measured on 2 cores, torch's default there: 2 threads)
+        torch.set_num_threads((r.get("cpu") or {}).get("threads", 2))
         onednn = r["config"]["dtype"] == "bfloat16" and _onednn(path, r)
         if onednn and not here:
             skipped += 1
@@ -81,6 +84,7 @@ def test_committed_cpu_random_rows_are_the_shadow_runs_peak(part):
             peak = shadow.run(cfg)["peak"]
         if peak != r["measured"]:
             misses.append((os.path.basename(path), r["config"], peak - r["measured"]))
+    torch.set_num_threads(threads)
     print(f"part {part}: {len(rows) - skipped} rows re-predicted, {skipped} oneDNN bf16 rows skipped on this CPU")
     assert misses == []
 

@@ -53,6 +53,28 @@ def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
                                         f"{first_divergence(step_events(run), result['events'])}")
 
 
+# the config that first showed CPU flash attention's bf16 backward packing per block through
+# oneDNN's brgemm (shadow_probe.FLASH_CPU): 3 layers, bf16 SDPA at T=256, SAC every 2nd block
+FLASH_BF16 = dict(n_layer=3, n_head=2, n_embd=32, vocab_size=97, batch_size=1, block_size=256, dtype="bfloat16",
+                  attention="sdpa", activation="relu", activation_checkpointing="sac", ac_every=2,
+                  set_to_none=False, keep_logits=False, optimizer_impl="foreach")
+
+
+def test_bf16_flash_attention_is_asked_of_its_kernel(tmp_path):
+    """bf16 SDPA on CPU as this CPU runs it: the shadow's step 2 is the audit's event by event and
+    its peak the measured one (on a CPU with oneDNN bf16 the flash kernels are probed; elsewhere
+    _flash_cpu_buffers' rule answers)."""
+    from memory_audit.prediction import shadow
+    p = run_train("--audit", "--device=cpu", "--preset=cpu-tiny", f"--audit_dir={tmp_path}", "--run_name=r",
+                  *[f"--{k}={v}" for k, v in FLASH_BF16.items()], timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    run = os.path.join(tmp_path, "r")
+    full, report = _resolved(run)
+    result = shadow.run(full)
+    assert first_divergence(step_events(run), result["events"]) is None
+    assert result["peak"] == report["totals"]["peak"]["actual"]
+
+
 def test_predicted_trace_is_a_snapshot_named_like_the_audit(tmp_path, cpu_run):
     """predict --trace writes the shadow's step as a snapshot: replayed, its peak is the audit's
     measured peak, and at the peak every category holds the audit's bytes."""

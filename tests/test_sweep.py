@@ -36,6 +36,7 @@ def test_cpu_small_grid(tmp_path):
     live = [r for r in rows[8:] if (r["dtype"], r["attention"], r["activation"]) in CPU_SMALL_LIVE]
     rows, out = _sweep(tmp_path, "cpu-small", live)
     assert len(rows) == 4
+    assert not list((tmp_path / "runs").rglob("*.pickle"))  # without --keep each run's snapshots go, reports stay
     for r in rows:
         assert r["status"] == "ok", r
         assert r["unattributed_bytes"] == 0

@@ -43,8 +43,8 @@ _NATIVE = {}  # dtype -> whether its matmuls go through oneDNN here, asked once
 
 @contextlib.contextmanager
 def plain_bf16():
-    """Predict as on a CPU whose bf16 matmuls do not go through oneDNN (where every committed CPU
-    row was measured), whatever this CPU does."""
+    """Predict as on a CPU whose bf16 matmuls do not go through oneDNN (where the committed grid
+    rows and snapshots/shadow-grids were measured), whatever this CPU does."""
     import torch
     native(torch.bfloat16)
     saved = dict(_NATIVE)

@@ -141,11 +141,14 @@ def name_events(trace, cuts, wrappers=None):
         for j in np.flatnonzero(hit).tolist():
             event_name[int(allocs[j])] = names[int(addr[allocs[j]])]
         named |= hit
-    # live at the trace's end and named by no phase's registry: DDP's buckets, the mesh, by their
-    # stack, whether made before the step or in it (DDP rebuilds its buckets in step 2's forward)
+    # live at the trace's end and named by no phase's registry: what torch.distributed keeps, by
+    # its stack, when made before the step; DDP's buckets also when made in it (DDP rebuilds them
+    # in step 2's forward). An FSDP2 buffer made in the step and still live is no such thing: it
+    # stays unattributed.
+    first_cut = min((cut for cut, names, _ in cuts if names), default=0)
     for j in np.flatnonzero(~named & (ends > n)).tolist():
         frames_name = distributed_name(t.frames(int(allocs[j])))
-        if frames_name:
+        if frames_name and (allocs[j] < first_cut or frames_name == "grads/ddp_buckets"):
             event_name[int(allocs[j])] = frames_name
     for i, name in compiled_names(t, wrappers).items():  # inductor's buffers, by wrapper name
         event_name.setdefault(i, name)
