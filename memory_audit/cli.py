@@ -166,7 +166,9 @@ def cmd_predict(args, extra):
         raise ValueError("--trace writes the shadow run's trace: drop --ledger")
     pred = predict_run(cfg, dev, gaps_bytes=args.gaps)  # --compile=True: inductor's plan
     replay = None
-    if not args.ledger and not pred["config"].get("compile"):  # the totals from the step's trace
+    if "compiled" in pred:  # its totals are the plan's (an eager shadow run would be another step)
+        pred["totals"]["from"] = "inductor's plan (compile=True)"
+    elif not args.ledger:  # the totals from the step's trace
         from .prediction.stepped import with_shadow
         # a CPU trace names its allocations as an audit does (a GPU's deep step is repeated: no names)
         pred, replay = with_shadow(pred, args.gaps, names=bool(args.trace) and dev["type"] != "cuda")
@@ -208,6 +210,12 @@ def _write_trace(replay, dev, path):
         snap = snapshot(replay["result"], dev.get("expandable_segments", False))
     else:
         snap = shadow.snapshot(replay["result"])
+    with open(path, "wb") as f:
+        pickle.dump(snap, f, protocol=4)
+    # categorized as `viz` categorizes it (the names the shadow gave, the viewer's 'unknown' its
+    # loader needs), so MemoryViz opens the file itself
+    from .reading.viz import categorized
+    snap = categorized(path)
     with open(path, "wb") as f:
         pickle.dump(snap, f, protocol=4)
     return {"peak": replay["peak"], "start_bytes": replay["steady_state"], "reserved": replay["reserved"],

@@ -68,9 +68,10 @@ def test_a_compiled_cpu_audit_needs_a_step_after_the_compiling_one():
 
 
 @needs_compiler
-def test_train_py_compiled_audit_is_predicted_to_the_byte(tmp_path):
+def test_train_py_compiled_audit_is_predicted_to_the_byte(tmp_path, monkeypatch, capsys):
     """python train.py --compile=True --audit on cpu-tiny at budget 0.5: 0 unattributed bytes in
-    every phase, every line of every phase predicted exactly, activations and peak exact."""
+    every phase, every line of every phase predicted exactly, activations and peak exact; and
+    `predict --compile=True` prints that peak (inductor's plan, not an eager shadow run)."""
     out = subprocess.run([sys.executable, "train.py", "config/audit_cpu_tiny.py", "--audit", "--compile=True",
                           "--activation_memory_budget=0.5", f"--audit_dir={tmp_path}", "--run_name=c"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(tmp_path))
@@ -94,6 +95,14 @@ def test_train_py_compiled_audit_is_predicted_to_the_byte(tmp_path):
     assert measured == {l["key"]: l["bytes"] for l in pred if "peak" in l["phases"] and l["key"].startswith(inductor)}
     meta = json.load(open(tmp_path / "c" / "meta.json"))
     assert meta["config"]["audit_step"] == 3 and meta["config"]["activation_memory_budget"] == 0.5
+    from memory_audit.cli import main
+    from memory_audit.prediction import compiled_predict
+    monkeypatch.setattr(compiled_predict, "plan_for", lambda cfg, device_type: rec["compiled"]["plan"])  # the same plan
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "dtype", "attention",
+            "gradient_accumulation_steps", "activation_memory_budget")
+    assert main(["predict", "--gpu=cpu", "--json", "--compile=True", *[f"--{k}={rec['config'][k]}" for k in keys]]) == 0
+    t = json.loads(capsys.readouterr().out)["totals"]
+    assert t["from"] == "inductor's plan (compile=True)" and t["peak_allocated_bytes"] == rec["totals"]["peak"]["actual"]
 
 
 def test_the_committed_budget_sweep_is_predicted_exactly_from_its_plans():

@@ -145,3 +145,19 @@ def test_predicted_step_in_the_real_viewer(viewer, tmp_path, gpu, dtype):
     assert main(["viz", str(out), "--out", str(tmp_path / "predicted.html")]) == 0
     _check(open_in_viewer(viewer, (tmp_path / "predicted.html").read_text(), f"predicted-{gpu}"),
            ["weights", "optimizer", "activations", "inputs", "temporary"] + (["workspace"] if gpu != "cpu" else []))
+
+
+@pytest.mark.parametrize("gpu, dtype", [("cpu", "float32"), ("H100", "float16")])
+def test_predicted_pickle_opens_in_the_real_viewer_as_a_file(viewer, tmp_path, gpu, dtype):
+    """The file predict --trace writes, dropped into MemoryViz as it is (no `viz` in between):
+    the viewer loads it without an error and draws its categories."""
+    import pickle
+
+    from memory_audit.cli import main
+    out = tmp_path / "predicted.pickle"
+    assert main(["predict", f"--gpu={gpu}", "--preset=cpu-tiny", "--batch_size=2", f"--dtype={dtype}",
+                 f"--trace={out}"]) == 0
+    with open(out, "rb") as f:
+        snap = pickle.load(f)
+    _check(open_in_viewer(viewer, viz.html(snap), f"predicted-file-{gpu}"),
+           ["weights", "optimizer", "activations", "inputs", "temporary"])
