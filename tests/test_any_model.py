@@ -49,7 +49,7 @@ def test_any_loop_named_and_predicted_to_the_byte(tmp_path, loop, onednn):
     momentum (oneDNN's kernels asked for their own buffers: shadow_probe) and a Llama-style
     decoder, fp32 and bf16 autocast, with and without torch.utils.checkpoint called by the model
     itself (the audit's graph walk must leave the regions' saved tensors alone: reading one runs
-    the recomputation; it once held 21 MB more than the run without the audit); the conv net and
+    the recomputation: 21 MB more than the run without the audit); the conv net and
     the LSTM also with their whole forward checkpointed. Each also with oneDNN switched off
     (PyTorch's own CPU kernels, as on a CPU it does not serve). In fp32 (and with oneDNN off) the
     two steps are also the same allocations and frees in the same order, and in fp32 the

@@ -72,7 +72,7 @@ def test_batch_one_full_checkpointing_to_the_byte(plain_audits, name, args, peak
     """At batch 1 with full checkpointing the gradients outweigh what is saved: the peak is the
     embedding's backward, the last node (fp32 adds the tied wte/lm_head gradients out of place,
     one allocation later; bf16 adds them in place). Dropout: each region keeps the CPU RNG state.
-    The batch is two tensors of B*T int64 (at batch 1 they were once views of one buffer)."""
+    The batch is two tensors of B*T int64 (not views of one buffer, at batch 1 too)."""
     run = plain_audits(f"ac-full-{name}", "--batch_size=1", "--attention=manual", "--activation_checkpointing=full", *args)
     rec = reconcile(run)
     assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"], skip=()) == []
@@ -97,8 +97,8 @@ def test_moments_inside_a_block_backward_to_the_byte(plain_audits, name, args, p
     """n_embd=128, 3 layers. ReLU under autocast: the peak comes once mlp.c_proj's backward is done
     (its weight gradient cast to fp32 while the bf16 one exists; its weight copy and the gradient
     it was handed gone). Selective checkpointing with dropout: the attention core is recomputed
-    only when the backward reaches it, so c_proj's moment holds no recomputation (it once did,
-    331,264 B over)."""
+    only when the backward reaches it, so c_proj's moment holds no recomputation (counting it
+    there is 331,264 B over)."""
     run = plain_audits(f"moment-{name}", "--n_embd=128", "--n_layer=3", "--attention=manual", *args)
     rec = reconcile(run)
     assert rec["unattributed_bytes"] == 0 and mismatched(rec["rows"], skip=()) == []

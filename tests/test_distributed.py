@@ -247,7 +247,7 @@ def test_tensor_parallel_composes_with_activation_checkpointing(tmp_path):
 def test_sequence_parallel_with_batch_one_is_audited_and_shadow_run(tmp_path):
     """tp-sp with batch 1: the all-gather of the sequence hands c_attn a functional collective's
     result not yet waited on (no cat to make), which linear saves; the audit names its buffer
-    (it once stopped the step: "invalid python storage"). Every line exact on both ranks, and
+    (reading it as a plain storage stops the step: "invalid python storage"). Every line exact on both ranks, and
     the shadow of each rank (its DTensor gradient sums out of place) equal at its start and peak."""
     p = _torchrun("--parallel=tp-sp", "--batch_size=1", "--block_size=64", "--n_head=2", "--vocab_size=1000",
                   "--audit", f"--audit_dir={tmp_path}", "--run_name=b1", accumulation=2)

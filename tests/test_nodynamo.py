@@ -67,7 +67,7 @@ print("ok")
 def test_a_submodule_asked_for_under_the_stand_in_is_executed_once():
     """`import torch._dynamo.utils` under the stand-in: the real package is imported first (it
     imports utils itself), and the import under way hands back that module instead of executing
-    the file again (it once did: two copies of utils' counters and caches). Some modules are
+    the file again (that would make two copies of utils' counters and caches). Some modules are
     executed twice by the real import alone (torch.utils._cxx_pytree; on a CUDA machine
     triton.language.extra.cuda and .hip): the stand-in may add none."""
     from test_nosympy import EXECUTED

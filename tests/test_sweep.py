@@ -130,8 +130,8 @@ def test_unknown_grid_is_one_line():
 
 def test_a_refused_torchrun_config_keeps_its_own_error_line():
     """Under torchrun each rank prints train.py's one line and torchrun ends its log with a rule
-    of '=': the row keeps the rank's line (it once kept the rule, and 8 refused configs of a
-    random grid said nothing)."""
+    of '=': the row keeps the rank's line, not the rule (a row with the rule says nothing about
+    why the config was refused)."""
     from memory_audit.comparison.sweep import error_line
     log = ("iter 0\nerror: parallel=tp-sp needs set_to_none=True: the sequence-parallel LayerNorms' gradients are Partial\n"
            "error: parallel=tp-sp needs set_to_none=True: the sequence-parallel LayerNorms' gradients are Partial\n"
