@@ -272,14 +272,21 @@ def cmd_plan(args, extra):
     print(f"{r['gpu']}: budget {fmt_bytes(r['budget'])} ({100 * (1 - args.headroom):.0f}% of {fmt_bytes(r['total_memory'])})")
     print(f"baseline {'fits' if b['fits'] else 'does not fit'}: needs {fmt_bytes(b['need'])} (reserved "
           f"{fmt_bytes(b['reserved_peak'])} + outside PyTorch {fmt_bytes(b['outside_pytorch'])}), "
-          f"{'headroom' if b['fits'] else 'over by'} {fmt_bytes(abs(b['headroom_bytes']))}")
-    print(table(("option", "fits", "need", "reserved peak", "headroom", "extra matmul FLOPs", "cost", "sends/step"),
+          f"{'headroom' if b['fits'] else 'over by'} {fmt_bytes(abs(b['headroom_bytes']))}; from the {_source(b['from'])}")
+    print(table(("option", "fits", "need", "reserved peak", "headroom", "extra matmul FLOPs", "cost", "sends/step", "from"),
                 [(o["option"], "yes" if o["fits"] else "no", fmt_bytes(o["need"]), fmt_bytes(o["reserved_peak"]),
                   fmt_bytes(o["headroom_bytes"]), f"{100 * o['extra_flops_fraction']:.1f}%", f"{o['cost']:.3f}",
-                  fmt_bytes(o["comm_bytes_per_step"]) if o["comm_bytes_per_step"] else "-")
+                  fmt_bytes(o["comm_bytes_per_step"]) if o["comm_bytes_per_step"] else "-", _source(o["from"]))
                  for o in r["options"]]))
     if any(o["comm_bytes_per_step"] for o in r["options"]):
         print("(parallel options: memory per rank; sends/step: bytes each rank sends per step, ring estimate)")
+    for reason in sorted({o["from"] for o in [b] + r["options"] if _source(o["from"]) == "ledger"}):
+        print(f"ledger rows: {reason[len('ledger ('):-1] if reason.startswith('ledger (') else reason}")
+
+
+def _source(text):
+    """A plan row's numbers: "shadow run" (its trace replayed) or "ledger" (why: printed below)."""
+    return "shadow run" if text.startswith("shadow run") else "ledger"
 
 
 # -- report ----------------------------------------------------------------------------------
