@@ -192,6 +192,8 @@ def cmd_predict(args, extra):
         led = t["ledger"]
         print(f"the ledger's own: peak {led['peak_allocated_bytes']:,} B, reserved {led['reserved_peak_bytes']:,} B")
     print(f"peak at: {pred['backward']['peak_at']}")
+    for rule in t.get("unmeasured_on_gpu", []):
+        print(f"not measured on a GPU: {rule}")
     if args.trace:
         print(f"wrote the shadow run's {pred['shadow']['events']:,} events of step 2 to {args.trace}")
     from .prediction import tensor_parallel

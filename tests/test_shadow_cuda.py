@@ -225,3 +225,33 @@ def test_gpt2_sized_h200_process_is_the_shadow_run_event_by_event(name):
     with open(os.path.join(RESERVED_TRACES, "totals.json")) as f:
         totals = json.load(f)[name]  # the run's report: steady state, peak, memory_reserved()
     assert (r["steady_state"], r["peak"], r["reserved"]) == (totals["steady_state"], totals["peak"], totals["reserved"])
+
+
+def test_rules_outside_their_measured_shapes_are_named():
+    """shadow_cuda.SAMPLES: every committed CUDA trace (the 2 tiny H100 audits, the 15 kept H200
+    runs, the 11 GPT-2-sized H200 runs) is inside the samples of the rules it applies, so its
+    shadow names none; GPT-2 at batch 6 in fp32 SDPA applies efficient attention's backward at
+    head size 64 and the embedding sort at N 6,144, neither measured, and `predict` says so."""
+    import gzip
+
+    from conftest import run_cli
+    from memory_audit.comparison.reconcile import device_from_meta
+    from memory_audit.prediction import shadow
+    from memory_audit.reading.loader import load_meta
+    traces = os.path.join(ROOT, "snapshots", "results", "reserved-traces")
+    runs = [load_meta(os.path.join(EXAMPLES, n)) for n in TINY] + \
+        [load_meta(os.path.join(EXAMPLES, "shadow-cuda", n)) for n in H200]
+    configs = [(m["config"], device_from_meta(m)) for m in runs] + \
+        [(json.load(gzip.open(os.path.join(traces, f)))["config"], _device("NVIDIA H200"))
+         for f in sorted(os.listdir(traces)) if f.endswith(".json.gz")]
+    assert len(configs) == 2 + 15 + 11
+    for cfg, device in configs:
+        assert shadow.replayed(resolved(cfg), device)["result"]["unmeasured"] == [], cfg
+    p = run_cli("predict", "--gpu=H100", "--preset=gpt2", "--batch_size=6", "--dtype=float32", "--attention=sdpa",
+                "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["totals"]["unmeasured_on_gpu"] == [
+        "efficient attention's backward temporaries at head size 64, T 1024 (measured: head size 16 or 32, T up to "
+        "256 (fp32 SDPA, H200))",
+        "the embedding backward's sort storage at N 6144 over 50304 rows (measured: N = B x T of 4,096, 8,192, "
+        "10,240 or 12,288 over 50,304 rows (H200))"]

@@ -295,7 +295,8 @@ def step_result(tracker, pre, phases):
     """{"events": [(action, key, bytes, id)] of the step in order, "history": the same before it
     (a CUDA shadow records from model.to(device) on; empty on CPU), "pre": [(id, key, bytes)]
     live when it starts, "start_bytes", "phases": {phase: position in events}, "peak", "probed"
-    and "unprobed": the ops whose kernels a probe asked, and those it could not (shadow_probe)}."""
+    and "unprobed": the ops whose kernels a probe asked, and those it could not (shadow_probe),
+    "unmeasured": the CUDA rules applied outside the shapes a trace measured (shadow_cuda.SAMPLES)}."""
     events, cut, blocks, micros = [], {}, [], []
     for i, (action, aid) in enumerate(tracker.events):
         for phase, at in phases.items():
@@ -324,7 +325,8 @@ def step_result(tracker, pre, phases):
         level += nbytes if action == "alloc" else -nbytes
         peak = max(peak, level)
     out = {"events": events, "history": history, "pre": pre, "start_bytes": start_bytes, "phases": cut,
-           "peak": start_bytes + peak, "probed": sorted(tracker.probed), "unprobed": sorted(tracker.unprobed)}
+           "peak": start_bytes + peak, "probed": sorted(tracker.probed), "unprobed": sorted(tracker.unprobed),
+           "unmeasured": sorted(tracker.unmeasured)}
     if tracker.naming:
         out["saved"] = dict(tracker.saved_names)
     if tracker.tagging:  # each allocation's block and each event's (history, then step)

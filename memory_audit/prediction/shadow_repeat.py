@@ -60,7 +60,11 @@ def expand(r3, r4, n, channel="blocks", carry=True):
     if growth is None:
         return None
     out = source.emit(n, growth)
-    return None if out is None else _result(source, *out, carry=carry)
+    if out is None:
+        return None
+    out = _result(source, *out, carry=carry)
+    out["unmeasured"] = sorted(set(r3.get("unmeasured", ())) | set(r4.get("unmeasured", ())))  # both runs' calls
+    return out
 
 
 class _Source:
@@ -315,7 +319,8 @@ def _result(source, events, sources, phases, carry=True):
     peak = max(itertools.accumulate((nbytes if action == "alloc" else -nbytes for action, _, nbytes, _ in step),
                                     initial=0))
     out = {"events": step, "history": history, "pre": pre, "start_bytes": start_bytes,
-           "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True}
+           "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True,
+           "unmeasured": source.r.get("unmeasured", [])}
     for other in CHANNELS:
         if carry and other != source.channel and other in source.r:
             tags = source.r[other]

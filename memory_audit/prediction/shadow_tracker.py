@@ -94,6 +94,7 @@ class Tracker:
         self.event_micro = []  # parallel to events: the micro-step a free happened in (or None)
         self.real_shapes = {}  # storage id -> (shape, stride, dtype) a kernel probe found (shadow_probe)
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
+        self.unmeasured = set()  # CUDA rules applied outside the shapes a trace measured (shadow_cuda.SAMPLES)
         self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
         self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow._naming)
@@ -428,6 +429,9 @@ def _device_op(tracker, func, args, kwargs, key):
     (kernel_events), what it allocates after them (freed first) and a thread's first GEMM's
     cuBLAS and cuBLASLt workspaces (shadow_cuda). Returns (out, [ids freed as it returns], [])."""
     held = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
+    outside = shadow_cuda.outside_sample(func, args)
+    if outside:
+        tracker.unmeasured.add(outside)
     before, after = shadow_cuda.kernel_events(func, args) or ((), ())
     made = []  # a kernel's temporaries that interleave with its outputs, made and freed in order
     _kernel_events(tracker, key, before, made)

@@ -59,6 +59,8 @@ def with_shadow(pred, gaps_bytes=None, ledger=True, names=False):
               "from": "shadow run" + (" (blocks repeated)" if r["result"].get("repeated") else "")
               + (f" (kernels not asked for their own buffers: {', '.join(r['result']['unprobed'])})"
                  if r["result"].get("unprobed") else "")})
+    if dev["type"] == "cuda":  # the CUDA rules it applied outside the shapes a trace measured
+        t["unmeasured_on_gpu"] = r["result"].get("unmeasured", [])
     pred["backward"] = dict(pred["backward"], peak_at=busiest(r))
     return pred, r
 
