@@ -212,12 +212,12 @@ def _write_trace(replay, dev, path):
         snap = snapshot(replay["result"], dev.get("expandable_segments", False))
     else:
         snap = shadow.snapshot(replay["result"])
-    with open(path, "wb") as f:
-        pickle.dump(snap, f, protocol=4)
     # categorized as `viz` categorizes it (the names the shadow gave, the viewer's 'unknown' its
     # loader needs), so MemoryViz opens the file itself
-    from .reading.viz import categorized
-    snap = categorized(path)
+    from .reading.loader import normalize
+    from .reading.timeline import categorize_trace
+    from .reading.trace import plain
+    snap = plain(categorize_trace(normalize(snap), None, detail=False))
     with open(path, "wb") as f:
         pickle.dump(snap, f, protocol=4)
     return {"peak": replay["peak"], "start_bytes": replay["steady_state"], "reserved": replay["reserved"],

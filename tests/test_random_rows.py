@@ -3,6 +3,7 @@ predictions are made again, so a claim about a random grid ("100 of 100") stays 
 code's, not the code of the day the grid was drawn. Rows whose audit failed hold no measurement
 and are counted apart."""
 
+import fnmatch
 import glob
 import json
 import os
@@ -31,7 +32,7 @@ def _measured(path):
 def _onednn(path, row):
     if row.get("cpu") is not None:
         return row["cpu"]["onednn_bf16"]
-    return any(glob.fnmatch.fnmatch(os.path.basename(path), p) for p in ONEDNN_FILES)
+    return any(fnmatch.fnmatch(os.path.basename(path), p) for p in ONEDNN_FILES)
 
 
 TORCHRUN = sorted(glob.glob(os.path.join(ROOT, "snapshots", "results", "random", "torchrun-*.jsonl")))

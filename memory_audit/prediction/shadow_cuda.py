@@ -195,10 +195,13 @@ def kernel_events(func, args):
 # (snapshots/examples/cuda-tiny-*, H100) and the random H200 audits (snapshots/examples/shadow-cuda,
 # 91 in snapshots/results/random/h200-*) have head sizes 16 and 32 and T up to 256; the GPT-2-sized
 # H200 runs (snapshots/results/reserved-traces) head size 64 at T 1,024 and vocabulary 50,304.
+EFFICIENT_BACKWARD = "efficient attention's backward temporaries"
+EMBEDDING_SORT = "the embedding backward's sort storage"
+CUDNN_BUFFERS = "cuDNN attention's buffers"
 SAMPLES = {
-    "efficient attention's backward temporaries": "head size 16 or 32, T up to 256 (fp32 SDPA, H200)",
-    "the embedding backward's sort storage": "N = B x T of 4,096, 8,192, 10,240 or 12,288 over 50,304 rows (H200)",
-    "cuDNN attention's buffers": "head size 16 or 32 with T up to 256, or 64 at T 1,024 (H100, H200)",
+    EFFICIENT_BACKWARD: "head size 16 or 32, T up to 256 (fp32 SDPA, H200)",
+    EMBEDDING_SORT: "N = B x T of 4,096, 8,192, 10,240 or 12,288 over 50,304 rows (H200)",
+    CUDNN_BUFFERS: "head size 16 or 32 with T up to 256, or 64 at T 1,024 (H100, H200)",
 }
 
 
@@ -206,24 +209,22 @@ def outside_sample(func, args):
     """The SAMPLES rule this call applies outside the shapes it was measured at, in words, or None."""
     import torch
     ops = torch.ops.aten
+    rule = shape = None
     if func is ops._scaled_dot_product_efficient_attention_backward.default:
         _, _, T, head = args[1].shape
         if head not in (16, 32) or T > 256:
-            return f"efficient attention's backward temporaries at head size {head}, T {T} (measured: {SAMPLES[_EFF]})"
+            rule, shape = EFFICIENT_BACKWARD, f"head size {head}, T {T}"
     elif func is ops.embedding_dense_backward.default:
         n, rows = args[1].numel(), args[2]
         if n > _EMBEDDING_DIRECT and not args[4] and (n not in (4096, 8192, 10240, 12288) or rows != 50304):
-            return f"the embedding backward's sort storage at N {n} over {rows} rows (measured: {SAMPLES[_SORT]})"
+            rule, shape = EMBEDDING_SORT, f"N {n} over {rows} rows"
     elif func in (ops._scaled_dot_product_cudnn_attention.default,
                   ops._scaled_dot_product_cudnn_attention_backward.default):
         q = args[0] if func is ops._scaled_dot_product_cudnn_attention.default else args[1]
         _, _, T, head = q.shape
         if not ((head in (16, 32) and T <= 256) or (head == 64 and T == 1024)):
-            return f"cuDNN attention's buffers at head size {head}, T {T} (measured: {SAMPLES[_CUDNN]})"
-    return None
-
-
-_EFF, _SORT, _CUDNN = SAMPLES
+            rule, shape = CUDNN_BUFFERS, f"head size {head}, T {T}"
+    return None if rule is None else f"{rule} at {shape} (measured: {SAMPLES[rule]})"
 
 
 def after_outputs(func, args):

@@ -319,8 +319,7 @@ def _result(source, events, sources, phases, carry=True):
     peak = max(itertools.accumulate((nbytes if action == "alloc" else -nbytes for action, _, nbytes, _ in step),
                                     initial=0))
     out = {"events": step, "history": history, "pre": pre, "start_bytes": start_bytes,
-           "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True,
-           "unmeasured": source.r.get("unmeasured", [])}
+           "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True}
     for other in CHANNELS:
         if carry and other != source.channel and other in source.r:
             tags = source.r[other]
