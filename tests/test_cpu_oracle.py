@@ -7,7 +7,7 @@ phase's bytes, every line and the step's peak are computed below from the shapes
 tests/oracle_program.py (two bias-free linears, SGD with momentum, fp32; DDP under torchrun) and
 compared, to the byte, with what the audit measured through both roads from the profile to a
 trace (the memory profile, raw allocations paired by address), on one process and on two
-torchrun ranks. The peak is also replayed here from the step2_end pickle alone.
+torchrun ranks. The peak is also replayed here from the step2_end pickle by a plain sum.
 
 CPU sizes are the tensors' own: c10's CPU allocator aligns the pointer, not the size, and the
 profiler reports the bytes asked for (nbytes), so no rounding enters the arithmetic.
@@ -95,7 +95,8 @@ def categories(lines):
 
 def replayed_peak(run_dir):
     """The step's peak from the step2_end pickle alone (a plain running sum over its trace, from
-    step2_start's position in it, meta.json's trace_entries): no project code."""
+    step2_start's position in it, meta.json's trace_entries): no project code reads it, though the
+    pickle's frees are the audit's own conversion of the profile (cpu_timeline's rules)."""
     import json
     with open(os.path.join(run_dir, "step2_end.pickle"), "rb") as f:
         snap = pickle.load(f)
