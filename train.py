@@ -411,8 +411,10 @@ if audit_obj is not None:
     except AuditError as e:
         fail(str(e))
     print(f"audit: wrote {', '.join(audit_obj.files)} and meta.json to {audit_obj.run_dir}")
+    from memory_audit.comparison.reconcile import store_prediction
     from memory_audit.comparison.report import summarize_run
-    try:
+    try:  # the step predicted now, after it ran: nothing the prediction runs is in the measured process
+        store_prediction(audit_obj.run_dir)
         print(summarize_run(audit_obj.run_dir))
     except Exception as e:  # the audit's files are written; say why the report is missing
         print(f"warning: no report for {audit_obj.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -34,12 +34,10 @@ from memory_audit.comparison.workers import cpus  # noqa: E402
 MA = [sys.executable, "-m", "memory_audit"]
 COMMANDS = [  # (name, argv, (target seconds, "after imports" or "in all") or None)
     ("predict gpt2-xl (shadow)", MA + ["predict", "--preset=gpt2-xl", "--batch_size=4"], (1.0, "after imports")),
-    ("predict gpt2-xl --ledger", MA + ["predict", "--preset=gpt2-xl", "--batch_size=4", "--ledger"], None),
     ("fit gpt2-large", MA + ["fit", "--preset=gpt2-large"], None),
     # 16 options; their shadow runs on every CPU (plan --jobs), in workers forked after the imports
     ("plan gpt2-large b16 (shadow)", MA + ["plan", "--preset=gpt2-large", "--batch_size=16"], (5.0, "in all")),
     ("plan gpt2-large b16, one process", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--jobs=1"], None),
-    ("plan gpt2-large b16 --ledger", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--ledger"], None),
 ]
 # what every shadow-backed command imports before it computes (not torch._dynamo: a shadow run
 # stands in for it, nodynamo.py)

@@ -159,19 +159,11 @@ def _allocator(args):
 
 
 def cmd_predict(args, extra):
-    from .prediction.predict import predict_run
+    from .prediction.predict import traced
     cfg = _overrides(extra)
     dev = _device(args)
-    if args.trace and args.ledger:
-        raise ValueError("--trace writes the shadow run's trace: drop --ledger")
-    pred = predict_run(cfg, dev, gaps_bytes=args.gaps)  # --compile=True: inductor's plan
-    replay = None
-    if "compiled" in pred:  # its totals are the plan's (an eager shadow run would be another step)
-        pred["totals"]["from"] = "inductor's plan (compile=True)"
-    elif not args.ledger:  # the totals from the step's trace
-        from .prediction.stepped import with_shadow
-        # a CPU trace names its allocations as an audit does (a GPU's deep step is repeated: no names)
-        pred, replay = with_shadow(pred, args.gaps, names=bool(args.trace) and dev["type"] != "cuda")
+    # a CPU trace names its allocations as an audit does (a GPU's deep step is repeated: no names)
+    pred, replay = traced(cfg, dev, names=bool(args.trace) and dev["type"] != "cuda")
     if args.trace:
         if replay is None:
             raise ValueError(f"--trace: no shadow run for this config: {pred['totals']['from']}")
@@ -186,11 +178,7 @@ def cmd_predict(args, extra):
                      ("activations/h.", "weights/transformer.h.", "grads/transformer.h.", "optimizer/"))]))
     print("(layers 1.. repeat layer 0's lines; --json lists every line)")
     print(table(("total", "bytes", "GiB"), [(k, f"{v:,}", f"{v / GiB:.3f}") for k, v in t.items() if isinstance(v, int)]))
-    if "from" in t:
-        print(f"peak, end and reserved from: {t['from']}")
-    if "ledger" in t:
-        led = t["ledger"]
-        print(f"the ledger's own: peak {led['peak_allocated_bytes']:,} B, reserved {led['reserved_peak_bytes']:,} B")
+    print(f"peak, phases and reserved from: {t['from']}")
     print(f"peak at: {pred['backward']['peak_at']}")
     for rule in t.get("unmeasured_on_gpu", []):
         print(f"not measured on a GPU: {rule}")
@@ -202,7 +190,7 @@ def cmd_predict(args, extra):
 
 
 def _write_trace(replay, dev, path):
-    """Write the shadow run's predicted process (stepped.with_shadow's replay) as a snapshot to
+    """Write the shadow run's predicted process (predict.traced's replay) as a snapshot to
     `path`."""
     if os.path.exists(path) and not path.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {path}: not a .pickle file")
@@ -244,7 +232,7 @@ def _gpu_config(args, extra):
 def cmd_fit(args, extra):
     from .comparison.plan import fit_result
     cfg, dev = _gpu_config(args, extra)
-    r = fit_result(cfg, dev, args.headroom, shadow=not args.ledger)
+    r = fit_result(cfg, dev, args.headroom)
     if args.json:
         print(json.dumps(r, indent=1))
         return
@@ -264,7 +252,7 @@ def cmd_plan(args, extra):
     cfg, dev = _gpu_config(args, extra)
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs}: at least 1")
-    r = plan(cfg, dev, args.headroom, shadow=not args.ledger, jobs=args.jobs)
+    r = plan(cfg, dev, args.headroom, jobs=args.jobs)
     if not r["baseline"]["fits"] and not any(o["fits"] for o in r["options"]):
         raise ValueError(smallest_miss(r))
     if args.json:
@@ -282,13 +270,15 @@ def cmd_plan(args, extra):
                  for o in r["options"]]))
     if any(o["comm_bytes_per_step"] for o in r["options"]):
         print("(parallel options: memory per rank; sends/step: bytes each rank sends per step, ring estimate)")
-    for reason in sorted({o["from"] for o in [b] + r["options"] if _source(o["from"]) == "ledger"}):
-        print(f"ledger rows: {reason[len('ledger ('):-1] if reason.startswith('ledger (') else reason}")
+    said = ("shadow run", "shadow run (blocks repeated)")  # the usual: a table cell says enough
+    for reason in sorted({o["from"] for o in [b] + r["options"] if o["from"] not in said}):
+        print(f"{_source(reason)} rows: {reason[len(_source(reason)) + 2:-1]}")
 
 
 def _source(text):
-    """A plan row's numbers: "shadow run" (its trace replayed) or "ledger" (why: printed below)."""
-    return "shadow run" if text.startswith("shadow run") else "ledger"
+    """A plan row's numbers, prediction()'s totals["from"] without its parenthesis (printed below
+    the table): "shadow run", "inductor's plan" or "ledger"."""
+    return text.split(" (", 1)[0]
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -398,14 +388,10 @@ def _prediction_parsers(sub):
         q.add_argument("--memory", type=int, default=None, help="GPU memory in bytes (with --capability: other GPUs)")
         q.add_argument("--capability", default=None, help="compute capability MAJOR.MINOR of a GPU not in the table")
         q.add_argument("--json", action="store_true")
-        q.add_argument("--gaps", type=int, default=None, help="measured allocator gaps (bytes) to use")
         q.add_argument("--headroom", type=float, default=0.02, help="fraction of the card kept free beyond the "
                        "prediction (fit, plan); reserved memory is predicted exact on the 23 H100 rows that measured it "
-                       "(from the shadow run; the ledger's own model: -0.76%% to +4.69%%)")
+                       "(from the shadow run)")
         q.add_argument("--outside", type=int, default=None, help=_outside_help)
-        q.add_argument("--ledger", action="store_true", help="the ledger's candidate moments and allocator model "
-                       "alone (no shadow run: no torch import); by default the peak, the end and memory_reserved() "
-                       "come from the shadow run's trace where it covers the config")
         if name == "plan":
             q.add_argument("--jobs", type=int, default=None, help="options shadow-run at once, each in a forked "
                            "process (default: every CPU this process may use)")

@@ -79,8 +79,7 @@ def shadow_lines(row):
     measured ones, every phase; [] where the shadow does not cover the strategy."""
     from memory_audit.comparison.reconcile import shadow_lines_off
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import resolved
-    from memory_audit.prediction.stepped import uncovered
+    from memory_audit.prediction.predict import resolved, uncovered
     cfg = resolved(row["resolved_config"])
     if uncovered(cfg, {"type": "cpu"}) is not None:
         return []
@@ -88,11 +87,11 @@ def shadow_lines(row):
 
 
 def predicted_peak(row):
-    """The peak `predict` gives this rank (predict_run on CPU: the shadow run of the rank where it
+    """The peak `predict` gives this rank (prediction() on CPU: the shadow run of the rank where it
     covers the strategy, else the ledger's), noting which in row["peak_from"]."""
-    from memory_audit.prediction.predict import DEFAULTS, device_facts, predict_run
+    from memory_audit.prediction.predict import DEFAULTS, device_facts, prediction
     cfg = {k: v for k, v in row["resolved_config"].items() if k in DEFAULTS}
-    t = predict_run(cfg, device_facts("cpu"), shadow=True)["totals"]
+    t = prediction(cfg, device_facts("cpu"))["totals"]
     row["peak_from"] = "shadow" if t["from"].startswith("shadow") else "ledger"
     return t["peak_allocated_bytes"]
 

@@ -6,7 +6,7 @@
 Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed replays one;
 the seed is printed first), audits each with `train.py --audit` on CPU, shadow-runs it
 (memory_audit/prediction/shadow.py) and prints, per config, the measured peak, the shadow's and the
-ledger predictor's (report.json), the lines the ledger names that differ from the audit's (every
+one the audit's own report.json predicts (prediction(), stored in its meta.json), the lines the ledger names that differ from the audit's (every
 phase), the lines the shadow itself names that differ (shadow.lines), and for a shadow miss the first event where the two traces part (measured trace of step 2
 against the shadow's events, by action and bytes). Not a test: each config takes ~10 s.
 """
@@ -62,6 +62,7 @@ def compare(run, cfg=None):
         return {"config": cfg, "measured": peak["actual"], "shadow": None, "shadow_error": f"{type(e).__name__}: {e}",
                 "predictor": peak["predicted"]}
     row = {"config": cfg, "measured": peak["actual"], "shadow": sh["peak"], "predictor": peak["predicted"],
+           "predictor_from": report.get("predicted_from"),  # what train.py --audit's report read
            "cpu": load_meta(run)["device"].get("cpu"),  # which CPU measured it (None on CUDA)
            "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"],
            # the ledger's lines (what predict names) against the audit's, every phase
@@ -103,9 +104,8 @@ def committed_rows(paths):
     covers): measured beside the shadow's steady state, peak and every line it names itself."""
     from memory_audit.comparison.reconcile import shadow_lines_off
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import resolved
+    from memory_audit.prediction.predict import resolved, uncovered
     from memory_audit.prediction.shadow_probe import plain_bf16
-    from memory_audit.prediction.stepped import uncovered
     exact = total = lines_exact = 0
     for path in paths:
         for line in open(path):
@@ -171,14 +171,14 @@ def main():
                 print(f"{i}: error {row['error']}", flush=True)
                 continue
             d = lambda v: "-" if v is None else f"{v - row['measured']:+,}"  # noqa: E731
-            print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  predictor {d(row['predictor'])}"
+            print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  report {d(row['predictor'])}"
                   + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
                   + (f"  lines off {row['lines_off'][:4]}" if row.get("lines_off") else "")
                   + (f"  shadow's lines off {row['shadow_lines_off'][:4]}" if row.get("shadow_lines_off") else "")
                   + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
     ok = [r for r in rows if "error" not in r]
     print(f"peak exact: shadow {sum(r['shadow'] == r['measured'] for r in ok if r['shadow'] is not None)}/{len(ok)}, "
-          f"predictor {sum(r['predictor'] == r['measured'] for r in ok)}/{len(ok)}; step 2 event by event: shadow "
+          f"train.py --audit's report {sum(r['predictor'] == r['measured'] for r in ok)}/{len(ok)}; step 2 event by event: shadow "
           f"{sum(r.get('events_agree', False) for r in ok)}/{len(ok)}; every line exact: "
           f"{sum(not r.get('lines_off', [None]) for r in ok)}/{len(ok)}, the shadow's own lines "
           f"{sum(not r.get('shadow_lines_off', [None]) for r in ok)}/{len(ok)} (seed {seed})")

@@ -15,7 +15,7 @@ import torch
 from memory_audit import Audit, AuditError
 from memory_audit.reading.inductor_plan import PlanError, replay, strided_bytes
 from memory_audit.reading.loader import load_meta, load_snapshot
-from memory_audit.prediction.predict import device_facts, predict_run
+from memory_audit.prediction.predict import device_facts, prediction
 from memory_audit.comparison.reconcile import measure, mismatched
 from memory_audit.reading.timeline import replay as replay_trace
 from conftest import assert_books_match_the_pickle, assert_repredicted_exactly, gpt_steps, tiny_gpt
@@ -88,7 +88,7 @@ def test_train_py_compiled_audit_is_predicted_to_the_byte(tmp_path, monkeypatch,
     # returned by parameter, in the trace as in the prediction
     run = str(tmp_path / "c")
     peak = replay_trace(load_snapshot(os.path.join(run, "step2_end.pickle")), load_meta(run))["peak"]["lines"]
-    pred = predict_run(rec["config"], device_facts("cpu"), plan=rec["compiled"]["plan"])["ledger"]
+    pred = prediction(rec["config"], device_facts("cpu"), plan=rec["compiled"]["plan"])["ledger"]
     inductor = ("temporary/compiled_", "grads/")
     measured = {k: v for k, v in peak.items() if k.startswith(inductor)}
     assert len(measured) > 10

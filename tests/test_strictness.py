@@ -12,8 +12,8 @@ import pytest
 
 import memory_audit.comparison.reconcile as reconcile_mod
 from conftest import EXAMPLES
-from memory_audit.prediction.predict import predict_run as real_predict
 from memory_audit.comparison.reconcile import mismatched, reconcile
+from memory_audit.comparison.reconcile import prediction_of as real_prediction_of
 from memory_audit.comparison.sweep import row_for
 
 
@@ -53,10 +53,10 @@ def test_each_break_is_caught(run_dir, brk, monkeypatch):
     broken = set()
 
     def wrong_predict(*args, **kwargs):
-        pred = copy.deepcopy(real_predict(*args, **kwargs))
+        pred = copy.deepcopy(real_prediction_of(*args, **kwargs))
         broken.update(brk(pred))
         return pred
-    monkeypatch.setattr(reconcile_mod, "predict_run", wrong_predict)
+    monkeypatch.setattr(reconcile_mod, "prediction_of", wrong_predict)
     rec = reconcile(run_dir)
     caught = {r["key"] for r in mismatched(rec["rows"])}
     assert broken and broken <= caught, (broken, caught)

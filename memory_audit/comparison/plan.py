@@ -1,8 +1,8 @@
 """Will it fit, and what to change if not: the predicted reserved memory against the card.
 
 What makes a job fail is the allocator's reserved memory (segments with their unused tails:
-the shadow run's trace replayed through the caching allocator's model where it covers the
-config, prediction/stepped.py; else gap_sim.py's model of the ledger) plus what CUDA holds
+prediction.predict.prediction(): the step's trace replayed through the caching allocator's model)
+plus what CUDA holds
 outside PyTorch, against the card's memory. `need` is that sum; `fit_result` finds the largest batch whose need fits;
 `plan` ranks the levers that make a config fit by their predicted cost.
 
@@ -16,7 +16,7 @@ the bytes each rank sends per step (tensor_parallel.comm_bytes) instead of a FLO
 N GPUs and a fast link.
 """
 
-from ..prediction.predict import DEFAULTS, predict_run
+from ..prediction.predict import DEFAULTS, prediction
 from ..prediction.tensor_parallel import check, comm_bytes
 from .workers import mapped
 
@@ -24,11 +24,10 @@ MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulatio
 AC_MODES = ("selective", "sac", "full")
 
 
-def need(cfg, dev, shadow=True):
-    """{allocated, reserved, outside, total, recompute_flops, forward_flops, from}: predicted
-    bytes; shadow: allocated and reserved from the shadow run's trace where it covers the
-    config (prediction/stepped.py), else the ledger's."""
-    t = predict_run(cfg, dev, shadow=shadow, ledger_model=False)["totals"]  # compile=True: inductor's plan (on CUDA it needs a GPU)
+def need(cfg, dev):
+    """{allocated, reserved, outside, total, recompute_flops, forward_flops, from}: the predicted
+    bytes of prediction() (compile=True: inductor's plan, which on CUDA needs a GPU)."""
+    t = prediction(cfg, dev)["totals"]
     outside = t["outside_pytorch_bytes"]
     return {"allocated": t["peak_allocated_bytes"], "reserved": t["reserved_peak_bytes"], "outside": outside,
             "total": t["reserved_peak_bytes"] + outside, "recompute_flops": t["recompute_flops"],
@@ -40,14 +39,14 @@ def budget(dev, headroom):
     return int(dev["total_memory"] * (1 - headroom))
 
 
-def fit_result(cfg, dev, headroom, shadow=True):
+def fit_result(cfg, dev, headroom):
     """The largest batch (and power-of-two block) whose predicted need fits the GPU, as a dict."""
     limit = budget(dev, headroom)
     seen = {}
 
     def total(b, t):
         if (b, t) not in seen:
-            seen[b, t] = need(dict(cfg, batch_size=b, block_size=t), dev, shadow)
+            seen[b, t] = need(dict(cfg, batch_size=b, block_size=t), dev)
         return seen[b, t]["total"]
 
     t = cfg.get("block_size", 1024)
@@ -111,9 +110,9 @@ def parallel_candidates(cfg):
     return out
 
 
-def _option(name, cfg, overrides, dev, limit, base_flops, shadow=True, needs=None):
+def _option(name, cfg, overrides, dev, limit, base_flops, needs):
     c, d = _asked(cfg, overrides, dev)
-    n = need(c, d, shadow) if needs is None else needs(c, d)
+    n = needs(c, d)
     extra = n["recompute_flops"] / (3 * base_flops) if base_flops else 0.0
     doublings = (c.get("gradient_accumulation_steps", 1) // max(cfg.get("gradient_accumulation_steps", 1), 1)).bit_length() - 1
     return {"option": name, "overrides": overrides, "allocated_peak": n["allocated"], "reserved_peak": n["reserved"],
@@ -123,7 +122,7 @@ def _option(name, cfg, overrides, dev, limit, base_flops, shadow=True, needs=Non
             "cost": round(extra + MICRO_BATCH_COST * doublings, 4), "from": n["from"]}
 
 
-def plan(cfg, dev, headroom, shadow=True, jobs=None):
+def plan(cfg, dev, headroom, jobs=None):
     """{"budget", "baseline": {..., "fits"}, "options": [{..., "fits"}, ...]}: the options that fit
     first, cheapest first (one GPU before several); then the others, smallest need first. jobs:
     the options' shadow runs on that many forked workers (workers.py; default every CPU)."""
@@ -131,17 +130,17 @@ def plan(cfg, dev, headroom, shadow=True, jobs=None):
     todo = candidates(cfg)
     groups = {}  # one task per config: its allocator settings replay the same step (shadow._LAST)
     for c, d in [(cfg, dev)] + [_asked(cfg, o, dev) for _, o in todo]:
-        groups.setdefault(repr(sorted(c.items())), {})[_key(c, d)] = (c, d, shadow)
+        groups.setdefault(repr(sorted(c.items())), {})[_key(c, d)] = (c, d)
     tasks = sorted(groups.values(), key=lambda g: -_work(next(iter(g.values()))[0]))  # the longest first
     seen = {}
-    for group, needs in zip(tasks, mapped(_needs, [list(g.values()) for g in tasks], jobs if shadow else 1)):
+    for group, needs in zip(tasks, mapped(_needs, [list(g.values()) for g in tasks], jobs)):
         seen.update(zip(group, needs))
 
     def needs(c, d):
         return seen[_key(c, d)]
     base = needs(cfg, dev)
-    baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"], shadow, needs)
-    options = [_option(name, cfg, o, dev, limit, base["forward_flops"], shadow, needs) for name, o in todo]
+    baseline = _option("baseline", cfg, {}, dev, limit, base["forward_flops"], needs)
+    options = [_option(name, cfg, o, dev, limit, base["forward_flops"], needs) for name, o in todo]
     # more GPUs are a bigger change than any single-GPU lever: parallel options come after those that fit
     options.sort(key=lambda o: (not o["fits"], "parallel" in o["overrides"] if o["fits"] else False,
                                 o["cost"] if o["fits"] else o["need"], o["need"]))

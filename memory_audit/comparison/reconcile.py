@@ -9,7 +9,7 @@ import os
 from ..reading.attribute import attribute
 from ..reading.loader import find_snapshots, load_meta, load_snapshot, SnapshotError
 from ..prediction import tensor_parallel
-from ..prediction.predict import device_facts, predict_run, published_formulas
+from ..prediction.predict import device_facts, phase_allocated, prediction, published_formulas
 from ..schema import CATEGORIES, PHASES, REPORT_SCHEMA_VERSION
 from ..reading.timeline import replay
 
@@ -49,6 +49,30 @@ def measure(run_dir):
     return {"meta": meta, "phases": phases}
 
 
+def prediction_of(meta, dev=None):
+    """The run's prediction: the one its audit stored in meta.json (train.py --audit stores it after
+    the audited steps: no torch is needed to report the run again), else prediction() made now
+    (imports torch)."""
+    if meta.get("prediction"):
+        return meta["prediction"]
+    return prediction(meta["config"], dev or device_from_meta(meta))
+
+
+def store_prediction(run_dir):
+    """Make a train.py audit's prediction and keep it in its meta.json (what `report` reads):
+    after the audited steps, so that what the prediction runs (the shadow's kernel probes, a
+    compiled plan) is not in the measured process. Raises ValueError (one line) where the step
+    cannot be predicted."""
+    import json
+    meta = load_meta(run_dir)
+    if meta is None or "n_layer" not in (meta.get("config") or {}):
+        return None  # another model: Audit(predicted=...) is its prediction
+    meta["prediction"] = prediction(meta["config"], device_from_meta(meta))
+    with open(os.path.join(run_dir, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta["prediction"]
+
+
 def mismatched(rows, phase=None, categories=None, skip=("gaps",)):
     """The rows where prediction and measurement differ: a byte off, or a line present on one
     side only (its diff is None). The one test of "exact" that tests, sweep and report share."""
@@ -67,7 +91,7 @@ def _row(phase, key, category, predicted, actual, dtype="", formula="", note="")
 
 
 def join(pred, phase, actual_lines, actual_categories):
-    """Rows (per line, plus gaps) and category rows of one phase; and the modelled unsplit bytes."""
+    """Rows (per line, plus gaps) and category rows of one phase; and its predicted memory_allocated()."""
     predicted_lines, ledger_lines, rows = {}, {}, []
     for l in pred["ledger"]:
         if phase in l["phases"]:
@@ -77,18 +101,18 @@ def join(pred, phase, actual_lines, actual_categories):
         l = ledger_lines.get(key, {})
         rows.append(_row(phase, key, key.split("/", 1)[0], predicted_lines.get(key), actual_lines.get(key),
                          l.get("dtype", ""), l.get("formula", ""), l.get("note", "")))
-    unsplit = pred["totals"]["unsplit_block_bytes"]["before_backward" if phase == "step2_before_backward" else "steady"]
-    pred_gaps = sum(l["allocated"] - l["bytes"] for l in pred["ledger"] if phase in l["phases"]) + unsplit
+    allocated = phase_allocated(pred)[phase]
+    pred_gaps = allocated - sum(predicted_lines.values())  # the books balance by construction
     rows.append(_row(phase, "gaps", "gaps", pred_gaps, actual_categories.get("gaps", 0),
-                     formula="512 B rounding per block + unsplit blocks (allocator model)",
-                     note="history-dependent: the allocator model leaves out the backward's short-lived temporaries"))
+                     formula="memory_allocated() predicted at the phase minus the lines' bytes: 512 B rounding "
+                             "per block and unsplit blocks (" + pred["totals"].get("from", "ledger") + ")"))
     cats = []
     for c in CATEGORIES:
         p = pred_gaps if c == "gaps" else sum(v for k, v in predicted_lines.items() if k.split("/", 1)[0] == c)
         a = actual_categories.get(c, 0)
         if p or a:
             cats.append(_row(phase, c, c, p, a))
-    return rows, cats, unsplit
+    return rows, cats, allocated
 
 
 def _totals_rows(pred, actual):
@@ -120,20 +144,20 @@ def refresh_predictions(rec):
     """
     dev = device_from_meta({"device": rec["device"], "torch_version": rec["torch_version"],
                             "env": rec.get("env")})
-    pred = predict_run(rec["config"], dev)
+    pred = prediction(rec["config"], dev, plan=(rec.get("compiled") or {}).get("plan"))
     rows = []
     for phase, ph in rec["phases"].items():
         actual_lines = {r["key"]: r["actual"] for r in rec["rows"]
                         if r["phase"] == phase and r["actual"] is not None and r["key"] != "gaps"}
         actual_categories = {r["key"]: r["actual"] for r in ph["categories"]}
-        phase_rows, cats, unsplit = join(pred, phase, actual_lines, actual_categories)
+        phase_rows, cats, allocated = join(pred, phase, actual_lines, actual_categories)
         rows += phase_rows
         ph["categories"] = cats
-        total = sum(l["allocated"] for l in pred["ledger"] if phase in l["phases"]) + unsplit
-        ph["allocated"] = _row(phase, "memory_allocated", "total", total, ph["allocated"]["actual"])
+        ph["allocated"] = _row(phase, "memory_allocated", "total", allocated, ph["allocated"]["actual"])
     rec["rows"] = rows
     rec["totals"] = _totals_rows(pred, {k: v["actual"] for k, v in rec["totals"].items()})
     rec["predicted_device"] = dev
+    rec["predicted_from"] = pred["totals"].get("from", "ledger")
     return rec
 
 
@@ -142,16 +166,14 @@ def reconcile(run_dir):
     m = measure(run_dir)
     meta = m["meta"]
     dev = device_from_meta(meta)
-    pred = predict_run(meta["config"], dev)
+    pred = prediction_of(meta, dev)
     rows, by_phase = [], {}
     for phase, info in m["phases"].items():
         attr = info["attribution"]
-        phase_rows, cats, unsplit = join(pred, phase, attr["lines"], attr["categories"])
+        phase_rows, cats, allocated = join(pred, phase, attr["lines"], attr["categories"])
         rows += phase_rows
         alloc_actual = info["memory_allocated"] if info["memory_allocated"] is not None else attr["allocated_bytes"]
-        by_phase[phase] = {"categories": cats, "allocated": _row(phase, "memory_allocated", "total",
-                                                                  sum(l["allocated"] for l in pred["ledger"] if phase in l["phases"]) + unsplit,
-                                                                  alloc_actual),
+        by_phase[phase] = {"categories": cats, "allocated": _row(phase, "memory_allocated", "total", allocated, alloc_actual),
                            "reserved_bytes": attr["reserved_bytes"], "unattributed_bytes": attr["unattributed_bytes"],
                            "unattributed": attr["unattributed"], "balanced": attr["balanced"],
                            "rules": attr["rules"]}
@@ -177,6 +199,7 @@ def reconcile(run_dir):
         "run": os.path.basename(os.path.normpath(run_dir)),
         "config": meta["config"], "device": meta["device"], "torch_version": meta["torch_version"],
         "predicted_device": dev,
+        "predicted_from": t.get("from", "ledger"),
         "totals": totals,
         "params": t["params"],
         "unattributed_bytes": max((p["unattributed_bytes"] for p in by_phase.values()), default=0),
@@ -238,9 +261,8 @@ def against_shadow(run_dir, rec):
     allocations and frees, their peaks (on CUDA as the allocator's model counts them) and the
     first event where they part. Runs the shadow (imports torch); {"error": one line} where it
     cannot run."""
-    from ..prediction.predict import resolved
+    from ..prediction.predict import resolved, uncovered
     from ..prediction.shadow import ShadowError, replayed
-    from ..prediction.stepped import uncovered
     cfg = resolved(rec["config"])
     dev = device_from_meta({"device": rec["device"], "torch_version": rec.get("torch_version", ""),
                             "env": rec.get("env")})

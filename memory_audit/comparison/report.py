@@ -27,6 +27,7 @@ def markdown(rec, top=25):
              f"{c['activation']}; {rec['params']:,} parameters; {dev.get('name')} "
              f"(capability {dev.get('capability')}), torch {rec['torch_version']}.", "",
              "## Totals", "", totals_table(rec), "",
+             f"Predicted totals from: {rec.get('predicted_from', 'ledger')}; the lines from the byte formula.", "",
              f"Unattributed: {rec['unattributed_bytes']:,} B. Books balance: {rec['checks']['books_balance']}. "
              f"Replayed peak: {rec['checks']['replayed_peak_bytes']:,} B"
              + ("" if rec["checks"]["replayed_peak_equals_max_memory_allocated"] is None else

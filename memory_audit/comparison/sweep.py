@@ -315,10 +315,10 @@ def row_config(row):
 
 
 def row_prediction(row):
-    """predict_run() of the config a results row ran (its preset expanded), on its device."""
-    from ..prediction.predict import predict_run
+    """prediction() of the config a results row ran (its preset expanded), on its device."""
+    from ..prediction.predict import prediction
     cfg, device = row_config(row)
-    return predict_run(cfg, device, plan=row.get("inductor_plan"))
+    return prediction(cfg, device, plan=row.get("inductor_plan"))
 
 
 def repredict(row):

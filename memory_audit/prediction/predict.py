@@ -43,7 +43,7 @@ def activation_lines(s, cfg):
 
 
 def predict(config=None, device=None, gaps_bytes=None, ledger_model=True):
-    """The predicted ledger for one audited training step.
+    """The byte formula's ledger for one audited training step (prediction() is what commands read).
 
     Args:
         config: train.py keys (missing ones take DEFAULTS: the reference run).
@@ -52,8 +52,8 @@ def predict(config=None, device=None, gaps_bytes=None, ledger_model=True):
             model's (gap_sim.py); they depend on allocation history.
         ledger_model: False skips the ledger's own model of the timeline, gap_sim's allocator
             model and the peak's candidate moments (backward.py): the ledger then has no
-            "peak" lines and its peak is the moment before backward (a caller that replaces
-            the allocated, reserved and peak totals with the shadow run's: fit, plan).
+            "peak" lines and its peak is the moment before backward (prediction() replaces
+            the allocated, reserved and peak totals with the trace's).
     Returns:
         {"config", "device", "ledger": [line...], "totals": {...}, "backward": {...}} with
         integer bytes.
@@ -78,23 +78,80 @@ def predict(config=None, device=None, gaps_bytes=None, ledger_model=True):
     return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward}
 
 
-def predict_run(config=None, device=None, gaps_bytes=None, plan=None, shadow=False, ledger_model=True):
-    """predict() for any train.py config. A compiled run (compile=True) is predicted from
-    inductor's own partition and memory plan (compiled_predict.py: needs torch and model.py;
-    `plan`: one made before for this config, e.g. stored with a sweep's row). shadow=True: the
-    peak, the end and memory_reserved() from the shadow run's trace where it covers the config
-    (stepped.py: needs torch and model.py); totals["from"] says which. ledger_model=False skips
-    the ledger's own allocator model and its candidate moments where the shadow's replay replaces
-    them (fit, plan)."""
+def prediction(config=None, device=None, plan=None):
+    """The prediction of one training step: what every command and file reads (train.py --audit's
+    report, report, predict, fit, plan, sweep, accuracy, the notebook).
+
+    The lines are the byte formula's (predict(): each with its formula). The totals (the phases'
+    memory_allocated(), the peak, memory_reserved()) are the step's trace replayed as the device
+    counts it: the shadow run's (eager), inductor's plan (compile=True: compiled_predict, `plan`
+    one made before for this config). Where no trace covers the config (uncovered()) the ledger's
+    own allocator model and candidate moments give them. totals["from"] says which, always.
+    Needs torch and model.py for the shadow run and the compiled plan.
+    """
+    return traced(config, device, plan)[0]
+
+
+def traced(config=None, device=None, plan=None, names=False):
+    """(prediction(), the shadow run's replay or None where the totals are not the shadow's).
+    names: the shadow names what it made as an audit does (a written trace; a CUDA step is then
+    run whole)."""
+    dev = device or device_facts()
     if (config or {}).get("compile"):
         from .compiled_predict import predict_compiled
-        return predict_compiled(config, device, plan=plan)
-    if not shadow:
-        return predict(config, device, gaps_bytes)
-    from .stepped import uncovered, with_shadow
-    covered = uncovered(dict(DEFAULTS, **(config or {})), device or device_facts(), gaps_bytes) is None
-    pred = predict(config, device, gaps_bytes, ledger_model=ledger_model or not covered)
-    return with_shadow(pred, gaps_bytes, ledger=ledger_model)[0]
+        pred = predict_compiled(config, dev, plan=plan)
+        pred["totals"]["from"] = "inductor's plan (compile=True)"
+        return pred, None
+    cfg = resolved(config or {})
+    reason = uncovered(cfg, dev)
+    pred = predict(cfg, dev, ledger_model=reason is not None)
+    if reason is not None:
+        pred["totals"]["from"] = f"ledger ({reason})"
+        return pred, None
+    from . import shadow
+    r = shadow.replayed(cfg, dev, names=names)
+    _from_trace(pred, r)
+    return pred, r
+
+
+def uncovered(cfg, dev):
+    """Why no trace of the step gives this eager config's totals, or None when the shadow's does."""
+    from .shadow_dist import COVERED
+    parallel = cfg.get("parallel", "none")
+    if parallel != "none" and parallel not in COVERED:
+        return f"parallel={parallel}: not in the shadow run"
+    if parallel != "none" and dev["type"] == "cuda":
+        return f"parallel={parallel} on a GPU: the shadow's collectives are gloo's (CPU audits); no NCCL trace is committed"
+    low = cfg["dtype"] in ("float16", "bfloat16")
+    if dev["type"] == "cuda" and cfg["attention"] == "sdpa" and low and dev.get("sdpa_backend") != "cudnn":
+        return f"SDPA takes {dev.get('sdpa_backend')} attention on this GPU: no committed trace has measured it"
+    return None
+
+
+def _from_trace(pred, r):
+    """pred's totals from the shadow's replay r (in place); the ledger's lines are unchanged."""
+    t, cpu = pred["totals"], r["reserved"] is None  # CPU: no cache, reserved is what is allocated
+    result = r["result"]
+    t.update({"steady_state_allocated": r["steady_state"], "steady_state_gaps": r["steady_state"] - t["steady_state_bytes"],
+              "before_backward_allocated": r["before_backward"], "peak_allocated_bytes": r["peak"],
+              "end_allocated": r["end"], "reserved_steady_bytes": r["steady_state"] if cpu else r["reserved_steady"],
+              "reserved_peak_bytes": r["peak"] if cpu else r["reserved"],
+              "from": "shadow run" + (" (blocks repeated)" if result.get("repeated") else "")
+              + (f" (kernels not asked for their own buffers: {', '.join(result['unprobed'])})"
+                 if result.get("unprobed") else "")})
+    if pred["device"]["type"] == "cuda":  # the CUDA rules it applied outside the shapes a trace measured
+        t["unmeasured_on_gpu"] = result.get("unmeasured", [])
+    i = r["peak_event"]
+    pred["backward"] = dict(pred["backward"], peak_at="the step's start (no event adds to it)" if i < 0 else
+                            f"event {i} of step 2 (shadow run): {result['events'][i][1]}")
+
+
+def phase_allocated(pred):
+    """{phase: memory_allocated() predicted at each snapshot}: the totals' (the trace's where it
+    covers the config)."""
+    t = pred["totals"]
+    return {"step2_start": t["steady_state_allocated"], "step2_before_backward": t["before_backward_allocated"],
+            "step2_end": t["end_allocated"]}
 
 
 # -- other published formulas, for the report's comparison columns ---------------------------

@@ -22,7 +22,7 @@ on that many threads too.
 import contextlib
 import os
 
-COVERED = ("ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")  # what predict takes from the shadow (stepped.uncovered)
+COVERED = ("ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")  # what predict takes from the shadow (predict.uncovered)
 
 
 @contextlib.contextmanager
