@@ -190,26 +190,29 @@ def cmd_predict(args, extra):
 
 
 def _write_trace(replay, dev, path):
-    """Write the shadow run's predicted process (predict.traced's replay) as a snapshot to
-    `path`."""
+    """Write the shadow run's predicted process (predict.traced's replay) as a snapshot to `path`."""
     if os.path.exists(path) and not path.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {path}: not a .pickle file")
+    with open(path, "wb") as f:
+        pickle.dump(predicted_snapshot(replay, dev), f, protocol=4)
+    return {"peak": replay["peak"], "start_bytes": replay["steady_state"], "reserved": replay["reserved"],
+            "events": len(replay["result"]["events"]), "phases": replay["result"]["phases"], "trace": path}
+
+
+def predicted_snapshot(replay, dev):
+    """The shadow run's step as a plain snapshot, categorized as `viz` categorizes an audit of it
+    (grads, recomputed, temporaries by the audit's names; the viewer's 'unknown' its loader needs),
+    so MemoryViz opens the file itself."""
     from .prediction import shadow
+    from .reading.loader import normalize
+    from .reading.timeline import categorize_trace
+    from .reading.trace import plain
     if dev["type"] == "cuda":
         from .prediction.shadow_allocator import snapshot
         snap = snapshot(replay["result"], dev.get("expandable_segments", False))
     else:
         snap = shadow.snapshot(replay["result"])
-    # categorized as `viz` categorizes it (the names the shadow gave, the viewer's 'unknown' its
-    # loader needs), so MemoryViz opens the file itself
-    from .reading.loader import normalize
-    from .reading.timeline import categorize_trace
-    from .reading.trace import plain
-    snap = plain(categorize_trace(normalize(snap), None, detail=False))
-    with open(path, "wb") as f:
-        pickle.dump(snap, f, protocol=4)
-    return {"peak": replay["peak"], "start_bytes": replay["steady_state"], "reserved": replay["reserved"],
-            "events": len(replay["result"]["events"]), "phases": replay["result"]["phases"], "trace": path}
+    return plain(categorize_trace(normalize(snap), None, detail=False))
 
 
 def _korthikanti_predicted(pred):

@@ -1,5 +1,5 @@
-"""Where a reserved-memory miss enters: the allocator model's memory_reserved() at the start of
-step 2, before backward and at the step's peak, beside the measured one at the same points, for
+"""Where a reserved-memory miss enters: the predicted memory_reserved() (the shadow run's trace
+through the caching allocator's model) at the start of step 2, before backward and at its end, beside the measured one at the same points, for
 every stored H100 row with a committed report.
 
 Segments are never released inside a step, so each phase's measured reserved is what its
@@ -18,8 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from backfill_reserved import report_table  # noqa: E402  (beside this script)
-from memory_audit.prediction.gap_sim import predicted_gaps  # noqa: E402
-from memory_audit.comparison.sweep import row_prediction  # noqa: E402
+from memory_audit.comparison.sweep import row_config  # noqa: E402
+from memory_audit.prediction.predict import resolved  # noqa: E402
+from memory_audit.prediction.shadow import replayed  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "snapshots", "results")
 UNIT = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
@@ -36,9 +37,9 @@ def measured(report_md):
 
 
 def modelled(row):
-    pred = row_prediction(row)
-    m = predicted_gaps(pred["ledger"], pred["config"])
-    return dict(zip(PHASES, (m["reserved_steady"], m["reserved_before_backward"], m["reserved_peak"])))
+    cfg, dev = row_config(row)
+    r = replayed(resolved(cfg), dev)
+    return dict(zip(PHASES, (r["reserved_steady"], r["reserved_before_backward"], r["reserved"])))
 
 
 def main():

@@ -95,7 +95,7 @@ def test_forward_history_is_the_h100_reference_forward():
 
 def test_reserved_phases_script_agrees_with_the_accuracy_rows():
     """Consistency, not accuracy: scripts/reserved_phases.py (where a reserved miss enters)
-    prints, for each of the 23 stored H100 rows with a report, the model's and the measured
+    prints, for each of the 23 stored H100 rows with a report, the predicted (the shadow run replayed) and the measured
     reserved per phase; its end-of-step columns are the accuracy table's reserved pair (two code
     paths over the same rows; the measured side to the reports' 3 decimals). How close the model
     is to the measurement is test_shadow_cuda's and docs/accuracy.md's."""

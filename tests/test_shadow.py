@@ -1,6 +1,7 @@
 """The shadow run (memory_audit/prediction/shadow.py): train.py's step on fake tensors, checked against CPU
 audits of configs nobody chose. The seed is new each run and printed; SHADOW_SEED=N replays it."""
 
+import collections
 import json
 import os
 import pickle
@@ -9,6 +10,9 @@ import random
 import pytest
 
 from conftest import run_cli, run_train
+from memory_audit.cli import predicted_snapshot
+from memory_audit.reading.loader import load_meta
+from memory_audit.reading.viz import categorized
 from memory_audit.prediction.predict import resolved
 from memory_audit.prediction.shadow_probe import plain_bf16
 from memory_audit.comparison.reconcile import first_divergence, mismatched, shadow_lines_off, step_events
@@ -51,6 +55,20 @@ def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
     assert result["peak"] == measured, (f"seed {SEED} config {i} {cfg}: shadow {result['peak']:,} B, measured "
                                         f"{measured:,} B; first divergence "
                                         f"{first_divergence(step_events(run), result['events'])}")
+    # train.py --audit's own report reads the one prediction: the shadow's peak
+    assert report["predicted_from"].startswith("shadow run") and report["totals"]["peak"]["predicted"] == measured
+    assert _step_categories(predicted_snapshot({"result": result}, {"type": "cpu"}), None) == \
+        _step_categories(categorized(os.path.join(run, "step2_end.pickle"), load_meta(run)), load_meta(run)), \
+        f"seed {SEED} config {i} {cfg}: predict --trace's categories are not the audit's"
+
+
+def _step_categories(snap, meta):
+    """{(category, bytes): allocations} of step 2 in a categorized snapshot: an audit's from the
+    step's first trace entry, predict --trace's after its time-0 entries (what the step starts with)."""
+    trace = snap["device_traces"][0]
+    start = meta["phases"]["step2_start"]["trace_entries"] if meta else 0
+    return collections.Counter((e["category"], e["size"]) for e in trace[start:]
+                               if e["action"] == "alloc" and (meta or e["time_us"] > 0))
 
 
 # the config that first showed CPU flash attention's bf16 backward packing per block through

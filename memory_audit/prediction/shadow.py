@@ -222,6 +222,8 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
                 X, Y = get_batch()
                 tracker.phase = "backward"
                 scaler.scale(loss).backward()
+                if tracker.naming:  # a written trace names the gradients as an audit does
+                    name_grads(tracker, model)
                 del logits
             tracker.phase, tracker.micro = "optimizer", None
             if cfg["grad_clip"] != 0.0:
@@ -247,7 +249,15 @@ def _naming(tracker, model, device_type):
     from ..recording.recorder import local_tensor, named_tensors, saved_tensor_ledger
     records = []
     device = "meta" if device_type == "cuda" else "cpu"  # a CUDA step's wrapped scalars are host memory
-    with saved_tensor_ledger(model, records, device, ident=address) as label:
+    @contextlib.contextmanager
+    def recomputing(context, module):  # what the audit labels recompute:<module>
+        tracker.recomputing = module
+        try:
+            with context:
+                yield
+        finally:
+            tracker.recomputing = None
+    with saved_tensor_ledger(model, records, device, ident=address, recomputing=recomputing) as label:
         def name(loss, held, loop):
             label(loss, held=held)
             names = [(address(local_tensor(t).untyped_storage()), n) for n, t in named_tensors(*loop)]
@@ -265,6 +275,18 @@ def live_names(tracker, names, records, last=()):
         if sid in ids:
             out.setdefault(ids[sid], n)
     return out
+
+
+def name_grads(tracker, model):
+    """After a backward, each parameter's gradient names its allocation from its making on, as
+    the audit names it (a gradient zero_grad lets go has no name at the step's end; a sharded
+    one by its local shard)."""
+    from ..recording.recorder import local_tensor
+    for name, p in model.named_parameters():
+        grad = None if p.grad is None else local_tensor(p.grad)
+        entry = None if grad is None else tracker.live.get(address(grad.untyped_storage()))
+        if entry is not None:
+            tracker.allocs[entry[0]][0] = f"grads/{name}"
 
 
 def address(storage):
@@ -377,13 +399,33 @@ def snapshot(result):
         return [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
     for aid, key, nbytes in result["pre"]:
         events.append((0, "alloc", place(aid, nbytes), nbytes, frames(key), key.split("/", 1)[0], ""))
-    saved = result.get("saved") or {}
+    names = audit_names(result)
     for action, key, nbytes, aid in result["events"]:
         t += 1000
         where = place(aid, nbytes) if action == "alloc" else addr[aid]
-        key = saved.get(aid, key)
+        key = names.get(aid, key)
         events.append((t, action, where, nbytes, frames(key), key.split("/", 1)[0], ""))
     return snapshot_at(events, t)
+
+
+def audit_names(result):
+    """{allocation id: name} where the audit of the step names an allocation otherwise than the
+    shadow's key: what the audited forward made by its saved-tensor names (names=True), and what a
+    forward or a batch made and let go within the step, not live at its before-backward snapshot
+    (a checkpointed block's outputs, an earlier micro-step's activations and batch, the batch's
+    index tensor), as the temporary the audit calls it."""
+    names = dict(result.get("saved") or {})
+    cut = result["phases"].get("step2_before_backward")
+    made = {}  # forward allocations without a name: {id: (position, key)}
+    for i, (action, key, _, aid) in enumerate(result["events"]):
+        if action == "alloc" and key.startswith(("activations/", "inputs/")) and aid not in names:
+            made[aid] = (i, key)
+        elif action == "free" and aid in made:
+            at, key = made.pop(aid)
+            if cut is None or not at < cut <= i:  # not live at the snapshot
+                phase, rest = key.split("/", 1)
+                names[aid] = f"temporary/{'forward' if phase == 'activations' else phase}/{rest}"
+    return names
 
 
 _LAST = {}  # the last CUDA steps shadow-run by replayed, {key: result}: the same config replayed

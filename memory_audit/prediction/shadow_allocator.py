@@ -56,10 +56,14 @@ def _placed_py(events, expandable):
 
 
 def play(result, expandable=False):
-    """Yields (position, action, key, bytes asked, block bytes, address, new segment or None)
-    for every event of the shadow's history and step; a new segment is (start, bytes)."""
+    """Yields (position, action, name, bytes asked, block bytes, address, new segment or None)
+    for every event of the shadow's history and step, named as an audit names it in the step
+    (shadow.audit_names); a new segment is (start, bytes)."""
+    from .shadow import audit_names
     _, block, addr, seg, grown = placed(result, expandable)
-    for i, (action, key, nbytes, _) in enumerate(result["history"] + result["events"]):
+    names = audit_names(result)
+    for i, (action, key, nbytes, aid) in enumerate(result["history"] + result["events"]):
+        key = names.get(aid, key) if i >= len(result["history"]) else key
         yield i, action, key, nbytes, block[i], addr[i], (seg[i], grown[i]) if grown[i] else None
 
 
@@ -67,7 +71,7 @@ def replay(result, expandable=False):
     """Plain numbers of step 2: {"steady_state", "before_backward", "end", "peak" (allocated
     bytes as memory_allocated() counts them), "peak_event" (the index of the step's event after
     which it is reached; -1: the start), "reserved" (the segments made by the end),
-    "reserved_steady" (those made by the step's start)}."""
+    "reserved_steady" (those made by the step's start), "reserved_before_backward"}."""
     is_alloc, block, _, _, grown = placed(result, expandable)
     # memory_allocated() and memory_reserved() before each event, then after the last
     levels = list(accumulate((b if a else -b for a, b in zip(is_alloc, block)), initial=0))
@@ -77,7 +81,8 @@ def replay(result, expandable=False):
     peak = max(levels[start:])
     return {"steady_state": at["step2_start"], "before_backward": at.get("step2_before_backward"),
             "end": at["step2_end"], "peak": peak, "peak_event": levels.index(peak, start) - start - 1,
-            "reserved": reserved[-1], "reserved_steady": reserved[start]}
+            "reserved": reserved[-1], "reserved_steady": reserved[start],
+            "reserved_before_backward": reserved[start + result["phases"].get("step2_before_backward", 0)]}
 
 
 def snapshot(result, expandable=False):

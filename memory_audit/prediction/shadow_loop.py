@@ -12,7 +12,8 @@ backward, as `Audit.before_backward` reads it. `loop_summary` is what an Audit k
 
 import contextlib
 
-from .shadow import address, begin_step, end_step, held_names, lines, live_names, one_line, step_levels, step_result
+from .shadow import (address, begin_step, end_step, held_names, lines, live_names, name_grads, one_line, step_levels,
+                     step_result)
 from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
 
 
@@ -57,7 +58,7 @@ def _run_loop(make, step, inputs, audited, tracker):
             return original(self, *args, **kwargs)
         finally:
             tracker.phase = "optimizer"
-            _name_grads(tracker, made["model"])
+            name_grads(tracker, made["model"])
 
     def named(last):
         return held_names(made["model"], made["optimizer"], _merged(found.tensors(given), last))
@@ -126,15 +127,6 @@ class _LoopLedger:
 
     def close(self):
         self.stack.close()
-
-
-def _name_grads(tracker, model):
-    """After a backward, each parameter's gradient names its allocation from its making on, as
-    the audit names it (a gradient zero_grad lets go has no name at the step's end)."""
-    for name, p in model.named_parameters():
-        entry = None if p.grad is None else tracker.live.get(p.grad.untyped_storage()._cdata)
-        if entry is not None:
-            tracker.allocs[entry[0]][0] = f"grads/{name}"
 
 
 def peak_categories(result):

@@ -99,6 +99,7 @@ class Tracker:
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
         self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow._naming)
         self.naming = False  # name what the audited forward makes as an audit does (shadow.run(names=True))
+        self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
 
     @property
@@ -109,6 +110,8 @@ class Tracker:
 
     def key(self, name):
         where = f"{self.label}/{name}" if self.label else name
+        if self.recomputing:  # the audited forward's checkpointed region run again in backward
+            return f"recomputed/{self.recomputing}/{where}"
         return {"forward": "activations/", "backward": "temporary/backward/",
                 "optimizer": "temporary/optimizer/", "inputs": "inputs/"}.get(self.phase, "") + where
 

@@ -313,8 +313,8 @@ def _checkpoint_regions(windows):
 @contextmanager
 def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: None, label=True):
     """For the audited forward, wrap every checkpointing module's `ac_context_fn` (model.py's
-    convention) so its region is noted and its recomputation labelled (not with label=False:
-    the shadow run, where a profiler range would be one more op), let SAC blocks report the
+    convention) so its region is noted and its recomputation labelled (label=True: a label the
+    trace keeps; a callable: label(recompute context, module) wraps it; falsy: none), let SAC blocks report the
     outputs they keep through `keep(op, output)`, and give each region's saved RNG state to
     `rng_state`. Restores the modules on exit; contexts already made keep labelling the backward."""
     wrapped = []
@@ -328,7 +328,9 @@ def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: 
         def context_fn(fn=fn, name=name, late=late):
             fwd, rec = fn()
             region = _Region(fwd, windows, keep if late else None)
-            return region, _RecomputeLabel(rec, short(name), cuda) if label else rec
+            if not label:
+                return region, rec
+            return region, _RecomputeLabel(rec, short(name), cuda) if label is True else label(rec, short(name))
         wrapped.append((m, fn, getattr(m, "sac_observer", None)))
         m.ac_context_fn = context_fn
         if hasattr(m, "sac_observer"):
@@ -382,7 +384,7 @@ def storage_ptr(storage):
 
 
 @contextmanager
-def saved_tensor_ledger(model, out, device, ident=None):
+def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
     """Record every tensor autograd saves for backward in this forward, deduplicated by storage.
 
     Fills `out` with SavedTensor dicts once `label(loss)` has walked the graph. The hooks return
@@ -394,7 +396,8 @@ def saved_tensor_ledger(model, out, device, ident=None):
     the shadow run's tensors without memory. There every saved tensor is read raw, as the hooks
     packed it (unpacking dispatches a detach per tensor that needs a gradient, and a shadow run
     must see no op the step does not run: FSDP2's LayerNorm weights were not all-gathered again
-    in backward after it), and recomputations are left unlabelled (a profiler range is an op too).
+    in backward after it), and recomputations are labelled by `recomputing(context, module)`
+    instead (a context around the recompute context; a profiler range would be an op too).
     """
     stack = []
     saved = _SavedStorages(stack, ident)
@@ -445,7 +448,8 @@ def saved_tensor_ledger(model, out, device, ident=None):
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 checkpoint_observers(model, windows, keep, device.startswith("cuda"), short,
-                                     lambda t: record(t, "checkpoint.rng_state"), label=ident is None):
+                                     lambda t: record(t, "checkpoint.rng_state"),
+                                     label=True if ident is None else recomputing):
             yield label
     finally:
         for h in handles:
