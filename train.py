@@ -40,6 +40,7 @@ import torch
 
 from configurator import apply_overrides, ConfigError
 from model import GPT, GPTConfig, PRESETS
+from train_step import Watch, optimizer_step
 
 # -----------------------------------------------------------------------------
 # default config values: GPT-2 small (124M) at the reference batch of the memory article
@@ -309,6 +310,22 @@ _crash = tuple(int(v) - (i == 1) for i, v in enumerate(os.environ["MEMORY_AUDIT_
     if os.environ.get("MEMORY_AUDIT_CRASH") else None  # (rank, 0-based step)
 
 
+class _LoopWatch(Watch):
+    """What train.py sees of its step: the audit's before-backward snapshot (activations live:
+    what autograd saved, plus the logits the loop holds) and MEMORY_AUDIT_CRASH's rehearsal."""
+
+    def __init__(self, iter_num):
+        self.iter_num = iter_num
+
+    def forward_done(self, micro):
+        if _crash == (rank, self.iter_num):  # MEMORY_AUDIT_CRASH=rank:step rehearses a failing rank
+            raise RuntimeError(f"MEMORY_AUDIT_CRASH: rank {rank} fails at step {self.iter_num + 1}")
+
+    def before_backward(self, micro, loss, logits):
+        if audit_obj is not None:
+            audit_obj.before_backward(loss, held={"lm_head": logits} if keep_logits else None)
+
+
 def train():
     # model and optimizer ----------------------------------------------------------
     model = GPT(GPTConfig(**model_args))
@@ -338,8 +355,10 @@ def train():
     # training loop ----------------------------------------------------------------
     losses = []
     last_iter = max_iters if (not audit or audit_continue) else min(max_iters, audit_step + 1)
-    X, Y = get_batch("train")  # first batch
-    loss = None
+    state = {"loss": None}  # the loop's live tensors; the step (train_step.py) replaces them in place
+    state["X"], state["Y"] = get_batch("train")  # first batch
+    step_cfg = dict(gradient_accumulation_steps=gradient_accumulation_steps, parallel=parallel,
+                    keep_logits=keep_logits, grad_clip=grad_clip, set_to_none=set_to_none)
     for iter_num in range(last_iter):
         step = iter_num + 1
         t0 = time.time()
@@ -347,32 +366,12 @@ def train():
         for group in optimizer.param_groups:
             group["lr"] = lr
         # the audited step: weights, grads if kept, Adam state, workspaces, the batch, by name
-        with (audit_obj.step(iter_num, tensors=lambda: {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss})
+        with (audit_obj.step(iter_num, tensors=lambda: {"inputs/x": state["X"], "inputs/y": state["Y"],
+                                                        "temporary/loss": state["loss"]})
               if audit_obj is not None else nullcontext()):
-            for micro_step in range(gradient_accumulation_steps):
-                # DDP, FSDP2: average the gradients once, after the last micro-step's backward
-                last = micro_step == gradient_accumulation_steps - 1
-                if parallel.startswith("fsdp"):
-                    model.set_requires_gradient_sync(last)
-                with (train_model.no_sync() if parallel == "ddp" and not last else nullcontext()), ctx:
-                    logits, loss = train_model(X, Y)
-                    if _crash == (rank, iter_num):  # MEMORY_AUDIT_CRASH=rank:step rehearses a failing rank
-                        raise RuntimeError(f"MEMORY_AUDIT_CRASH: rank {rank} fails at step {iter_num + 1}")
-                    loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation
-                if not keep_logits:
-                    logits = None  # nothing else refers to them: their memory is free before backward
-                if audit_obj is not None:  # activations live: what autograd saved, plus the logits we hold
-                    audit_obj.before_backward(loss, held={"lm_head": logits} if keep_logits else None)
-                X, Y = get_batch("train")  # prefetch the next batch while the GPU works
-                scaler.scale(loss).backward()
-                del logits  # nanoGPT would hold the last logits (2*B*T*V bytes) into the next forward
-            if grad_clip != 0.0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=set_to_none)
-        lossf = loss.item() * gradient_accumulation_steps
+            optimizer_step(state, step_cfg, model, train_model, optimizer, scaler, lambda: get_batch("train"), ctx,
+                           _LoopWatch(iter_num))
+        lossf = state["loss"].item() * gradient_accumulation_steps  # no second reference: it lives as the loop's
         losses.append(lossf)
         dt = time.time() - t0
         if iter_num % log_interval == 0 and master:

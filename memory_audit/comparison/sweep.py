@@ -321,14 +321,15 @@ def row_prediction(row):
     return prediction(cfg, device, plan=row.get("inductor_plan"))
 
 
-def repredict(row):
-    """The row's totals with `predicted` recomputed by the current predictor.
+def repredict(row, pred=None):
+    """The row's totals with `predicted` recomputed by the current predictor (pred: its
+    row_prediction() made before).
 
     Measurements are data; predictions come from the config alone, so a results file stays
     comparable after the predictor improves.
     """
     name = row.get("device") or "cpu"
-    t = row_prediction(row)["totals"]
+    t = (pred or row_prediction(row))["totals"]
     out = {"reserved": _pair(t["reserved_peak_bytes"] if name != "cpu" else None, row.get("reserved_actual"))}
     for key, pkey in (("steady_state", "steady_state_allocated"), ("activations", "activations_bytes"),
                       ("peak", "peak_allocated_bytes")):
@@ -375,21 +376,11 @@ def variant_label(cfg):
                      if k not in ("preset", "batch_size", "dtype", "attention", "device")) or "-"
 
 
-# results the gap model (gap_sim.py) was written against: its accuracy on them is in-sample
-GAP_MODEL_IN_SAMPLE = ("h100.jsonl", "h100-variants.jsonl", "h100-dropout.jsonl")
-
-
-def gap_model_sample(path, row):
-    """'in-sample', 'out-of-sample' (recorded after the gap model), or 'n/a' (CPU: no gaps)."""
-    if (row.get("device") or "cpu") == "cpu":
-        return "n/a"
-    return "in-sample" if os.path.basename(path) in GAP_MODEL_IN_SAMPLE else "out-of-sample"
-
-
 def accuracy_rows(path):
     """The rows of a results .jsonl with their totals re-predicted by the current predictor, as
     plain dicts: config, status, run, device, the four totals (steady_state, activations, peak,
-    reserved: predicted / actual / diff / diff_pct) and reserved_predicted / reserved_actual."""
+    reserved: predicted / actual / diff / diff_pct), reserved_predicted / reserved_actual and
+    "from": where the prediction's totals come from (prediction()'s totals["from"])."""
     rows = [json.loads(l) for l in open(path) if l.strip()]
     out = []
     for r in rows:
@@ -397,10 +388,11 @@ def accuracy_rows(path):
                "dtype": r["config"].get("dtype", (r.get("resolved_config") or {}).get("dtype")),
                "device": r.get("device"), "unattributed_bytes": r.get("unattributed_bytes")}
         if r.get("status") == "ok":
-            row["totals"] = repredict(r)
+            pred = row_prediction(r)
+            row["totals"] = repredict(r, pred)
             row["reserved_predicted"] = row["totals"]["reserved"]["predicted"]
             row["reserved_actual"] = row["totals"]["reserved"]["actual"]
-            row["gap_model"] = gap_model_sample(path, r)
+            row["from"] = pred["totals"]["from"]
         out.append(row)
     return out
 
@@ -431,5 +423,5 @@ def accuracy_table(path):
                    f"{fmt_bytes(t['peak']['predicted'])} / {fmt_bytes(t['peak']['actual'])} | "
                    f"{t['steady_state']['diff_pct']:+.3f}% | {t['peak']['diff_pct']:+.3f}% | "
                    f"{fmt_bytes(rv['predicted'])} / {fmt_bytes(rv['actual'])} | {_pct(rv['diff_pct'])} | "
-                   f"{r['unattributed_bytes']:,} B | {r['gap_model']} |")
+                   f"{r['unattributed_bytes']:,} B | {r['from'].split(' (', 1)[0]} |")
     return "\n".join(out)

@@ -55,9 +55,9 @@ def held_names(model, optimizer, held):
     return out
 
 
-def _held(X, Y, loss, scaler):
+def _held(state, scaler):
     """What the loop itself holds between steps, by the names an audit gives it."""
-    return {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss,
+    return {"inputs/x": state["X"], "inputs/y": state["Y"], "temporary/loss": state["loss"],
             "optimizer/grad_scaler/scale": getattr(scaler, "_scale", None),
             "optimizer/grad_scaler/growth_tracker": getattr(scaler, "_growth_tracker", None)}
 
@@ -171,8 +171,8 @@ def one_line(tracker, fn, *args):
 
 
 def _run(cfg, device_type, fake, tracker, sdpa_backend):
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from train_step import optimizer_step  # beside model.py: the step train.py runs
     cuda = shadow_cuda.kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
     if not fake:
         base = contextlib.nullcontext()
@@ -187,55 +187,75 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
         handles = module_labels(model, tracker)
         if tracker.tagging:  # each event's block, for shadow_repeat
             handles += block_tags(model, tracker)
-        accum = cfg["gradient_accumulation_steps"]
         if device_type == "cuda":  # the whole history, for the allocator's model: from model.to(device) on
             tracker.recording = True
             shadow_cuda.to_device(model, tracker)
         tracker.phase = "inputs"
-        X, Y = get_batch()
-        loss = None
+        state = {"loss": None}
+        state["X"], state["Y"] = get_batch()
         phases = {}
-        for it in range(2):
+        watch = _Watch(tracker, cfg, device_type, (model, optimizer, scaler), state, phases)
+        for it in range(2):  # train.py's optimizer step itself (train_step.py), twice
             if it == 1:
-                pre = begin_step(tracker, held_names(model, optimizer, _held(X, Y, loss, scaler)), phases)
-            for micro in range(accum):
-                tracker.micro = micro
-                if cfg.get("parallel", "none").startswith("fsdp"):  # gradients reduced after the last only
-                    model.set_requires_gradient_sync(micro == accum - 1)
-                tracker.phase = "forward"
-                sync = train_model.no_sync() if train_model is not model and micro < accum - 1 else contextlib.nullcontext()
-                audited = it == 1 and micro == accum - 1
-                naming = audited and tracker.naming
-                with _naming(tracker, model, device_type) if naming else contextlib.nullcontext() as name:
-                    with sync, autocast:
-                        logits, loss = train_model(X, Y)
-                        loss = loss / accum
-                    if not cfg["keep_logits"]:
-                        logits = None
-                    if audited:
-                        tracker.before_op()
-                        phases["step2_before_backward"] = len(tracker.events)
-                    if naming:
-                        name(loss, {"lm_head": logits} if cfg["keep_logits"] else None,
-                             (model, optimizer, scaler, {"inputs/x": X, "inputs/y": Y, "temporary/loss": loss}))
-                tracker.phase = "inputs"
-                X, Y = get_batch()
-                tracker.phase = "backward"
-                scaler.scale(loss).backward()
-                if tracker.naming:  # a written trace names the gradients as an audit does
-                    name_grads(tracker, model)
-                del logits
-            tracker.phase, tracker.micro = "optimizer", None
-            if cfg["grad_clip"] != 0.0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=cfg["set_to_none"])
-        end_step(tracker, held_names(model, optimizer, _held(X, Y, loss, scaler)))
+                pre = begin_step(tracker, held_names(model, optimizer, _held(state, scaler)), phases)
+            watch.audited_step = it == 1
+            optimizer_step(state, cfg, model, train_model, optimizer, scaler, get_batch, autocast, watch)
+        end_step(tracker, held_names(model, optimizer, _held(state, scaler)))
         for h in handles:
             h.remove()
     return step_result(tracker, pre, phases)
+
+
+class _Watch:
+    """The shadow's view of train.py's step (a train_step.Watch): which phase and micro-step each
+    allocation belongs to, the before-backward cut of the audited step, and the audit's names
+    for what its forward saves (names=True) and for the gradients."""
+
+    def __init__(self, tracker, cfg, device_type, loop, state, phases):
+        self.tracker, self.cfg, self.device_type, self.loop, self.state, self.phases = \
+            tracker, cfg, device_type, loop, state, phases
+        self.audited_step, self.audited, self.name = False, False, None
+
+    @contextlib.contextmanager
+    def forward(self, micro):
+        t = self.tracker
+        t.micro, t.phase = micro, "forward"
+        self.audited = self.audited_step and micro == self.cfg["gradient_accumulation_steps"] - 1
+        if not (self.audited_step and t.naming):  # the audit's ledger is on over every forward of its step
+            yield
+            return
+        with _naming(t, self.loop[0], self.device_type) as name:
+            self.name = name if self.audited else None  # the last micro-step's forward is the one named
+            yield
+        self.name = None
+
+    def forward_done(self, micro):
+        pass
+
+    def before_backward(self, micro, loss, logits):
+        if self.audited:
+            self.tracker.before_op()
+            self.phases["step2_before_backward"] = len(self.tracker.events)
+        if self.name is not None:
+            self.name(loss, {"lm_head": logits} if self.cfg["keep_logits"] else None,
+                      self.loop + ({"inputs/x": self.state["X"], "inputs/y": self.state["Y"], "temporary/loss": loss},))
+
+    @contextlib.contextmanager
+    def batch(self):
+        self.tracker.phase = "inputs"
+        yield
+
+    @contextlib.contextmanager
+    def backward(self, micro, model):
+        self.tracker.phase = "backward"
+        yield
+        if self.tracker.naming:  # a written trace names the gradients as an audit does
+            name_grads(self.tracker, model)
+
+    @contextlib.contextmanager
+    def optimizer(self):
+        self.tracker.phase, self.tracker.micro = "optimizer", None
+        yield
 
 
 @contextlib.contextmanager
@@ -249,20 +269,35 @@ def _naming(tracker, model, device_type):
     from ..recording.recorder import local_tensor, named_tensors, saved_tensor_ledger
     records = []
     device = "meta" if device_type == "cuda" else "cpu"  # a CUDA step's wrapped scalars are host memory
-    @contextlib.contextmanager
-    def recomputing(context, module):  # what the audit labels recompute:<module>
-        tracker.recomputing = module
-        try:
-            with context:
-                yield
-        finally:
-            tracker.recomputing = None
+    def recomputing(context, module):
+        return _Recomputing(tracker, context, module)
     with saved_tensor_ledger(model, records, device, ident=address, recomputing=recomputing) as label:
         def name(loss, held, loop):
             label(loss, held=held)
             names = [(address(local_tensor(t).untyped_storage()), n) for n, t in named_tensors(*loop)]
             tracker.saved_names = live_names(tracker, names, records)  # the held outputs among them, last
         yield name
+
+
+class _Recomputing:
+    """Around a checkpoint's recompute context (as recorder._RecomputeLabel is in an audit): what
+    the recomputation makes is keyed recomputed/<module>. A class with the audit's __enter__ and
+    __exit__, not a generator: with a @contextmanager generator in its place (the early stop
+    raises through it) the shadow let a SAC block's 262,144 B forward output go earlier than the
+    audit measured (cpu-long's bf16 SAC row); the cause inside contextlib is not pinned down."""
+
+    def __init__(self, tracker, inner, module):
+        self.tracker, self.inner, self.module = tracker, inner, module
+
+    def __enter__(self):
+        self.tracker.recomputing = self.module
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self.tracker.recomputing = None
 
 
 def live_names(tracker, names, records, last=()):
