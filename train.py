@@ -383,6 +383,21 @@ def train():
     return losses
 
 
+def _predict_in_child(run_dir):
+    """store_prediction(run_dir) in a child process without this rank's process group (torchrun's
+    rendezvous variables left out; its thread count kept: CPU kernels' buffers depend on it)."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                        "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from memory_audit.comparison.reconcile import store_prediction; store_prediction(sys.argv[2])")
+    p = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), run_dir], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    if p.returncode:
+        raise ValueError((p.stderr.strip().splitlines() or ["the prediction's process failed"])[-1])
+
+
 try:
     _losses = train()
 except KeyboardInterrupt:
@@ -413,7 +428,10 @@ if audit_obj is not None:
     from memory_audit.comparison.reconcile import store_prediction
     from memory_audit.comparison.report import summarize_run
     try:  # the step predicted now, after it ran: nothing the prediction runs is in the measured process
-        store_prediction(audit_obj.run_dir)
+        if parallel == "none":
+            store_prediction(audit_obj.run_dir)
+        else:  # a rank's shadow run fakes its own process group: it runs in a child process
+            _predict_in_child(audit_obj.run_dir)
         print(summarize_run(audit_obj.run_dir))
     except Exception as e:  # the audit's files are written; say why the report is missing
         print(f"warning: no report for {audit_obj.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -43,10 +43,14 @@ def _run_without_torch(*args):
 @pytest.mark.parametrize("command", ["attribute", "attribute --categorize", "report", "diff", "viz"])
 def test_reading_commands_never_import_torch(tmp_path, command):
     """attribute, report, diff and viz run to the end with torch unimportable, on a committed
-    CUDA audit (copied: report and --categorize write beside the snapshots)."""
+    CUDA audit (copied: report and --categorize write beside the snapshots). report reads the
+    prediction an audit stores in its meta.json (train.py --audit stores it; here stored first)."""
     run = tmp_path / "run"
     shutil.copytree(os.path.join(EXAMPLES, "cuda-tiny-fp16-manual"), run)
     name, *flags = command.split()
+    if name == "report":
+        from memory_audit.comparison.reconcile import store_prediction
+        assert store_prediction(str(run))["totals"]["from"].startswith("shadow run")
     args = {"attribute": [str(run), *flags], "report": [str(run)],
             "diff": [str(run), os.path.join(EXAMPLES, "cuda-tiny-bf16-sdpa")],
             "viz": [str(run), "--out", str(tmp_path / "page.html")]}[name]

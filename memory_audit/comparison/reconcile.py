@@ -17,7 +17,7 @@ from ..reading.timeline import replay
 def device_from_meta(meta):
     d = meta.get("device") or {}
     if d.get("type") != "cuda":
-        return device_facts("cpu", torch_version=meta.get("torch_version", ""))
+        return device_facts("cpu", torch_version=meta.get("torch_version", ""), cpu=d.get("cpu"))
     name = d.get("name", "")
     gpu = next((g for g in ("H200", "H100", "A100", "L4", "A10G", "V100") if g in name), name)
     cap = d.get("capability")  # absent: the GPU table's, by name

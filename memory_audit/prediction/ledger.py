@@ -48,13 +48,14 @@ def expandable_from_env(env):
 
 
 def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11",
-                 env=None, sdpa_backend=None, total_memory=None, outside_pytorch=OUTSIDE_PYTORCH_DEFAULT):
-    """What the predictor needs to know about the machine, as a plain dict."""
+                 env=None, sdpa_backend=None, total_memory=None, outside_pytorch=OUTSIDE_PYTORCH_DEFAULT, cpu=None):
+    """What the predictor needs to know about the machine, as a plain dict. cpu: the CPU an audit
+    ran on (recorder.cpu_info: threads, whether bf16 matmuls go through oneDNN), None for this one."""
     env = env or {}
     if device == "cpu":
         return {"type": "cpu", "gpu": None, "capability": None, "workspace_bytes": 0,
                 "workspaces": 0, "sdpa_backend": "flash_cpu", "total_memory": total_memory,
-                "torch_version": torch_version}
+                "torch_version": torch_version, "cpu": cpu}
     cap, mem = GPUS.get(gpu_name(gpu), (capability or (8, 0), total_memory))
     cap = tuple(capability or cap)
     # CUBLAS_WORKSPACE_CONFIG wins; else sm90 uses 4096 KiB x 8 = 33,554,432 B (measured on an

@@ -19,7 +19,7 @@ counts them as the device would; snapshot() writes a CPU step in the snapshot sc
 import contextlib
 import gc
 
-from . import shadow_cuda, shadow_dist, shadow_repeat
+from . import shadow_cuda, shadow_dist, shadow_probe, shadow_repeat
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from ..schema import PREDICTED_FRAME
 from .. import nosympy
@@ -315,13 +315,17 @@ def live_names(tracker, names, records, last=()):
 def name_grads(tracker, model):
     """After a backward, each parameter's gradient names its allocation from its making on, as
     the audit names it (a gradient zero_grad lets go has no name at the step's end; a sharded
-    one by its local shard)."""
+    one by its local shard; a storage several gradients view, DDP's bucket, keeps its own name)."""
     from ..recording.recorder import local_tensor
+    owners = {}  # allocation id -> the parameters whose gradient lives in it
     for name, p in model.named_parameters():
         grad = None if p.grad is None else local_tensor(p.grad)
         entry = None if grad is None else tracker.live.get(address(grad.untyped_storage()))
         if entry is not None:
-            tracker.allocs[entry[0]][0] = f"grads/{name}"
+            owners.setdefault(entry[0], []).append(name)
+    for aid, names in owners.items():  # a storage several gradients view (DDP's bucket) keeps its name
+        if len(names) == 1 and not tracker.allocs[aid][0].startswith("grads/"):
+            tracker.allocs[aid][0] = f"grads/{names[0]}"
 
 
 def address(storage):
@@ -434,6 +438,7 @@ def snapshot(result):
         return [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
     for aid, key, nbytes in result["pre"]:
         events.append((0, "alloc", place(aid, nbytes), nbytes, frames(key), key.split("/", 1)[0], ""))
+    from .shadow_allocator import audit_names
     names = audit_names(result)
     for action, key, nbytes, aid in result["events"]:
         t += 1000
@@ -441,26 +446,6 @@ def snapshot(result):
         key = names.get(aid, key)
         events.append((t, action, where, nbytes, frames(key), key.split("/", 1)[0], ""))
     return snapshot_at(events, t)
-
-
-def audit_names(result):
-    """{allocation id: name} where the audit of the step names an allocation otherwise than the
-    shadow's key: what the audited forward made by its saved-tensor names (names=True), and what a
-    forward or a batch made and let go within the step, not live at its before-backward snapshot
-    (a checkpointed block's outputs, an earlier micro-step's activations and batch, the batch's
-    index tensor), as the temporary the audit calls it."""
-    names = dict(result.get("saved") or {})
-    cut = result["phases"].get("step2_before_backward")
-    made = {}  # forward allocations without a name: {id: (position, key)}
-    for i, (action, key, _, aid) in enumerate(result["events"]):
-        if action == "alloc" and key.startswith(("activations/", "inputs/")) and aid not in names:
-            made[aid] = (i, key)
-        elif action == "free" and aid in made:
-            at, key = made.pop(aid)
-            if cut is None or not at < cut <= i:  # not live at the snapshot
-                phase, rest = key.split("/", 1)
-                names[aid] = f"temporary/{'forward' if phase == 'activations' else phase}/{rest}"
-    return names
 
 
 _LAST = {}  # the last CUDA steps shadow-run by replayed, {key: result}: the same config replayed
@@ -476,7 +461,8 @@ def replayed(cfg, device, repeat=True, names=False):
     rule holds; repeat=False runs every block. names: run(..., names=True) (a CUDA step is then
     run whole: a repeated one has no names)."""
     if device["type"] != "cuda":
-        result = run(cfg, names=names)
+        with shadow_probe.on_cpu(device.get("cpu"), cfg["dtype"]):
+            result = run(cfg, names=names)
         levels = step_levels(result)
         at = {phase: levels[i] for phase, i in result["phases"].items()}
         return {"steady_state": result["start_bytes"], "before_backward": at.get("step2_before_backward"),

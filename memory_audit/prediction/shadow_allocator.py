@@ -58,13 +58,32 @@ def _placed_py(events, expandable):
 def play(result, expandable=False):
     """Yields (position, action, name, bytes asked, block bytes, address, new segment or None)
     for every event of the shadow's history and step, named as an audit names it in the step
-    (shadow.audit_names); a new segment is (start, bytes)."""
-    from .shadow import audit_names
+    (audit_names); a new segment is (start, bytes)."""
     _, block, addr, seg, grown = placed(result, expandable)
     names = audit_names(result)
     for i, (action, key, nbytes, aid) in enumerate(result["history"] + result["events"]):
         key = names.get(aid, key) if i >= len(result["history"]) else key
         yield i, action, key, nbytes, block[i], addr[i], (seg[i], grown[i]) if grown[i] else None
+
+
+def audit_names(result):
+    """{allocation id: name} where the audit of the step names an allocation otherwise than the
+    shadow's key: what the audited forward made by its saved-tensor names (names=True), and what a
+    forward or a batch made and let go within the step, not live at its before-backward snapshot
+    (a checkpointed block's outputs, an earlier micro-step's activations and batch, the batch's
+    index tensor), as the temporary the audit calls it."""
+    names = dict(result.get("saved") or {})
+    cut = result["phases"].get("step2_before_backward")
+    made = {}  # forward allocations without a name: {id: (position, key)}
+    for i, (action, key, _, aid) in enumerate(result["events"]):
+        if action == "alloc" and key.startswith(("activations/", "inputs/")) and aid not in names:
+            made[aid] = (i, key)
+        elif action == "free" and aid in made:
+            at, key = made.pop(aid)
+            if cut is None or not at < cut <= i:  # not live at the snapshot
+                phase, rest = key.split("/", 1)
+                names[aid] = f"temporary/{'forward' if phase == 'activations' else phase}/{rest}"
+    return names
 
 
 def replay(result, expandable=False):

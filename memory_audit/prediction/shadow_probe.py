@@ -56,6 +56,29 @@ def plain_bf16():
         _NATIVE.update(saved)
 
 
+@contextlib.contextmanager
+def on_cpu(facts, dtype):
+    """Predict as on the CPU an audit ran on (recorder.cpu_info's facts; None: this one): its
+    thread count (per-thread kernel buffers) and whether its bf16 matmuls went through oneDNN.
+    A bf16 step measured through oneDNN cannot be asked of this CPU's kernels where they do not:
+    ValueError."""
+    import torch
+    if not facts:
+        yield
+        return
+    plain = dtype == "bfloat16" and not facts.get("onednn_bf16", False)
+    if dtype == "bfloat16" and not plain and not native(torch.bfloat16):
+        raise ValueError("this bf16 step ran its matmuls through oneDNN (the audit's CPU); this CPU's do not, so "
+                         "their buffers cannot be asked of its kernels: predict it on a CPU with oneDNN bf16")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(facts.get("threads") or threads)
+    try:
+        with plain_bf16() if plain else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def wanted(name, args):
     """Whether a CPU op (its short name) is one whose kernel the shadow asks."""
     if name in PROBED:
