@@ -40,7 +40,7 @@ import torch
 
 from configurator import apply_overrides, ConfigError
 from model import GPT, GPTConfig, PRESETS
-from train_step import Watch, optimizer_step
+from train_step import Watch, run_step
 
 # -----------------------------------------------------------------------------
 # default config values: GPT-2 small (124M) at the reference batch of the memory article
@@ -369,7 +369,7 @@ def train():
         with (audit_obj.step(iter_num, tensors=lambda: {"inputs/x": state["X"], "inputs/y": state["Y"],
                                                         "temporary/loss": state["loss"]})
               if audit_obj is not None else nullcontext()):
-            optimizer_step(state, step_cfg, model, train_model, optimizer, scaler, lambda: get_batch("train"), ctx,
+            run_step(state, step_cfg, model, train_model, optimizer, scaler, lambda: get_batch("train"), ctx,
                            _LoopWatch(iter_num))
         lossf = state["loss"].item() * gradient_accumulation_steps  # no second reference: it lives as the loop's
         losses.append(lossf)
@@ -392,8 +392,12 @@ def _predict_in_child(run_dir):
                         "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
             "from memory_audit.comparison.reconcile import store_prediction; store_prediction(sys.argv[2])")
-    p = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), run_dir], env=env,
-                       capture_output=True, text=True, timeout=1800)
+    try:  # within the process group's timeout: the other ranks wait at the barrier after it
+        p = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), run_dir],
+                           env=env, capture_output=True, text=True, timeout=max(dist_timeout_s - 30, 10))
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"the prediction took longer than {max(dist_timeout_s - 30, 10)} s "
+                         f"(`python -m memory_audit report {run_dir}` makes it after the run)") from None
     if p.returncode:
         raise ValueError((p.stderr.strip().splitlines() or ["the prediction's process failed"])[-1])
 

@@ -44,7 +44,7 @@ class Watch:
 WATCH = Watch()
 
 
-def optimizer_step(state, cfg, model, train_model, optimizer, scaler, get_batch, autocast, watch=WATCH):
+def run_step(state, cfg, model, train_model, optimizer, scaler, get_batch, autocast, watch=WATCH):
     """Gradient accumulation over cfg["gradient_accumulation_steps"] micro-steps, then clipping
     (grad_clip != 0), the scaler's step and update, and zero_grad(set_to_none). `model` is the
     module itself, `train_model` what the forward calls (compiled, DDP). cfg keys:

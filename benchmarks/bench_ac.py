@@ -28,7 +28,7 @@ def step_ms(args, mode):
 
 def main():
     from memory_audit.cli import _overrides
-    from memory_audit.prediction.predict import device_facts, predict
+    from memory_audit.prediction.predict import device_facts, prediction
     args = sys.argv[1:] or ["--preset=cpu-mini", "--device=cpu", "--batch_size=8", "--dtype=float32"]
     cfg = _overrides([a for a in args if not a.startswith("--device")])
     dev = device_facts("cpu") if "--device=cpu" in args else device_facts("cuda")
@@ -36,7 +36,7 @@ def main():
     print(f"{'mode':<10} {'step ms':>9} {'vs none':>8} {'pred recompute/forward FLOPs':>30} {'pred peak':>14}")
     for mode in ("none", "full", "selective", "sac"):
         ms = base if mode == "none" else step_ms(args, mode)
-        t = predict(dict(cfg, activation_checkpointing=mode), dev)["totals"]
+        t = prediction(dict(cfg, activation_checkpointing=mode), dev)["totals"]
         print(f"{mode:<10} {ms:>9.2f} {ms / base:>8.3f} {t['recompute_flops'] / t['forward_flops']:>30.3f} "
               f"{t['peak_allocated_bytes']:>14,}")
 

@@ -275,7 +275,7 @@ def cmd_plan(args, extra):
         print("(parallel options: memory per rank; sends/step: bytes each rank sends per step, ring estimate)")
     said = ("shadow run", "shadow run (blocks repeated)")  # the usual: a table cell says enough
     for reason in sorted({o["from"] for o in [b] + r["options"] if o["from"] not in said}):
-        print(f"{_source(reason)} rows: {reason[len(_source(reason)) + 2:-1]}")
+        print(f"{_source(reason)} rows: {reason[len(_source(reason)):].strip()}")
 
 
 def _source(text):
@@ -290,6 +290,9 @@ def cmd_report(args):
     from .comparison.report import totals_table, write_report
     if not os.path.isdir(args.run_dir):
         raise SnapshotError(f"{args.run_dir}: not a run directory")
+    if args.repredict:
+        from .comparison.reconcile import store_prediction
+        store_prediction(args.run_dir)
     rec = write_report(args.run_dir, trace=args.trace)
     if args.json:
         print(json.dumps(rec["totals"], indent=1))
@@ -418,6 +421,8 @@ def main(argv=None):
     r = sub.add_parser("report", help="predicted vs actual for an audit run")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true")
+    r.add_argument("--repredict", action="store_true", help="make the run's prediction again with this checkout's "
+                   "predictor and store it in its meta.json (imports torch); by default the one its audit stored")
     r.add_argument("--trace", action="store_true", help="also shadow-run the step (eager; one process on CPU "
                    "or CUDA, or one torchrun rank on CPU; imports torch) and name the first event where it and the measured trace part")
     df = sub.add_parser("diff", help="two audits (or an audit and a `predict --json` file) line by line")

@@ -19,8 +19,8 @@ sys.path.insert(0, ROOT)
 
 def main():
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import resolved
-    from memory_audit.comparison.sweep import row_config, row_prediction
+    from memory_audit.prediction.predict import predict, resolved
+    from memory_audit.comparison.sweep import row_config
     print("| row | peak measured | shadow: peak diff | ledger: peak diff | shadow: reserved diff | ledger: reserved diff |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in ("h100.jsonl", "h100-variants.jsonl", "h100-dropout.jsonl"):
@@ -28,7 +28,7 @@ def main():
             row = json.loads(line)
             cfg, device = row_config(row)
             r = shadow.replayed(resolved(cfg), device)
-            led = row_prediction(row)["totals"]
+            led = predict(cfg, device)["totals"]  # the ledger's own model (configs no trace covers)
             peak, res = row["totals"]["peak"]["actual"], row.get("reserved_actual")
             label = ", ".join(f"{k}={v}" for k, v in row["config"].items())
 

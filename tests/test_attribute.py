@@ -132,3 +132,18 @@ def test_stored_report_refreshes_to_the_same_reconciliation(run_dir):
     assert mismatched(refreshed["rows"]) == []
     totals = {k: refreshed["totals"][k]["diff"] for k in ("steady_state", "activations", "peak", "reserved")}
     assert totals == dict.fromkeys(totals, 0), totals  # the peak and reserved too, as README says
+
+
+def test_the_shared_step_function_names_nothing_optimizer_state():
+    """train.py's step runs in train_step.run_step: a stack through it is the loop's (an activation
+    by its forward; a temporary the step itself makes, `loop`), not the optimizer's: the stack
+    rules read "optim" and "step" as an optimizer's step, and the function's name says neither."""
+    import train_step
+    from memory_audit.reading.attribute import name_from_frames
+    from memory_audit.reading.timeline import temporary_name
+    step = {"filename": train_step.__file__, "name": train_step.run_step.__name__, "line": 1}
+    loop = {"filename": "/x/train.py", "name": "train", "line": 2}
+    forward = [{"filename": "/x/model.py", "name": "forward", "line": 3}, step, loop]
+    assert name_from_frames(forward) == ("activations/model.py:3", "frames:forward")
+    assert name_from_frames([step, loop], live=False) == (None, None)
+    assert temporary_name([step]) == "temporary/loop"

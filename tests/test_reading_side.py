@@ -62,6 +62,14 @@ def test_reading_commands_never_import_torch(tmp_path, command):
         assert "add_local_files([{" in page and '"Active Memory Timeline"' in page
 
 
+def test_report_of_a_run_without_a_stored_prediction_needs_torch_and_says_so(tmp_path):
+    """A run whose meta.json keeps no prediction (a committed audit): without torch, one line."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(EXAMPLES, "cuda-tiny-fp16-manual"), run)
+    p = _run_without_torch("report", str(run))
+    assert p.returncode == 2 and "keeps no prediction" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_predict_help_still_lists_the_config_keys():
     """The config keys (built from model.py's presets only when help is printed) are still there."""
     p = subprocess.run([sys.executable, "-m", "memory_audit", "predict", "--help"], cwd=ROOT, capture_output=True,

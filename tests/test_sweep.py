@@ -110,9 +110,8 @@ def test_cpu_long_grid(tmp_path):
 
 def test_committed_cpu_long_rows_are_predicted_to_the_byte():
     """All 23 cpu-long rows as measured, re-predicted to the byte; in every one the peak is a
-    moment inside an attention core's backward, and the largest moment outside one (what the
-    predictor took for the peak before those moments were candidates) is below the measured
-    peak: by 4.4% (tp, bf16) to 72% (selective with dropout) of it."""
+    moment inside an attention core's backward (the ledger's own model's candidate moments), and
+    the largest moment outside one is below the measured peak: by 4.4% (tp, bf16) to 72% (selective with dropout) of it."""
     rows = committed_rows("cpu-long.jsonl")
     assert [{k: v for k, v in r["config"].items() if k != "rank"} for r in rows] == \
         [c for c in grid("cpu-long") for _ in range(c.get("nproc", 1))]

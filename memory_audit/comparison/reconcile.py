@@ -1,7 +1,8 @@
 """Set the prediction beside the measurement, line by line, and say where they differ.
 
 measure(run_dir) reads a run directory (snapshots + meta.json) into plain numbers;
-reconcile(run_dir) joins them with predict() on the same keys.
+reconcile(run_dir) joins them with the run's prediction (prediction_of: the one its audit stored,
+else prediction()) on the same keys.
 """
 
 import os
@@ -55,6 +56,11 @@ def prediction_of(meta, dev=None):
     (imports torch)."""
     if meta.get("prediction"):
         return meta["prediction"]
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SnapshotError("this run keeps no prediction in its meta.json and torch is not importable here to "
+                            "make one: `report` it where torch is installed") from None
     return prediction(meta["config"], dev or device_from_meta(meta))
 
 
@@ -68,8 +74,10 @@ def store_prediction(run_dir):
     if meta is None or "n_layer" not in (meta.get("config") or {}):
         return None  # another model: Audit(predicted=...) is its prediction
     meta["prediction"] = prediction(meta["config"], device_from_meta(meta))
-    with open(os.path.join(run_dir, "meta.json"), "w") as f:
+    path = os.path.join(run_dir, "meta.json")
+    with open(path + ".tmp", "w") as f:  # the audit's record is replaced whole or not at all
         json.dump(meta, f, indent=1)
+    os.replace(path + ".tmp", path)
     return meta["prediction"]
 
 
@@ -158,6 +166,8 @@ def refresh_predictions(rec):
     rec["totals"] = _totals_rows(pred, {k: v["actual"] for k, v in rec["totals"].items()})
     rec["predicted_device"] = dev
     rec["predicted_from"] = pred["totals"].get("from", "ledger")
+    rec["cost"] = {"recompute_flops": pred["totals"]["recompute_flops"], "forward_flops": pred["totals"]["forward_flops"],
+                   "peak_at": pred["backward"]["peak_at"]}
     return rec
 
 

@@ -308,12 +308,12 @@ def levers_table(rows):
 
 
 def levers_predicted(config, device):
-    """The predictor's answer for every mode of one config (no measurement: what a GPU run
-    would show), with the largest recompute it costs."""
-    from ..prediction.predict import predict
+    """The prediction for every mode of one config (no measurement: what a GPU run would show),
+    with the largest recompute it costs."""
+    from ..prediction.predict import prediction
     out = []
     for mode in ("none", "full", "selective", "sac"):
-        p = predict(dict(config, activation_checkpointing=mode), device)
+        p = prediction(dict(config, activation_checkpointing=mode), device)
         t = p["totals"]
         out.append((mode, round(t["activations_bytes"] / GiB, 3), round(t["peak_allocated_bytes"] / GiB, 3),
                     p["backward"]["peak_at"], round(t["recompute_flops"] / t["forward_flops"], 3)))

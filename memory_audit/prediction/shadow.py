@@ -172,7 +172,7 @@ def one_line(tracker, fn, *args):
 
 def _run(cfg, device_type, fake, tracker, sdpa_backend):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from train_step import optimizer_step  # beside model.py: the step train.py runs
+    from train_step import run_step  # beside model.py: the step train.py runs
     cuda = shadow_cuda.kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
     if not fake:
         base = contextlib.nullcontext()
@@ -199,7 +199,7 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
             if it == 1:
                 pre = begin_step(tracker, held_names(model, optimizer, _held(state, scaler)), phases)
             watch.audited_step = it == 1
-            optimizer_step(state, cfg, model, train_model, optimizer, scaler, get_batch, autocast, watch)
+            run_step(state, cfg, model, train_model, optimizer, scaler, get_batch, autocast, watch)
         end_step(tracker, held_names(model, optimizer, _held(state, scaler)))
         for h in handles:
             h.remove()
@@ -282,9 +282,9 @@ def _naming(tracker, model, device_type):
 class _Recomputing:
     """Around a checkpoint's recompute context (as recorder._RecomputeLabel is in an audit): what
     the recomputation makes is keyed recomputed/<module>. A class with the audit's __enter__ and
-    __exit__, not a generator: with a @contextmanager generator in its place (the early stop
-    raises through it) the shadow let a SAC block's 262,144 B forward output go earlier than the
-    audit measured (cpu-long's bf16 SAC row); the cause inside contextlib is not pinned down."""
+    __exit__, not a generator: a @contextmanager generator in its place (the early stop raises
+    through it) lets a SAC block's 262,144 B forward output go earlier than the audit measures
+    (cpu-long's bf16 SAC row); which part of contextlib does it is not pinned down."""
 
     def __init__(self, tracker, inner, module):
         self.tracker, self.inner, self.module = tracker, inner, module

@@ -62,10 +62,10 @@ def on_cpu(facts, dtype):
     thread count (per-thread kernel buffers) and whether its bf16 matmuls went through oneDNN.
     A bf16 step measured through oneDNN cannot be asked of this CPU's kernels where they do not:
     ValueError."""
-    import torch
     if not facts:
         yield
         return
+    import torch
     plain = dtype == "bfloat16" and not facts.get("onednn_bf16", False)
     if dtype == "bfloat16" and not plain and not native(torch.bfloat16):
         raise ValueError("this bf16 step ran its matmuls through oneDNN (the audit's CPU); this CPU's do not, so "

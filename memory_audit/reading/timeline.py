@@ -34,7 +34,7 @@ def _phase_names(meta):
 _MAKERS = (("_make_grads", "backward/grad_seed"), ("run_backward", "backward"), ("Backward", "backward"),
            ("clip_grad", "clip_grad_norm"), ("optim", "optimizer"), ("grad_scaler", "grad_scaler"),
            ("zero_grad", "zero_grad"), ("cross_entropy", "cross_entropy"), ("model.py", "forward"),
-           ("train.py", "loop"))
+           ("train_step.py", "loop"), ("train.py", "loop"))
 
 
 def temporary_name(frames):
