@@ -45,7 +45,7 @@ TORCHRUN_SAMPLE = 12  # rank rows per test run (a shadow run of a rank takes abo
 
 
 def test_the_committed_random_files_are_all_here():
-    """The files the docs quote: 3 shadow grids (164 configs) and 5 shadow_check files (276), all
+    """The files the docs quote: 3 shadow grids (164 configs) and 6 shadow_check files (376), all
     measured; the H200 file's 119 configs, 91 audited (28 died, each row says why); 5 torchrun
     files, 163 rank rows, 158 measured."""
     counts = {os.path.basename(p): _measured(p) for p in CPU_FILES}
@@ -53,16 +53,26 @@ def test_the_committed_random_files_are_all_here():
         "cpu-seed115967.jsonl": (40, 40), "cpu-seed163814.jsonl": (24, 24), "cpu-seed616607.jsonl": (100, 100),
         "shadow-check-493858.jsonl": (100, 100), "shadow-check-680502.jsonl": (40, 40),
         "shadow-check-783350.jsonl": (100, 100), "shadow-check-bf16-sdpa-790420.jsonl": (20, 20),
-        "shadow-check-75613.jsonl": (16, 16)}
+        "shadow-check-75613.jsonl": (16, 16), "shadow-check-673794.jsonl": (100, 100)}
     measured, n = _measured(H200)
     assert (len(measured), n) == (91, 119)
     ranks = [json.loads(line)["status"] == "ok" for p in TORCHRUN for line in open(p)]
     assert (sum(ranks), len(ranks)) == (158, 163)
 
 
+def test_the_audits_own_report_gave_the_measured_peak():
+    """The rows made since train.py --audit's report reads prediction() (they carry
+    `predictor_from`; seed 673794: 100 configs over sweep.random_config's space): in every one the
+    report.json the audit wrote predicted the measured peak to the byte and every line of every
+    phase. A record of what those audits printed, as measured then; the peak is re-predicted below."""
+    rows = [r for p in CPU_FILES for r in _measured(p)[0] if "predictor_from" in r]
+    assert len(rows) == 100 and all(r["predictor_from"].startswith("shadow run") for r in rows)
+    assert [r["config"] for r in rows if r["predictor"] != r["measured"] or r["lines_off"]] == []
+
+
 @pytest.mark.parametrize("part", range(PARTS))
 def test_committed_cpu_random_rows_are_the_shadow_runs_peak(part):
-    """A quarter of the 440 single-process CPU rows: the shadow run of each config, made now,
+    """A quarter of the 540 single-process CPU rows: the shadow run of each config, made now,
     gives the measured peak to the byte (bf16 as the row's CPU ran its matmuls)."""
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import resolved
