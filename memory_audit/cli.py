@@ -275,7 +275,16 @@ def cmd_plan(args, extra):
         print("(parallel options: memory per rank; sends/step: bytes each rank sends per step, ring estimate)")
     said = ("shadow run", "shadow run (blocks repeated)")  # the usual: a table cell says enough
     for reason in sorted({o["from"] for o in [b] + r["options"] if o["from"] not in said}):
-        print(f"{_source(reason)} rows: {reason[len(_source(reason)):].strip()}")
+        print(f"{_source(reason)} rows: {_why(reason)}")
+
+
+def _why(text):
+    """totals["from"]'s parentheses as one line: "ledger (a (b); c)" -> "a (b); c",
+    "shadow run (x) (y)" -> "x; y"."""
+    rest = text[len(_source(text)):].strip()
+    if rest.startswith("(") and rest.endswith(")"):
+        rest = rest[1:-1]
+    return rest.replace(") (", "; ")
 
 
 def _source(text):
