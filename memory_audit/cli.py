@@ -209,7 +209,7 @@ def predicted_snapshot(replay, dev):
     from .reading.trace import plain
     if dev["type"] == "cuda":
         from .prediction.shadow_allocator import snapshot
-        snap = snapshot(replay["result"], dev.get("expandable_segments", False))
+        snap = snapshot(replay["result"], dev.get("expandable_segments", False), shadow.audit_names(replay["result"]))
     else:
         snap = shadow.snapshot(replay["result"])
     return plain(categorize_trace(normalize(snap), None, detail=False))

@@ -81,6 +81,12 @@ def store_prediction(run_dir):
     return meta["prediction"]
 
 
+def cost_of(pred):
+    """A report's "cost": the recompute and forward matmul FLOPs and the moment the peak is at."""
+    t = pred["totals"]
+    return {"recompute_flops": t["recompute_flops"], "forward_flops": t["forward_flops"], "peak_at": pred["backward"]["peak_at"]}
+
+
 def mismatched(rows, phase=None, categories=None, skip=("gaps",)):
     """The rows where prediction and measurement differ: a byte off, or a line present on one
     side only (its diff is None). The one test of "exact" that tests, sweep and report share."""
@@ -166,8 +172,7 @@ def refresh_predictions(rec):
     rec["totals"] = _totals_rows(pred, {k: v["actual"] for k, v in rec["totals"].items()})
     rec["predicted_device"] = dev
     rec["predicted_from"] = pred["totals"].get("from", "ledger")
-    rec["cost"] = {"recompute_flops": pred["totals"]["recompute_flops"], "forward_flops": pred["totals"]["forward_flops"],
-                   "peak_at": pred["backward"]["peak_at"]}
+    rec["cost"] = cost_of(pred)
     return rec
 
 
@@ -218,8 +223,7 @@ def reconcile(run_dir):
         "peak": peak,
         "series": rp.get("series", []),
         "phase_index": rp.get("phase_index", {}),
-        "cost": {"recompute_flops": t["recompute_flops"], "forward_flops": t["forward_flops"],
-                 "peak_at": pred["backward"]["peak_at"]},
+        "cost": cost_of(pred),
         "other_formulas": {name: {**f, "actual_activations": totals["activations"]["actual"],
                                   "actual_peak": totals["peak"]["actual"]} for name, f in formulas.items()},
         "checks": {

@@ -438,7 +438,6 @@ def snapshot(result):
         return [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
     for aid, key, nbytes in result["pre"]:
         events.append((0, "alloc", place(aid, nbytes), nbytes, frames(key), key.split("/", 1)[0], ""))
-    from .shadow_allocator import audit_names
     names = audit_names(result)
     for action, key, nbytes, aid in result["events"]:
         t += 1000
@@ -446,6 +445,26 @@ def snapshot(result):
         key = names.get(aid, key)
         events.append((t, action, where, nbytes, frames(key), key.split("/", 1)[0], ""))
     return snapshot_at(events, t)
+
+
+def audit_names(result):
+    """{allocation id: name} where the audit of the step names an allocation otherwise than the
+    shadow's key: what the audited forward made by its saved-tensor names (names=True), and what a
+    forward or a batch made and let go within the step, not live at its before-backward snapshot
+    (a checkpointed block's outputs, an earlier micro-step's activations and batch, the batch's
+    index tensor), as the temporary the audit calls it."""
+    names = dict(result.get("saved") or {})
+    cut = result["phases"].get("step2_before_backward")
+    made = {}  # forward allocations without a name: {id: (position, key)}
+    for i, (action, key, _, aid) in enumerate(result["events"]):
+        if action == "alloc" and key.startswith(("activations/", "inputs/")) and aid not in names:
+            made[aid] = (i, key)
+        elif action == "free" and aid in made:
+            at, key = made.pop(aid)
+            if cut is None or not at < cut <= i:  # not live at the snapshot
+                phase, rest = key.split("/", 1)
+                names[aid] = f"temporary/{'forward' if phase == 'activations' else phase}/{rest}"
+    return names
 
 
 _LAST = {}  # the last CUDA steps shadow-run by replayed, {key: result}: the same config replayed

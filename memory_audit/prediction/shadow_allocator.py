@@ -55,35 +55,15 @@ def _placed_py(events, expandable):
     return block, addr, seg, grown
 
 
-def play(result, expandable=False):
+def play(result, expandable=False, names=None):
     """Yields (position, action, name, bytes asked, block bytes, address, new segment or None)
-    for every event of the shadow's history and step, named as an audit names it in the step
-    (audit_names); a new segment is (start, bytes)."""
+    for every event of the shadow's history and step, the step's by `names` where given (shadow.audit_names:
+    as an audit names them); a new segment is (start, bytes)."""
     _, block, addr, seg, grown = placed(result, expandable)
-    names = audit_names(result)
+    names = names or {}
     for i, (action, key, nbytes, aid) in enumerate(result["history"] + result["events"]):
         key = names.get(aid, key) if i >= len(result["history"]) else key
         yield i, action, key, nbytes, block[i], addr[i], (seg[i], grown[i]) if grown[i] else None
-
-
-def audit_names(result):
-    """{allocation id: name} where the audit of the step names an allocation otherwise than the
-    shadow's key: what the audited forward made by its saved-tensor names (names=True), and what a
-    forward or a batch made and let go within the step, not live at its before-backward snapshot
-    (a checkpointed block's outputs, an earlier micro-step's activations and batch, the batch's
-    index tensor), as the temporary the audit calls it."""
-    names = dict(result.get("saved") or {})
-    cut = result["phases"].get("step2_before_backward")
-    made = {}  # forward allocations without a name: {id: (position, key)}
-    for i, (action, key, _, aid) in enumerate(result["events"]):
-        if action == "alloc" and key.startswith(("activations/", "inputs/")) and aid not in names:
-            made[aid] = (i, key)
-        elif action == "free" and aid in made:
-            at, key = made.pop(aid)
-            if cut is None or not at < cut <= i:  # not live at the snapshot
-                phase, rest = key.split("/", 1)
-                names[aid] = f"temporary/{'forward' if phase == 'activations' else phase}/{rest}"
-    return names
 
 
 def replay(result, expandable=False):
@@ -104,11 +84,12 @@ def replay(result, expandable=False):
             "reserved_before_backward": reserved[start + result["phases"].get("step2_before_backward", 0)]}
 
 
-def snapshot(result, expandable=False):
+def snapshot(result, expandable=False, names=None):
     """The predicted process as a CUDA snapshot: the trace of every request (one microsecond
-    apart), and the segments as they stand at step 2's end with their blocks."""
+    apart), the step's named by `names` (play's), and the segments as they stand at step 2's end
+    with their blocks."""
     trace, live, segments = [], {}, {}
-    for i, action, key, nbytes, block, addr, seg in play(result, expandable):
+    for i, action, key, nbytes, block, addr, seg in play(result, expandable, names):
         frames = [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
         if seg:
             trace.append({"action": "segment_map" if expandable else "segment_alloc", "addr": seg[0],
