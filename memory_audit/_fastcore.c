@@ -119,6 +119,44 @@ static int map_pop(Map *m, int64_t k, int64_t *out) {
     return 1;
 }
 
+/* ----------------------------------------------------------------- a column handed over */
+/* A malloc'd buffer given to Python without a copy (numpy.frombuffer reads it in place; the
+ * buffer is freed with the last view): copying ten million entries' columns out would touch
+ * as many fresh pages again as the scan itself. */
+typedef struct { PyObject_HEAD void *p; Py_ssize_t len; } Buf;
+
+static int buf_get(PyObject *self, Py_buffer *view, int flags) {
+    Buf *b = (Buf *)self;
+    return PyBuffer_FillInfo(view, self, b->p, b->len, 1, flags);
+}
+
+static void buf_dealloc(PyObject *self) {
+    free(((Buf *)self)->p);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyBufferProcs buf_procs = {buf_get, NULL};
+
+static PyTypeObject BufType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "memory_audit._fastcore.Buffer",
+    .tp_basicsize = sizeof(Buf),
+    .tp_dealloc = buf_dealloc,
+    .tp_as_buffer = &buf_procs,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "bytes of a scanned column, read through the buffer protocol",
+};
+
+/* takes p (shrunk to len bytes); on failure frees it and returns NULL */
+static PyObject *buf_new(void *p, size_t len) {
+    void *q = len ? realloc(p, len) : p; /* shrinking a big block gives back its tail in place */
+    if (q) p = q;
+    Buf *b = PyObject_New(Buf, &BufType);
+    if (!b) { free(p); return NULL; }
+    b->p = p; b->len = (Py_ssize_t)len;
+    return (PyObject *)b;
+}
+
 /* ------------------------------------------------------------------------ buffered reader */
 typedef struct {
     FILE *f;
@@ -147,11 +185,18 @@ static int need_more(Reader *r, size_t n) {
 static inline int need(Reader *r, size_t n) { return (r->len - r->pos >= n) ? 0 : need_more(r, n); }
 
 /* ------------------------------------------------------------------------- decoder state */
-/* A stack value is a PyObject* (owned) or a row: (row << 1) | 1. */
+/* A stack value is a PyObject* (owned), a row: (row << 1) | 1, or an int not yet boxed:
+ * (x << 2) | 2 (|x| < 2**61), so that the ints of a trace entry go to their columns without
+ * ever becoming Python objects. */
 typedef uintptr_t Val;
 #define IS_ROW(v) ((v) & 1)
 #define ROW_OF(v) ((int64_t)((v) >> 1))
 #define MAKE_ROW(r) ((((Val)(r)) << 1) | 1)
+#define IS_INT(v) (((v) & 3) == 2)
+#define IS_OBJ(v) ((v) && !((v) & 3))
+#define INT_OF(v) (((int64_t)(v)) >> 2)
+#define MAKE_INT(x) ((((Val)(x)) << 2) | 2)
+#define INT_FITS(x) ((x) >= -(INT64_C(1) << 61) && (x) < (INT64_C(1) << 61))
 #define ABSENT INT64_MIN
 #define MAX_COLS 64
 #define MAX_ROWLISTS 256
@@ -160,14 +205,18 @@ typedef uintptr_t Val;
 typedef struct {
     PyObject *name;   /* str */
     int kind;         /* 1 int, 2 object */
-    int64_t *data;    /* rows_cap values */
+    int64_t *data;    /* kind 1: rows_cap values (ABSENT: no such key in that entry) */
+    int32_t *index;   /* kind 2: rows_cap indexes into table (-1: absent) */
     PyObject *table;  /* kind 2: list of distinct values */
     Map ident;        /* kind 2: id(value) -> table index */
+    uintptr_t last;   /* kind 2: the value the last row took, and its index */
+    int32_t last_index;
 } Column;
 
 typedef struct {
     PyObject *list;   /* the (empty) list object standing for the rows */
-    int64_t *rows;
+    int64_t *rows;    /* only once the rows stop following each other: first, first + 1, ... */
+    int64_t first;
     size_t n, cap;
 } RowList;
 
@@ -175,9 +224,10 @@ typedef struct {
     Reader rd;
     Val *stack; size_t sp, scap;
     size_t *marks; size_t mp, mcap;
-    Val *memo; size_t memo_cap; uint64_t memo_limit, memo_count;
+    Val *memo; size_t memo_cap, memo_init; uint64_t memo_limit, memo_count; /* memo[:memo_init] zeroed */
     Column cols[MAX_COLS]; int ncols;
     PyObject *keycache[MAX_COLS]; int keycol[MAX_COLS]; int nkeys;
+    struct { uint64_t idx; int col; } keymemo[64]; /* memo index of a key -> its column, + 1 */
     int64_t nrows, rows_cap;
     uint8_t *row_state; /* 0 open, 1 in a list */
     RowList rl[MAX_ROWLISTS]; int nrl;
@@ -190,7 +240,23 @@ typedef struct {
     PyObject *action_str;
 } Dec;
 
-static void val_decref(Val v) { if (v && !IS_ROW(v)) Py_DECREF((PyObject *)v); }
+static void val_decref(Val v) { if (IS_OBJ(v)) Py_DECREF((PyObject *)v); }
+
+/* the stack value *v as a Python object (an unboxed int becomes a PyLong) */
+static int box(Val *v) {
+    if (IS_INT(*v)) {
+        PyObject *o = PyLong_FromLongLong((long long)INT_OF(*v));
+        if (!o) return -1;
+        *v = (Val)o;
+    }
+    return IS_ROW(*v) ? -1 : 0;
+}
+
+static int box_all(Val *v, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (box(&v[i]) < 0) return -1;
+    return 0;
+}
 
 static int push(Dec *d, Val v) {
     if (d->sp == d->scap) {
@@ -222,17 +288,23 @@ static int pop_mark(Dec *d, size_t *k) {
 static int memo_put(Dec *d, uint64_t idx) {
     /* writers number the memo 0, 1, 2, ...: far-off indexes (a memory bomb) go to the slow road */
     if (d->sp <= mark_base(d) || idx > d->memo_limit || idx > d->memo_count + (1u << 20)) return -1;
-    if (idx >= d->memo_cap) {
+    if (idx >= d->memo_cap) { /* grown, not zeroed: pages nobody writes stay out of memory */
         size_t c = d->memo_cap ? d->memo_cap : 1024;
         while (c <= idx) c *= 2;
         Val *m = realloc(d->memo, c * sizeof(Val));
         if (!m) return -1;
-        memset(m + d->memo_cap, 0, (c - d->memo_cap) * sizeof(Val));
         d->memo = m; d->memo_cap = c;
     }
+    if (idx >= d->memo_init) {
+        memset(d->memo + d->memo_init, 0, (idx + 1 - d->memo_init) * sizeof(Val));
+        d->memo_init = idx + 1;
+    }
     Val v = d->stack[d->sp - 1];
-    if (d->memo[idx]) val_decref(d->memo[idx]); else d->memo_count++;
-    if (!IS_ROW(v)) {
+    if (d->memo[idx]) { /* a memo slot written again (no writer does): forget its key's column */
+        val_decref(d->memo[idx]);
+        if (d->keymemo[idx & 63].idx == idx) d->keymemo[idx & 63].col = 0;
+    } else d->memo_count++;
+    if (IS_OBJ(v)) {
         Py_INCREF((PyObject *)v);
         if (PyList_CheckExact((PyObject *)v) || PyDict_CheckExact((PyObject *)v)) {
             size_t slot = (v >> 4) & (RECENT - 1);
@@ -245,30 +317,48 @@ static int memo_put(Dec *d, uint64_t idx) {
 }
 
 static int memo_get(Dec *d, uint64_t idx) {
-    if (idx >= d->memo_cap || !d->memo[idx]) return -1;
+    if (idx >= d->memo_init || !d->memo[idx]) return -1;
     Val v = d->memo[idx];
-    if (!IS_ROW(v)) Py_INCREF((PyObject *)v);
+    if (IS_OBJ(v)) Py_INCREF((PyObject *)v);
     return push(d, v);
 }
 
 /* ---------------------------------------------------------------------------- columns */
-static int grow_rows(Dec *d) {
-    int64_t c = d->rows_cap ? d->rows_cap * 2 : 4096;
-    for (int i = 0; i < d->ncols; i++) {
-        int64_t *p = realloc(d->cols[i].data, (size_t)c * sizeof(int64_t));
+/* Columns grow by doubling without being filled: a row's cells are set to absent when the row
+ * is made (new_row), so the pages past the last row are never touched and cost no memory. */
+static int grow_column(Column *c, int64_t cap) {
+    if (c->kind == 1) {
+        int64_t *p = realloc(c->data, (size_t)cap * sizeof(int64_t));
         if (!p) return -1;
-        for (int64_t j = d->rows_cap; j < c; j++) p[j] = d->cols[i].kind == 1 ? ABSENT : -1;
-        d->cols[i].data = p;
+        c->data = p;
+    } else {
+        int32_t *p = realloc(c->index, (size_t)cap * sizeof(int32_t));
+        if (!p) return -1;
+        c->index = p;
     }
-    uint8_t *s = realloc(d->row_state, (size_t)c);
-    if (!s) return -1;
-    memset(s + d->rows_cap, 0, (size_t)(c - d->rows_cap));
-    d->row_state = s;
-    d->rows_cap = c;
     return 0;
 }
 
-static int column_for(Dec *d, PyObject *key, PyObject *first_value) {
+static int new_row(Dec *d) {
+    if (d->nrows == d->rows_cap) {
+        int64_t c = d->rows_cap ? d->rows_cap * 2 : 4096;
+        for (int i = 0; i < d->ncols; i++)
+            if (grow_column(&d->cols[i], c) < 0) return -1;
+        uint8_t *s = realloc(d->row_state, (size_t)c);
+        if (!s) return -1;
+        d->row_state = s;
+        d->rows_cap = c;
+    }
+    int64_t r = d->nrows++;
+    for (int i = 0; i < d->ncols; i++) {
+        if (d->cols[i].kind == 1) d->cols[i].data[r] = ABSENT;
+        else d->cols[i].index[r] = -1;
+    }
+    d->row_state[r] = 0;
+    return push(d, MAKE_ROW(r));
+}
+
+static int column_for(Dec *d, PyObject *key, Val first_value) {
     for (int i = 0; i < d->nkeys; i++)
         if (d->keycache[i] == key) return d->keycol[i];
     int col = -1;
@@ -282,12 +372,15 @@ static int column_for(Dec *d, PyObject *key, PyObject *first_value) {
         Column *c = &d->cols[d->ncols];
         memset(c, 0, sizeof(*c));
         int overflow = 0;
-        long long x = PyLong_CheckExact(first_value) ? PyLong_AsLongLongAndOverflow(first_value, &overflow) : 0;
-        c->kind = (PyLong_CheckExact(first_value) && !overflow && x != ABSENT) ? 1 : 2;
+        PyObject *o = (PyObject *)first_value;
+        long long x = IS_OBJ(first_value) && PyLong_CheckExact(o) ? PyLong_AsLongLongAndOverflow(o, &overflow) : 0;
+        c->kind = (IS_INT(first_value) || (IS_OBJ(first_value) && PyLong_CheckExact(o) && !overflow && x != ABSENT)) ? 1 : 2;
         if (PyErr_Occurred()) return -1;
-        c->data = malloc((size_t)d->rows_cap * sizeof(int64_t));
-        if (!c->data) return -1;
-        for (int64_t j = 0; j < d->rows_cap; j++) c->data[j] = c->kind == 1 ? ABSENT : -1;
+        if (grow_column(c, d->rows_cap) < 0) return -1;
+        for (int64_t j = 0; j < d->nrows; j++) {
+            if (c->kind == 1) c->data[j] = ABSENT;
+            else c->index[j] = -1;
+        }
         if (c->kind == 2) {
             c->table = PyList_New(0);
             if (!c->table || map_init(&c->ident, 64) < 0) return -1;
@@ -309,7 +402,7 @@ static int column_for(Dec *d, PyObject *key, PyObject *first_value) {
 static void swap_memo(Dec *d, PyObject *old, PyObject *canon) {
     size_t slot = ((uintptr_t)old >> 4) & (RECENT - 1);
     uint64_t idx = d->recent[slot].idx;
-    if (d->recent[slot].ptr == (uintptr_t)old && idx < d->memo_cap && d->memo[idx] == (Val)old) {
+    if (d->recent[slot].ptr == (uintptr_t)old && idx < d->memo_init && d->memo[idx] == (Val)old) {
         Py_INCREF(canon);
         d->memo[idx] = (Val)canon;
         Py_DECREF(old);
@@ -362,10 +455,20 @@ keep:
     return o;
 }
 
+static RowList *rowlist_of(Dec *d, PyObject *list) {
+    for (int i = 0; i < d->nrl; i++)
+        if (d->rl[i].list == list) return &d->rl[i];
+    return NULL;
+}
+
 /* One object for all equal lists of the same objects (a traceback's frames), after sharing
  * their frame dicts. Returns a new reference to the shared list, or to v itself. */
 static PyObject *share_list(Dec *d, PyObject *v) {
     if (map_find(&d->canonical, (int64_t)(uintptr_t)v)) { /* already the shared one: most entries */
+        Py_INCREF(v);
+        return v;
+    }
+    if (rowlist_of(d, v)) { /* a list of entries (kept as rows, empty as an object): never shared */
         Py_INCREF(v);
         return v;
     }
@@ -405,11 +508,17 @@ static PyObject *share_list(Dec *d, PyObject *v) {
 }
 
 /* row[key] = value; 0 ok, -1 give up on the fast road */
-static int row_set(Dec *d, int64_t row, PyObject *key, PyObject *value) {
+static int row_set(Dec *d, int64_t row, PyObject *key, Val *slot) {
     if (!PyUnicode_CheckExact(key)) return -1;
-    int col = column_for(d, key, value);
+    int col = column_for(d, key, *slot);
     if (col < 0) return -1;
     Column *c = &d->cols[col];
+    if (c->kind == 1 && IS_INT(*slot)) {
+        c->data[row] = INT_OF(*slot);
+        return 0;
+    }
+    if (box(slot) < 0) return -1;
+    PyObject *value = (PyObject *)*slot;
     if (c->kind == 1) {
         if (!PyLong_CheckExact(value)) return -1;
         int overflow = 0;
@@ -418,30 +527,30 @@ static int row_set(Dec *d, int64_t row, PyObject *key, PyObject *value) {
         c->data[row] = x;
         return 0;
     }
+    if (c->last == (uintptr_t)value && c->last_index >= 0) { /* the same object as the last row's */
+        c->index[row] = c->last_index;
+        return 0;
+    }
     PyObject *v = PyList_CheckExact(value) ? share_list(d, value) : (Py_INCREF(value), value);
     if (!v) return -1;
     int64_t *hit = map_find(&c->ident, (int64_t)(uintptr_t)v);
     if (hit) {
-        c->data[row] = *hit;
+        c->index[row] = (int32_t)*hit;
+        if (v == value) { c->last = (uintptr_t)value; c->last_index = (int32_t)*hit; }
     } else {
-        if (PyList_Append(c->table, v) < 0) { Py_DECREF(v); return -1; }
-        int64_t idx = PyList_GET_SIZE(c->table) - 1;
+        int64_t idx = PyList_GET_SIZE(c->table);
+        if (idx >= INT32_MAX || PyList_Append(c->table, v) < 0) { Py_DECREF(v); return -1; }
         if (map_put(&c->ident, (int64_t)(uintptr_t)v, idx) < 0) { Py_DECREF(v); return -1; }
-        c->data[row] = idx;
+        c->index[row] = (int32_t)idx;
     }
     Py_DECREF(v);
     return 0;
 }
 
-static RowList *rowlist_of(Dec *d, PyObject *list) {
-    for (int i = 0; i < d->nrl; i++)
-        if (d->rl[i].list == list) return &d->rl[i];
-    return NULL;
-}
 
 /* append items[0:n] to the container `target` (a list, or a list of rows) */
 static int do_appends(Dec *d, Val target, Val *items, size_t n) {
-    if (IS_ROW(target) || !PyList_CheckExact((PyObject *)target)) return -1;
+    if (!IS_OBJ(target) || !PyList_CheckExact((PyObject *)target)) return -1;
     PyObject *list = (PyObject *)target;
     RowList *rl = rowlist_of(d, list);
     int rows = n && IS_ROW(items[0]);
@@ -449,7 +558,7 @@ static int do_appends(Dec *d, Val target, Val *items, size_t n) {
         if ((IS_ROW(items[i]) != 0) != rows) return -1;
     if (!n) return 0;
     if (!rows) {
-        if (rl) return -1;
+        if (rl || box_all(items, n) < 0) return -1;
         for (size_t i = 0; i < n; i++)
             if (PyList_Append(list, (PyObject *)items[i]) < 0) return -1;
         return 0;
@@ -461,17 +570,24 @@ static int do_appends(Dec *d, Val target, Val *items, size_t n) {
         Py_INCREF(list);
         rl->list = list;
     }
-    if (rl->n + n > rl->cap) {
-        size_t c = rl->cap ? rl->cap : 1024;
-        while (c < rl->n + n) c *= 2;
-        int64_t *p = realloc(rl->rows, c * sizeof(int64_t));
-        if (!p) return -1;
-        rl->rows = p; rl->cap = c;
-    }
     for (size_t i = 0; i < n; i++) {
         int64_t r = ROW_OF(items[i]);
         if (d->row_state[r]) return -1; /* the same entry twice: not what torch writes */
         d->row_state[r] = 1;
+        if (!rl->rows && (rl->n == 0 || r == rl->first + (int64_t)rl->n)) { /* the usual case: a run */
+            if (rl->n == 0) rl->first = r;
+            rl->n++;
+            continue;
+        }
+        if (rl->n + 1 > rl->cap) {
+            size_t c = rl->cap ? rl->cap : 1024;
+            while (c < rl->n + 1) c *= 2;
+            int64_t *p = realloc(rl->rows, c * sizeof(int64_t));
+            if (!p) return -1;
+            if (!rl->rows) /* the run so far, written out */
+                for (size_t j = 0; j < rl->n; j++) p[j] = rl->first + (int64_t)j;
+            rl->rows = p; rl->cap = c;
+        }
         rl->rows[rl->n++] = r;
     }
     return 0;
@@ -482,13 +598,13 @@ static int do_setitems(Dec *d, size_t k) {
     if (k == 0 || (d->sp - k) % 2) return -1;
     Val target = d->stack[k - 1];
     for (size_t i = k; i < d->sp; i += 2) {
-        Val kv = d->stack[i], vv = d->stack[i + 1];
-        if (IS_ROW(kv) || IS_ROW(vv)) return -1;
+        if (box(&d->stack[i]) < 0 || IS_ROW(d->stack[i + 1])) return -1;
+        PyObject *key = (PyObject *)d->stack[i];
         if (IS_ROW(target)) {
-            if (row_set(d, ROW_OF(target), (PyObject *)kv, (PyObject *)vv) < 0) return -1;
+            if (row_set(d, ROW_OF(target), key, &d->stack[i + 1]) < 0) return -1;
         } else {
-            if (!PyDict_CheckExact((PyObject *)target)) return -1;
-            if (PyDict_SetItem((PyObject *)target, (PyObject *)kv, (PyObject *)vv) < 0) return -1;
+            if (!IS_OBJ(target) || !PyDict_CheckExact((PyObject *)target) || box(&d->stack[i + 1]) < 0) return -1;
+            if (PyDict_SetItem((PyObject *)target, key, (PyObject *)d->stack[i + 1]) < 0) return -1;
         }
     }
     while (d->sp > k) val_decref(d->stack[--d->sp]);
@@ -520,7 +636,7 @@ static int peek_is_entry(Dec *d) {
             if (op == 'h') { if (p + 2 > end) return 0; idx = r->buf[p + 1]; }
             else { if (p + 5 > end) return 0; idx = (uint64_t)r->buf[p + 1] | (uint64_t)r->buf[p + 2] << 8 |
                                                    (uint64_t)r->buf[p + 3] << 16 | (uint64_t)r->buf[p + 4] << 24; }
-            if (idx >= d->memo_cap || !d->memo[idx] || IS_ROW(d->memo[idx])) return 0;
+            if (idx >= d->memo_init || !IS_OBJ(d->memo[idx])) return 0;
             PyObject *k = (PyObject *)d->memo[idx];
             return PyUnicode_CheckExact(k) && PyUnicode_Compare(k, d->action_str) == 0;
         }
@@ -557,6 +673,79 @@ static PyObject *long_from_le(const unsigned char *p, size_t n) {
     return r;
 }
 
+/* A trace entry's fields as torch writes them, after its EMPTY_DICT: [MEMOIZE] MARK, then
+ * (key value) pairs, keys by memo reference, values ints or memo references, then SETITEMS.
+ * Decoded here straight into the row's cells, without the stack. At anything else it stops
+ * before the pair it cannot take and leaves the rest to run(), whose SETITEMS applies the
+ * remaining pairs to the same row. 0 ok (whether or not it reached SETITEMS), -1 give up. */
+static int fast_entry(Dec *d) {
+    Reader *r = &d->rd;
+    int64_t row = ROW_OF(d->stack[d->sp - 1]);
+    int marked = 0;
+    for (;;) {
+        if (need(r, 1) < 0) return 0;
+        unsigned char op = r->buf[r->pos];
+        if (op == 0x95) { if (need(r, 9) < 0) return 0; r->pos += 9; continue; } /* FRAME */
+        if (!marked) {
+            if (op == 0x94) { r->pos++; if (memo_put(d, d->memo_count) < 0) return -1; continue; }
+            if (op != '(') return 0;
+            r->pos++;
+            if (d->mp == d->mcap) { r->pos--; return 0; } /* run() grows the marks */
+            d->marks[d->mp++] = d->sp;
+            marked = 1;
+            continue;
+        }
+        if (op == 'u') { r->pos++; d->mp--; return 0; } /* every pair is in the row already */
+        if (op != 'h' && op != 'j') return 0;
+        size_t w = op == 'h' ? 1 : 4;
+        if (need(r, 1 + w + 1) < 0) return 0;
+        const unsigned char *b = r->buf + r->pos;
+        uint64_t idx = le(b + 1, (int)w);
+        if (idx >= d->memo_init || !IS_OBJ(d->memo[idx])) return 0;
+        PyObject *key = (PyObject *)d->memo[idx];
+        unsigned char vop = b[1 + w];
+        size_t vw = vop == 'K' ? 1 : vop == 'M' ? 2 : vop == 'J' ? 4 : vop == 'h' ? 1 : vop == 'j' ? 4 :
+                    vop == 0x8a ? 1 : vop == 'N' ? 0 : 99;
+        if (vw == 99 || need(r, 1 + w + 1 + vw + (vop == 0x8a ? 8 : 0)) < 0) return 0;
+        b = r->buf + r->pos;
+        const unsigned char *a = b + 2 + w;
+        size_t used = 2 + w + vw;
+        Val v;
+        if (vop == 'K' || vop == 'M') v = MAKE_INT((int64_t)le(a, (int)vw));
+        else if (vop == 'J') v = MAKE_INT((int64_t)(int32_t)(uint32_t)le(a, 4));
+        else if (vop == 'N') { Py_INCREF(Py_None); v = (Val)Py_None; }
+        else if (vop == 0x8a) {
+            size_t n = a[0];
+            if (n < 1 || n > 8) return 0;
+            uint64_t x = le(a + 1, (int)n);
+            if (n < 8 && (a[n] & 0x80)) x |= ~(uint64_t)0 << (8 * n); /* sign-extend */
+            if (!INT_FITS((int64_t)x)) return 0;
+            v = MAKE_INT((int64_t)x);
+            used += n;
+        } else {
+            uint64_t j = le(a, (int)vw);
+            if (j >= d->memo_init || !d->memo[j] || IS_ROW(d->memo[j])) return 0;
+            v = d->memo[j];
+            if (IS_OBJ(v)) Py_INCREF((PyObject *)v);
+        }
+        size_t slot = idx & 63;
+        int col = d->keymemo[slot].idx == idx ? d->keymemo[slot].col - 1 : -1;
+        if (col >= 0 && IS_INT(v) && d->cols[col].kind == 1) { /* an int for an int column: most pairs */
+            d->cols[col].data[row] = INT_OF(v);
+            r->pos += used;
+            continue;
+        }
+        int rc = row_set(d, row, key, &v);
+        val_decref(v);
+        if (rc < 0) return -1;
+        if (col < 0) { /* remember the key's column (row_set has just made or found it) */
+            for (int i = 0; i < d->nkeys; i++)
+                if (d->keycache[i] == key) { d->keymemo[slot].idx = idx; d->keymemo[slot].col = d->keycol[i] + 1; break; }
+        }
+        r->pos += used;
+    }
+}
+
 /* Run the machine to STOP. 0 ok (result on the stack), -1 give up. */
 static int run(Dec *d) {
     Reader *r = &d->rd;
@@ -568,7 +757,7 @@ static int run(Dec *d) {
         switch (op) {
         case 0x80: if (need(r, 1) < 0 || r->buf[r->pos] > 5) return -1; r->pos += 1; break; /* PROTO */
         case 0x95: if (need(r, 8) < 0) return -1; r->pos += 8; break;                      /* FRAME */
-        case '.': return (d->sp > mark_base(d) && !IS_ROW(d->stack[d->sp - 1])) ? 0 : -1;   /* STOP */
+        case '.': return (d->sp > mark_base(d) && box(&d->stack[d->sp - 1]) == 0) ? 0 : -1; /* STOP */
         case '(':                                                                             /* MARK */
             if (d->mp == d->mcap) {
                 size_t c = d->mcap ? d->mcap * 2 : 64;
@@ -588,7 +777,7 @@ static int run(Dec *d) {
             while (d->sp > k) val_decref(d->stack[--d->sp]);
             break;
         case '2': if (d->sp <= mark_base(d)) return -1;                                                      /* DUP */
-                  { Val v = d->stack[d->sp - 1]; if (!IS_ROW(v)) Py_INCREF((PyObject *)v);
+                  { Val v = d->stack[d->sp - 1]; if (IS_OBJ(v)) Py_INCREF((PyObject *)v);
                     if (push(d, v) < 0) { val_decref(v); return -1; } } break;
         case 'N': Py_INCREF(Py_None); if (push_obj(d, Py_None) < 0) return -1; break;
         case 0x88: Py_INCREF(Py_True); if (push_obj(d, Py_True) < 0) return -1; break;
@@ -598,8 +787,8 @@ static int run(Dec *d) {
             if (need(r, w) < 0) return -1;
             uint64_t x = le(r->buf + r->pos, w);
             r->pos += w;
-            long v = op == 'J' ? (long)(int32_t)(uint32_t)x : (long)x;
-            if (push_obj(d, PyLong_FromLong(v)) < 0) return -1;
+            int64_t v = op == 'J' ? (int64_t)(int32_t)(uint32_t)x : (int64_t)x;
+            if (push(d, MAKE_INT(v)) < 0) return -1;
             break;
         }
         case 0x8a: case 0x8b: {                                                               /* LONG1/4 */
@@ -610,6 +799,11 @@ static int run(Dec *d) {
             r->pos += w;
             if (need(r, (size_t)n) < 0) return -1;
             a = r->buf + r->pos; r->pos += n;
+            if (n >= 1 && n <= 8) {
+                uint64_t x = le(a, (int)n);
+                if (n < 8 && (a[n - 1] & 0x80)) x |= ~(uint64_t)0 << (8 * n); /* sign-extend */
+                if (INT_FITS((int64_t)x)) { if (push(d, MAKE_INT((int64_t)x)) < 0) return -1; break; }
+            }
             if (push_obj(d, long_from_le(a, (size_t)n)) < 0) return -1;
             break;
         }
@@ -642,8 +836,7 @@ static int run(Dec *d) {
         case 0x85: case 0x86: case 0x87: case 't': {                                          /* TUPLE* */
             if (op == 't') { if (pop_mark(d, &k) < 0) return -1; }
             else { size_t n = op - 0x84; if (d->sp < n || d->sp - n < mark_base(d)) return -1; k = d->sp - n; }
-            for (size_t i = k; i < d->sp; i++)
-                if (IS_ROW(d->stack[i])) return -1;
+            if (box_all(d->stack + k, d->sp - k) < 0) return -1;
             PyObject *t = PyTuple_New((Py_ssize_t)(d->sp - k));
             if (!t) return -1;
             for (size_t i = k; i < d->sp; i++) /* the tuple takes over the stack's references */
@@ -664,9 +857,7 @@ static int run(Dec *d) {
         }
         case '}':                                                                             /* EMPTY_DICT */
             if (peek_is_entry(d)) {
-                if (d->nrows == d->rows_cap && grow_rows(d) < 0) return -1;
-                if (push(d, MAKE_ROW(d->nrows)) < 0) return -1;
-                d->nrows++;
+                if (new_row(d) < 0 || fast_entry(d) < 0) return -1;
             } else if (push_obj(d, PyDict_New()) < 0) return -1;
             break;
         case 'd': {                                                                           /* DICT */
@@ -685,18 +876,19 @@ static int run(Dec *d) {
         case 0x90: {                                                                          /* ADDITEMS */
             if (pop_mark(d, &k) < 0 || k <= mark_base(d)) return -1;
             Val s = d->stack[k - 1];
-            if (IS_ROW(s) || !PySet_CheckExact((PyObject *)s)) return -1;
+            if (!IS_OBJ(s) || !PySet_CheckExact((PyObject *)s) || box_all(d->stack + k, d->sp - k) < 0) return -1;
             for (size_t i = k; i < d->sp; i++)
-                if (IS_ROW(d->stack[i]) || PySet_Add((PyObject *)s, (PyObject *)d->stack[i]) < 0) return -1;
+                if (PySet_Add((PyObject *)s, (PyObject *)d->stack[i]) < 0) return -1;
             while (d->sp > k) val_decref(d->stack[--d->sp]);
             break;
         }
         case 0x91: {                                                                          /* FROZENSET */
             if (pop_mark(d, &k) < 0) return -1;
+            if (box_all(d->stack + k, d->sp - k) < 0) return -1;
             PyObject *s = PyFrozenSet_New(NULL);
             if (!s) return -1;
             for (size_t i = k; i < d->sp; i++)
-                if (IS_ROW(d->stack[i]) || PySet_Add(s, (PyObject *)d->stack[i]) < 0) { Py_DECREF(s); return -1; }
+                if (PySet_Add(s, (PyObject *)d->stack[i]) < 0) { Py_DECREF(s); return -1; }
             while (d->sp > k) val_decref(d->stack[--d->sp]);
             if (push_obj(d, s) < 0) return -1;
             break;
@@ -737,11 +929,11 @@ static int run(Dec *d) {
 static void dec_free(Dec *d) {
     while (d->sp) val_decref(d->stack[--d->sp]);
     free(d->stack); free(d->marks);
-    for (size_t i = 0; i < d->memo_cap; i++) if (d->memo[i]) val_decref(d->memo[i]);
+    for (size_t i = 0; i < d->memo_init; i++) val_decref(d->memo[i]);
     free(d->memo);
     for (int i = 0; i < d->ncols; i++) {
         Py_XDECREF(d->cols[i].name); Py_XDECREF(d->cols[i].table);
-        free(d->cols[i].data); map_free(&d->cols[i].ident);
+        free(d->cols[i].data); free(d->cols[i].index); map_free(&d->cols[i].ident);
     }
     for (int i = 0; i < d->nkeys; i++) Py_XDECREF(d->keycache[i]);
     for (int i = 0; i < d->nrl; i++) { Py_XDECREF(d->rl[i].list); free(d->rl[i].rows); }
@@ -751,25 +943,56 @@ static void dec_free(Dec *d) {
     free(d->rd.buf);
 }
 
-/* (root, [(list, rows)], [(name, kind, data, table)], nrows); column buffers are freed as
- * they are copied out, to keep the peak low */
+/* (root, [(list, rows)], [(name, kind, data, table, itemsize)], nrows); rows: a buffer of
+ * int64 row numbers, or (first, count) when they are first, first + 1, ...; column buffers are
+ * freed as they are copied out, to keep the peak low. Kind 1: int64 values; kind 2: indexes in
+ * the narrowest signed type that holds the table's size (itemsize 1, 2 or 4). */
 static PyObject *build_result(Dec *d) {
     PyObject *lists = PyList_New(0), *cols = PyList_New(0), *out = NULL;
     if (!lists || !cols) goto done;
     for (int i = 0; i < d->nrl; i++) {
-        PyObject *rows = PyBytes_FromStringAndSize((const char *)d->rl[i].rows, (Py_ssize_t)(d->rl[i].n * sizeof(int64_t)));
+        PyObject *rows;
+        if (d->rl[i].rows) {
+            rows = buf_new(d->rl[i].rows, d->rl[i].n * sizeof(int64_t));
+            d->rl[i].rows = NULL;
+        } else { /* a run: (first, count) */
+            rows = Py_BuildValue("(LL)", (long long)d->rl[i].first, (long long)d->rl[i].n);
+        }
         if (!rows) goto done;
-        free(d->rl[i].rows); d->rl[i].rows = NULL;
         PyObject *t = Py_BuildValue("(ON)", d->rl[i].list, rows);
         if (!t || PyList_Append(lists, t) < 0) { Py_XDECREF(t); goto done; }
         Py_DECREF(t);
     }
     for (int i = 0; i < d->ncols; i++) {
         Column *c = &d->cols[i];
-        PyObject *data = PyBytes_FromStringAndSize((const char *)c->data, (Py_ssize_t)(d->nrows * sizeof(int64_t)));
-        if (!data) goto done;
-        free(c->data); c->data = NULL;
-        PyObject *t = Py_BuildValue("(OiNO)", c->name, c->kind, data, c->table ? c->table : Py_None);
+        int width = 8;
+        PyObject *data;
+        if (c->kind == 1) {
+            data = buf_new(c->data, (size_t)d->nrows * sizeof(int64_t));
+            c->data = NULL;
+            if (!data) goto done;
+        } else {
+            Py_ssize_t n = PyList_GET_SIZE(c->table);
+            width = n < 128 ? 1 : n < 32768 ? 2 : 4; /* as trace._index_dtype */
+            if (width == 4) {
+                data = buf_new(c->index, (size_t)d->nrows * sizeof(int32_t));
+                c->index = NULL;
+                if (!data) goto done;
+                goto add;
+            }
+            data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)d->nrows * width);
+            if (!data) goto done;
+            char *out = PyBytes_AS_STRING(data);
+            for (int64_t j = 0; j < d->nrows; j++) {
+                int32_t x = c->index[j];
+                if (width == 1) ((int8_t *)out)[j] = (int8_t)x;
+                else if (width == 2) ((int16_t *)out)[j] = (int16_t)x;
+                else ((int32_t *)out)[j] = x;
+            }
+            free(c->index); c->index = NULL;
+        }
+    add:;
+        PyObject *t = Py_BuildValue("(OiNOi)", c->name, c->kind, data, c->table ? c->table : Py_None, width);
         if (!t || PyList_Append(cols, t) < 0) { Py_XDECREF(t); goto done; }
         Py_DECREF(t);
     }
@@ -1107,4 +1330,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastcore", "memory_audit's compiled core", -1, methods};
 
-PyMODINIT_FUNC PyInit__fastcore(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fastcore(void) {
+    if (PyType_Ready(&BufType) < 0) return NULL;
+    return PyModule_Create(&module);
+}

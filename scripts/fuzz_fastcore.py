@@ -38,11 +38,12 @@ for k in range(count):
         taken += 1
         top, lists, columns, _ = res
         repr(top)
-        for _, _, data, table in columns:
-            np.frombuffer(data, np.int64).sum()
+        for _, kind, data, table, itemsize in columns:
+            np.frombuffer(data, np.int64 if kind == 1 else np.dtype(f"i{itemsize}")).sum()
             repr(table)
         for _, rows in lists:
-            np.frombuffer(rows, np.int64).sum()
+            if not isinstance(rows, tuple):  # (first, count) for a run of rows
+                np.frombuffer(rows, np.int64).sum()
 nr = np.random.default_rng(seed)
 for _ in range(200):
     n = 2000

@@ -50,6 +50,11 @@ def _as_read(res):
     return root
 
 
+def _row_count(rows):
+    """How many rows a list holds: (first, count) for a run, else a buffer of int64 row numbers."""
+    return rows[1] if isinstance(rows, tuple) else len(np.frombuffer(rows, np.int64))
+
+
 def _raw(t, i):
     """Entry i exactly as stored (no normalisation defaults)."""
     return t.entry(i, defaults=False)
@@ -60,7 +65,7 @@ def test_decoder_reads_what_pickle_reads(path):
     res = core.scan(path)
     assert res is not None, "a snapshot torch wrote must take the compiled road"
     root, lists, _, nrows = res
-    assert sum(len(np.frombuffer(r, np.int64)) for _, r in lists) == nrows
+    assert sum(_row_count(r) for _, r in lists) == nrows
     assert _as_read(res) == _restricted(path)
 
 
@@ -169,10 +174,38 @@ def test_equal_frames_are_one_object(tmp_path):
     path = tmp_path / "fresh.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [entries]}, protocol=4))
     res = core.scan(str(path))
-    frames_table = next(table for name, _, _, table in res[2] if name == "frames")
+    frames_table = next(table for name, _, _, table, _ in res[2] if name == "frames")
     assert len(frames_table) == 2
     assert frames_table[0][1] is frames_table[1][1]  # the shared `main` frame
     assert _as_read(res) == _restricted(str(path))
+
+
+def test_ints_of_every_width_and_rows_out_of_order(tmp_path):
+    """Ints are kept out of Python objects inside entries (up to 61 bits) and boxed everywhere
+    else: every width and sign, as entry values, dict keys, list, tuple and set items, reads as
+    pickle reads it. An entry holding a list of entries makes the outer list's rows skip (0, 3,
+    6, ...), which the decoder returns as row numbers instead of a run."""
+    widths = [0, 1, -1, 255, 256, -129, 2 ** 31 - 1, -2 ** 31, 2 ** 40 + 7, 2 ** 61 - 1, -2 ** 61,
+              2 ** 61, -2 ** 61 - 1, 2 ** 63 - 1, -2 ** 63 + 1]
+    huge = [2 ** 64 + 3, -2 ** 70]  # beyond int64: fine outside entries
+    inner = lambda i: [{"action": "alloc", "addr": w, "size": i} for w in widths[i % 3:i % 3 + 2]]
+    entries = [{"action": "alloc", "addr": w, "size": -w, "time_us": i, "children": inner(i)}
+               for i, w in enumerate(widths)]
+    ints = widths + huge
+    snap = {"segments": [], "device_traces": [entries],
+            "other": {"ints": list(ints), "tuple": tuple(ints), "set": set(ints), 7: huge[0], huge[1]: -1}}
+    path = tmp_path / "ints.pickle"
+    path.write_bytes(pickle.dumps(snap, protocol=4))
+    res = core.scan(str(path))
+    assert res is not None
+    runs = [rows for lst, rows in res[1]]
+    assert any(not isinstance(r, tuple) for r in runs) and any(isinstance(r, tuple) for r in runs)
+    assert _as_read(res) == pickle.loads(path.read_bytes())
+    entries[3]["size"] = 2 ** 64  # an entry's int that no int64 column holds: the slow road, one line
+    path.write_bytes(pickle.dumps(snap, protocol=4))
+    assert core.scan(str(path)) is None
+    with pytest.raises(SnapshotError, match="'size' .* does not fit in 64 bits"):
+        load_snapshot(str(path))
 
 
 @pytest.mark.parametrize("data", [

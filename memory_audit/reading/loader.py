@@ -122,6 +122,7 @@ def normalize(snap, source="snapshot"):
                 history = block.get("history") or []
                 block["frames"] = history[-1].get("frames", []) if history and isinstance(history[-1], dict) else []
             block.setdefault("requested_size", block["size"] if block["state"] != "inactive" else 0)
+    cpu = bool((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline"))
     for d, trace in enumerate(snap["device_traces"]):
         if not isinstance(trace, Trace):
             if not all(isinstance(e, dict) and "action" in e for e in trace):
@@ -134,6 +135,7 @@ def normalize(snap, source="snapshot"):
             trace.addr, trace.size  # integers, or a clear error now rather than a wrong sum later
         except ValueError as e:
             raise SnapshotError(f"{source}: {e}") from None
+        trace.cpu = cpu
     return snap
 
 

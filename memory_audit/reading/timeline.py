@@ -15,7 +15,7 @@ import numpy as np
 from .attribute import (BASELINE, baseline_name, block_namer, distributed_name, name_from_frames, phase_names,
                         trace_workspaces)
 from ..schema import CATEGORIES, RECOMPUTE_LABEL
-from .trace import A, FREES, Trace, as_trace
+from .trace import A, FREES, Trace, as_trace, is_action
 
 
 def _phase_names(meta):
@@ -156,8 +156,8 @@ def name_events(trace, cuts, wrappers=None):
         event_name.setdefault(i, "recomputed/" + label)
     freed = np.zeros(n, dtype=bool)
     done = allocs[pair[allocs] >= 0]
-    freed[done[np.isin(act[pair[done]], FREES)]] = True
-    frees = np.isin(act, FREES)
+    freed[done[is_action(act[pair[done]], FREES)]] = True
+    frees = is_action(act, FREES)
     unmatched = frees & (pair < 0)
     for i in np.flatnonzero(unmatched).tolist():  # frees of what is older than the trace
         name = _name_at(cuts, int(addr[i]), i) if cuts else BASELINE  # a snapshot from elsewhere
@@ -257,7 +257,7 @@ def _entry_categories(trace, meta, cuts, pair):
     cat[ws] = _CODE["workspace"]
     for i, name in event_name.items():
         cat[i] = _CODE.get(name.split("/", 1)[0], _CODE["unattributed"])
-    matched = np.isin(act, FREES) & (pair >= 0)
+    matched = is_action(act, FREES) & (pair >= 0)
     cat[matched] = cat[pair[matched]]
     return cat, event_name, unmatched_free, unnamed
 
@@ -292,7 +292,7 @@ def pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device=0):
     out = [(name(b), b["size"], None)
            for s in snap.get("segments", []) if s.get("device", 0) == device for b in s["blocks"]
            if b["state"] == "active_allocated" and b["address"] not in traced_live]
-    for i in np.flatnonzero(np.isin(act, FREES) & (pair < 0)).tolist():  # named by name_events
+    for i in np.flatnonzero(is_action(act, FREES) & (pair < 0)).tolist():  # named by name_events
         out.append((event_name.get(i), int(block[i]), i))
     return out
 
@@ -320,13 +320,13 @@ def _code(name):
 def _per_category(delta, cat, sample):
     """{category: bytes at each sampled entry}: a running sum over each category's entries."""
     per_cat = {}
-    moving = np.flatnonzero(delta)
-    order = moving[np.argsort(cat[moving], kind="stable")]
-    bounds = np.flatnonzero(np.diff(cat[order])) + 1
-    for group in np.split(order, bounds) if len(order) else []:
+    moving = delta != 0
+    present = np.flatnonzero(np.bincount(cat[moving], minlength=len(CATEGORIES)))
+    for code in present.tolist():  # a dozen categories at most: one pass each, no sort
+        group = np.flatnonzero(moving & (cat == code))
         run = np.cumsum(delta[group])
         at = np.searchsorted(group, sample, side="right") - 1
-        per_cat[CATEGORIES[cat[group[0]]]] = np.where(at >= 0, run[np.maximum(at, 0)], 0)
+        per_cat[CATEGORIES[code]] = np.where(at >= 0, run[np.maximum(at, 0)], 0)
     return per_cat
 
 
@@ -335,7 +335,7 @@ def _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, unnamed):
     before the trace, see pre_trace_blocks; unnamed: see _entry_categories)."""
     is_alloc = trace.act[:peak_i + 1] == A["alloc"]
     live = np.flatnonzero(is_alloc & ((pair[:peak_i + 1] < 0) | (pair[:peak_i + 1] > peak_i)))
-    freed = dict(zip(live.tolist(), ((pair[live] >= 0) & np.isin(trace.act[np.maximum(pair[live], 0)], FREES)).tolist()))
+    freed = dict(zip(live.tolist(), ((pair[live] >= 0) & is_action(trace.act[np.maximum(pair[live], 0)], FREES)).tolist()))
     lines = {}
     for i in live.tolist():
         key = event_name.get(i) or ("workspace/cublas" if cat[i] == _CODE["workspace"] else
@@ -380,7 +380,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     cat, event_name, unmatched_free, unnamed = _entry_categories(trace, meta, cuts, pair)
     pre = pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device)
     delta = block.copy()  # +block at an alloc, -block at a free, 0 elsewhere (in place: 1M entries)
-    frees = np.isin(act, FREES)
+    frees = is_action(act, FREES)
     delta[~(frees | (act == A["alloc"]))] = 0
     np.negative(delta, out=delta, where=frees)
     del frees
@@ -390,8 +390,8 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
                         for b in s["blocks"] if b["state"] == "active_allocated")
     end_reserved = sum(s["total_size"] for s in snap["segments"] if s.get("device", 0) == device)
     # reserved bytes move only at the few segment entries: a running sum over those
-    seg_at = np.flatnonzero(np.isin(act, (A["segment_alloc"], A["segment_map"], A["segment_free"], A["segment_unmap"])))
-    seg_delta = np.where(np.isin(act[seg_at], (A["segment_alloc"], A["segment_map"])), size[seg_at], -size[seg_at])
+    seg_at = np.flatnonzero(is_action(act, (A["segment_alloc"], A["segment_map"], A["segment_free"], A["segment_unmap"])))
+    seg_delta = np.where(is_action(act[seg_at], (A["segment_alloc"], A["segment_map"])), size[seg_at], -size[seg_at])
     seg_run = np.r_[0, np.cumsum(seg_delta)] + end_reserved - int(seg_delta.sum())
 
     def reserved_at(i):

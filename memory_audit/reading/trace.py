@@ -33,6 +33,14 @@ A = {name: i for i, name in enumerate(ACTIONS)}
 FREES = (A["free_requested"], A["free"])  # memory_allocated() drops here (not at free_completed)
 
 
+def is_action(act, codes):
+    """act (uint8 action codes) in `codes`, as a bool array: a table lookup (np.isin is 10x
+    slower on ten million entries)."""
+    table = np.zeros(256, dtype=bool)
+    table[list(codes)] = True
+    return table[act]
+
+
 class Trace:
     """Columns {key: (values int64 array, table list or None)} of n entries, in key order."""
 
@@ -44,6 +52,7 @@ class Trace:
                 raise ValueError(f"trace column {key!r} has {len(values)} values for {self.n} entries")
         self._act = self._addr = self._size = None
         self._replayed = {}
+        self.cpu = False  # a CPU profiler timeline (exact bytes, no caching allocator): set by the loader
         self.cache = {}  # results derived from the columns (live_at_end), computed once
 
     # ---- building
@@ -66,19 +75,21 @@ class Trace:
 
     @classmethod
     def from_scan(cls, columns, rows):
-        """From the compiled decoder's columns [(key, kind, bytes, table)] and this list's rows."""
-        rows = np.frombuffer(rows, dtype=np.int64)
-        contiguous = len(rows) == 0 or (rows[-1] - rows[0] == len(rows) - 1 and bool(np.all(np.diff(rows) == 1)))
+        """From the compiled decoder's columns [(key, kind, bytes, table, itemsize)] and this
+        list's rows (int64 row numbers, or (first, count)). Kind 1: int64 values; kind 2: indexes into `table` (-1: absent), already in
+        the narrowest type (_index_dtype)."""
+        if isinstance(rows, tuple):  # (first, count): rows that follow each other, as torch writes them
+            pick, n = slice(rows[0], rows[0] + rows[1]), rows[1]
+        else:
+            pick = np.frombuffer(rows, dtype=np.int64)
+            n = len(pick)
         out = {}
-        for key, kind, data, table in columns:
-            values = np.frombuffer(data, dtype=np.int64)
-            values = values[rows[0]:rows[0] + len(rows)] if contiguous and len(rows) else values[rows]
+        for key, kind, data, table, itemsize in columns:
+            values = np.frombuffer(data, dtype=np.int64 if kind == 1 else np.dtype(f"i{itemsize}"))[pick]
             if len(values) and (values == (ABSENT if kind == 1 else -1)).all():
                 continue  # a key only other lists' entries have
-            if kind == 2:  # indexes into a table of distinct values (-1: absent): the narrowest type
-                values = values.astype(_index_dtype(len(table)))
             out[key] = (values, table if kind == 2 else None)
-        return cls(out, len(rows))
+        return cls(out, n)
 
     # ---- reading
     def __len__(self):
@@ -137,6 +148,9 @@ class Trace:
         bad = next((v for v in table if type(v) is not int and v is not None), _MISSING)
         if bad is not _MISSING:
             raise ValueError(f"a trace entry has a non-integer {key!r} ({type(bad).__name__})")
+        big = next((v for v in table if v is not None and not -2 ** 63 <= v < 2 ** 63), None)
+        if big is not None:
+            raise ValueError(f"a trace entry's {key!r} ({big}) does not fit in 64 bits")
         lut = np.array([default if v is None else v for v in table] or [0], dtype=np.int64)
         return np.where(values < 0, default, lut[np.maximum(values, 0)])
 
@@ -188,11 +202,11 @@ class Trace:
 
     def pairing(self):
         """The replay's pair column (it does not depend on `cpu`): from a replay already made,
-        else from the cheap one that skips the block simulation."""
+        else from the replay this trace's own kind needs (the timeline asks for it next)."""
         for cpu in (False, True):
             if cpu in self._replayed:
                 return self._replayed[cpu][1]
-        return self.replayed(True)[1]
+        return self.replayed(self.cpu)[1]
 
     def set_values(self, key, values):
         """Set `key` on every entry (a list of n hashable values), e.g. a category per entry."""
