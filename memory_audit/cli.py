@@ -193,26 +193,11 @@ def _write_trace(replay, dev, path):
     """Write the shadow run's predicted process (predict.traced's replay) as a snapshot to `path`."""
     if os.path.exists(path) and not path.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {path}: not a .pickle file")
+    from .prediction.predict import predicted_snapshot
     with open(path, "wb") as f:
         pickle.dump(predicted_snapshot(replay, dev), f, protocol=4)
     return {"peak": replay["peak"], "start_bytes": replay["steady_state"], "reserved": replay["reserved"],
             "events": len(replay["result"]["events"]), "phases": replay["result"]["phases"], "trace": path}
-
-
-def predicted_snapshot(replay, dev):
-    """The shadow run's step as a plain snapshot, categorized as `viz` categorizes an audit of it
-    (grads, recomputed, temporaries by the audit's names; the viewer's 'unknown' its loader needs),
-    so MemoryViz opens the file itself."""
-    from .prediction import shadow
-    from .reading.loader import normalize
-    from .reading.timeline import categorize_trace
-    from .reading.trace import plain
-    if dev["type"] == "cuda":
-        from .prediction.shadow_allocator import snapshot
-        snap = snapshot(replay["result"], dev.get("expandable_segments", False), shadow.audit_names(replay["result"]))
-    else:
-        snap = shadow.snapshot(replay["result"])
-    return plain(categorize_trace(normalize(snap), None, detail=False))
 
 
 def _korthikanti_predicted(pred):
@@ -383,11 +368,15 @@ def cmd_sweep(args):
 
 def cmd_viz(args):
     from .reading.viz import write_viz
-    out = write_viz(args.path, args.phase, args.view, args.out, args.detail)
-    print(f"wrote {out} (open it in a browser with internet: it loads MemoryViz.js from {VIEWER_HOST})")
+    span = None
+    if args.window is not None:
+        a, sep, b = args.window.partition(":")
+        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
+            raise ValueError(f"--window={args.window}: expected START:END, two trace entry indexes")
+        span = (int(a), int(b))
+    for path, what in write_viz(args.path, args.phase, args.view, args.out, args.detail, span):
+        print(f"wrote {path}: {what}")
 
-
-VIEWER_HOST = "cdn.jsdelivr.net"
 COMMANDS = {"attribute": cmd_attribute, "predict": cmd_predict, "fit": cmd_fit, "plan": cmd_plan, "report": cmd_report,
             "diff": cmd_diff, "accuracy": cmd_accuracy, "sweep": cmd_sweep, "viz": cmd_viz}
 
@@ -451,7 +440,8 @@ def main(argv=None):
     t = sub.add_parser("accuracy", help="markdown table of sweep results (the README's table)")
     t.add_argument("results", nargs="+", help="results .jsonl files")
     t.add_argument("--json", action="store_true", help="the rows as JSON, reserved_predicted/reserved_actual included")
-    v = sub.add_parser("viz", help="the PyTorch memory viz page of a run, coloured by our categories")
+    v = sub.add_parser("viz", help="the PyTorch memory viz page of a run, coloured by our categories, and an "
+                       "overview page (offline, any size; predicted beside measured for an audit)")
     v.add_argument("path", help="a run directory or a snapshot pickle")
     v.add_argument("--phase", default="step2_end", help="which snapshot of a run (default: the whole step)")
     v.add_argument("--view", default="Active Memory Timeline", help="Active Memory Timeline | "
@@ -459,6 +449,8 @@ def main(argv=None):
     v.add_argument("--out", default=None, help="HTML file (default: beside the snapshot)")
     v.add_argument("--detail", action="store_true", help="second-level categories (temporary/backward, ...); "
                    "more than ten share colours")
+    v.add_argument("--window", default=None, metavar="START:END", help="write trace entries START to END "
+                   "(with what was live at START) as a snapshot and its MemoryViz page, for any size of trace")
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # `--json -` is the flag: JSON on stdout
         if argv[i] == "-" and argv[i - 1] == "--json":

@@ -66,6 +66,9 @@ RECOMPUTE_LABEL = "recompute:"
 # The filename of the one frame each event of a predicted snapshot (shadow.snapshot) carries;
 # the frame's name is the event's ledger key, which attribution reads back.
 PREDICTED_FRAME = "<predicted>"
+# A predicted snapshot's own top-level key: {phase: the trace entry at which it begins}, what
+# meta.json's phases say of an audit (MemoryViz reads no key it does not know)
+PHASES_KEY = "memory_audit_phases"
 
 # Categories an active or cached byte can land in, in the order tables print them.
 # `user`: what a script's own code made outside forward, backward and the optimizer and still

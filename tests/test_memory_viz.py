@@ -6,25 +6,18 @@ bundled into one ES module by esbuild (an import map points the viewer's five CD
 Chromium loads it; a probe script reports page errors and the legend's categories.
 """
 
-import functools
-import http.server
 import json
 import os
 import re
 import shutil
-import subprocess
-import threading
 
 import pytest
 
+import headless
 from conftest import ROOT, skip_or_fail
 from memory_audit.reading import viz
 
-VENDOR = os.path.join(ROOT, "..", "shared", "vendor", "pytorch_memory_viz")
 FOREIGN = os.path.join(ROOT, "..", "shared", "fixtures", "foreign_snapshots")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CDN = ("https://cdn.skypack.dev/d3@5", "https://cdn.skypack.dev/d3-axis@1", "https://cdn.skypack.dev/d3-scale@1",
-       "https://cdn.skypack.dev/d3-zoom@1", "https://cdn.skypack.dev/d3-brush@1")
 
 PROBE = """<script>
 window.__errors = [];
@@ -46,57 +39,29 @@ setTimeout(() => {
 @pytest.fixture(scope="module")
 def viewer(tmp_path_factory):
     """A folder served on localhost with MemoryViz.js and d3.bundle.js; yields (folder, url)."""
-    if not CHROMIUM:
-        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
-    if not os.path.exists(os.path.join(VENDOR, "MemoryViz.js")):
-        pytest.skip("../shared/vendor/pytorch_memory_viz is not here")
-    npm = shutil.which("npm")
-    if not npm:
-        pytest.skip("npm is not installed: d3 comes from the npm registry")
+    why = headless.missing()
+    if why:
+        pytest.skip(why)
     root = tmp_path_factory.mktemp("viewer")
-    build = root / "build"
-    build.mkdir()
-    (build / "package.json").write_text('{"private": true}')
-    (build / "entry.js").write_text('export * from "d3";\n')
-    p = subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", "d3@5", "esbuild@0.24"],
-                       cwd=build, capture_output=True, text=True, timeout=300)
-    if p.returncode != 0:
-        skip_or_fail(f"npm could not install d3@5 and esbuild: {p.stderr.strip()[-300:]}")
-    subprocess.run([str(build / "node_modules" / ".bin" / "esbuild"), "entry.js", "--bundle", "--format=esm",
-                    f"--outfile={root / 'd3.bundle.js'}"], cwd=build, check=True, capture_output=True, timeout=120)
-    shutil.copy(os.path.join(VENDOR, "MemoryViz.js"), root / "MemoryViz.js")
-    handler = functools.partial(_Quiet, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    why = headless.build_viewer(root)
+    if why:
+        skip_or_fail(why)
+    server, url = headless.serve(root)
+    yield root, url
     server.shutdown()
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
 
 
 def open_in_viewer(viewer, page_html, name, shot=False):
     """Load the viz page offline in headless Chromium; returns the probe's dict."""
     root, url = viewer
-    assert viz.VIEWER_URL in page_html  # torch's template, as `viz` writes it
-    imports = {u: "/d3.bundle.js" for u in CDN}
-    head = f'<script type="importmap">{json.dumps({"imports": imports})}</script>' + PROBE
-    page = page_html.replace(viz.VIEWER_URL, "/MemoryViz.js").replace("<head>", "<head>" + head, 1)
-    page = page.replace("</body>", REPORT + "</body>", 1)
-    (root / f"{name}.html").write_text(page)
-    common = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              f"--user-data-dir={root}/profile-{name}", "--virtual-time-budget=20000", "--window-size=1400,900"]
-    p = subprocess.run(common + ["--dump-dom", f"{url}/{name}.html"], capture_output=True, text=True, timeout=180)
-    m = re.search(r'<pre id="probe">(.*?)</pre>', p.stdout, re.S)
-    assert m, f"no probe in the page: {p.stdout[-500:]} {p.stderr[-500:]}"
+    (root / f"{name}.html").write_text(headless.offline(page_html, PROBE, REPORT))
+    shot_path = root / f"{name}.png" if shot else None
+    dom, _, _ = headless.chromium(f"{url}/{name}.html", root / f"profile-{name}", budget_ms=20000, screenshot=shot_path)
+    m = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert m, f"no probe in the page: {dom[-500:]}"
     probe = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">"))
     if shot:
-        subprocess.run(common + [f"--screenshot={root / name}.png", f"{url}/{name}.html"], capture_output=True,
-                       timeout=180)
-        probe["screenshot"] = str(root / f"{name}.png")
+        probe["screenshot"] = str(shot_path)
     return probe
 
 
@@ -161,3 +126,101 @@ def test_predicted_pickle_opens_in_the_real_viewer_as_a_file(viewer, tmp_path, g
         snap = pickle.load(f)
     _check(open_in_viewer(viewer, viz.html(snap), f"predicted-file-{gpu}"),
            ["weights", "optimizer", "activations", "inputs", "temporary"])
+
+
+# -- the overview page: any size, offline, predicted beside measured ---------------------------
+
+def _page_data(path):
+    text = open(path).read()
+    m = re.search(r'<script type="application/json" id="data">(.*?)</script>', text, re.S)
+    return text, json.loads(m.group(1))
+
+
+def _offline_dom(page, profile):
+    """The page's DOM after Chromium drew it from file:// with every other request failing."""
+    if headless.CHROMIUM is None:
+        skip_or_fail("chromium is not installed (.ci/run installs Debian's chromium)")
+    dom, _, rc = headless.chromium(f"file://{page}", profile, budget_ms=5000, network=False)
+    assert rc == 0 and 'data-drawn="yes"' in dom, dom[-800:]
+    return dom
+
+
+@pytest.mark.parametrize("run", ["cpu-tiny-fp32-manual", "cuda-tiny-fp16-manual"])
+def test_overview_offline_with_the_predicted_step_beside(tmp_path, run):
+    """`viz RUN` on a committed audit (CPU, CUDA) whose prediction left predicted.pickle: the
+    overview page loads nothing from anywhere, draws both timelines with one legend, and its
+    peaks are the audit's measured peak and the stored prediction's, to the byte."""
+    from memory_audit.cli import main
+    dst = tmp_path / run
+    shutil.copytree(os.path.join(ROOT, "snapshots", "examples", run), dst)
+    assert main(["viz", str(dst)]) == 0
+    page = dst / "step2_end.overview.html"
+    text, data = _page_data(page)
+    # nothing to fetch, it works offline (the one URL is the SVG namespace, an identifier)
+    assert set(re.findall(r"https?://[^'\"\s]+", text)) == {"http://www.w3.org/2000/svg"}
+    assert not re.search(r"<script src|<link |<img |url\(", text)
+    measured, predicted = data["timelines"]
+    assert (measured["label"], predicted["label"]) == ("measured", "predicted")
+    report = json.load(open(dst / "report.json"))
+    assert measured["peak"]["bytes"] == report["totals"]["peak"]["actual"]
+    assert predicted["peak"]["bytes"] == json.load(open(dst / "meta.json"))["prediction"]["totals"]["peak_allocated_bytes"]
+    assert set(measured["phases"]) >= {"step2_start", "step2_before_backward"} <= set(predicted["phases"])
+    dom = _offline_dom(page, tmp_path / "profile")
+    legend = re.findall(r'<span class="legend-item"><span class="swatch"[^>]*></span>([^<]+)</span>', dom)
+    assert legend == data["order"] and {"weights", "optimizer", "activations"} <= set(legend)
+    for t in (measured, predicted):
+        assert re.search(rf'id="peak-{t["label"]}"[^>]*>peak [0-9.]+ [KMG]iB<', dom), t["label"]
+    assert dom.count("<polygon") >= 2 * 3  # each panel's categories stacked
+
+
+@pytest.mark.parametrize("path", [os.path.join(ROOT, "snapshots", "examples", "cuda-tiny-fp16-manual", "step2_end.pickle"),
+                                  os.path.join(ROOT, "snapshots", "examples", "cpu-tiny-fp32-manual", "step2_end.pickle"),
+                                  os.path.join(FOREIGN, "bcrafton__assignment2-systems__memory_snapshot.pickle")],
+                         ids=("cuda-audit", "cpu-audit", "foreign"))
+def test_window_holds_what_was_live_at_its_start(path):
+    """A window of the trace, replayed alone, has memory_allocated() at every entry equal to the
+    whole trace's at the same entry: what was live at its start (made in the trace or before it,
+    as a foreign snapshot's ring buffer leaves) is its first entries."""
+    import numpy as np
+    from memory_audit.reading.loader import load_meta, load_snapshot, normalize
+    from memory_audit.reading.overview import window
+    from memory_audit.reading.timeline import read_trace
+    if not os.path.exists(path):
+        skip_or_fail(f"{path} is not here")
+    for _ in (0,):
+        snap, meta = load_snapshot(path), load_meta(os.path.dirname(path))
+        whole = read_trace(snap, meta)
+        act, block = whole.trace.act, whole.block
+        level = np.cumsum(np.where(act == 1, block, np.where(np.isin(act, (2, 4)), -block, 0)))
+        baseline = sum(size for _, size, freed_at, _ in whole.pre)  # live before the trace, all of it
+        for a, b in ((0, 300), (400, 900), (771, 773), (whole.trace.n - 50, whole.trace.n)):
+            win = read_trace(normalize(window(snap, a, b, meta)))
+            wact, wblock = win.trace.act, win.block
+            wlevel = np.r_[0, np.cumsum(np.where(wact == 1, wblock, np.where(np.isin(wact, (2, 4)), -wblock, 0)))]
+            head = win.trace.n - (b - a)  # the allocations live at `a`, then the window's own entries
+            assert int(wlevel[head]) == baseline + (level[a - 1] if a else 0), (a, b)
+            # to the window's end, or (one that ends before the trace does) to its first allocation
+            # live at the trace's end, whose block only the end table knows (window's docstring)
+            kept = np.flatnonzero((act[a:b] == 1) & (whole.pair[a:b] < 0)) if b < whole.trace.n else []
+            upto = b - a if not len(kept) else int(kept[0])
+            assert (wlevel[head + 1:head + 1 + upto] == baseline + level[a:a + upto]).all(), (a, b)
+
+
+def test_big_snapshot_gets_the_overview_and_a_window_the_real_viewer_opens(viewer, tmp_path, monkeypatch):
+    """Above REAL_VIEWER_MAX_ENTRIES (lowered here to the committed example's size) `viz` writes
+    the overview as the page and the span around the peak as a snapshot of its own, which
+    MemoryViz opens and draws in our categories."""
+    from memory_audit.cli import main
+    monkeypatch.setattr(viz, "REAL_VIEWER_MAX_ENTRIES", 500)
+    monkeypatch.setattr(viz, "WINDOW_ENTRIES", 300)
+    dst = tmp_path / "run"
+    shutil.copytree(os.path.join(ROOT, "snapshots", "examples", "cuda-tiny-fp16-manual"), dst)
+    assert main(["viz", str(dst)]) == 0
+    text, data = _page_data(dst / "step2_end.html")
+    peak = data["timelines"][0]["peak"]["index"]
+    a, b = max(0, peak - 150), max(0, peak - 150) + 300
+    window_page = dst / f"step2_end.window-{a}-{b}.html"
+    assert f'href="step2_end.window-{a}-{b}.html"' in text and (dst / f"step2_end.window-{a}-{b}.pickle").exists()
+    _check(open_in_viewer(viewer, window_page.read_text(), "window"), ["weights", "optimizer", "workspace"])
+    assert main(["viz", str(dst), "--window=10:20"]) == 0 and (dst / "step2_end.window-10-20.html").exists()
+    assert main(["viz", str(dst), "--window=20:10"]) != 0  # one line, no page

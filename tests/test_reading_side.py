@@ -3,6 +3,7 @@ that name the end, what a script still holds named by its allocation site, and a
 that is a snapshot every reader can load."""
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -63,9 +64,12 @@ def test_reading_commands_never_import_torch(tmp_path, command):
 
 
 def test_report_of_a_run_without_a_stored_prediction_needs_torch_and_says_so(tmp_path):
-    """A run whose meta.json keeps no prediction (a committed audit): without torch, one line."""
+    """A run whose meta.json keeps no prediction (one an earlier version wrote): without torch, one line."""
     run = tmp_path / "run"
     shutil.copytree(os.path.join(EXAMPLES, "cuda-tiny-fp16-manual"), run)
+    meta = json.load(open(run / "meta.json"))
+    del meta["prediction"]
+    (run / "meta.json").write_text(json.dumps(meta))
     p = _run_without_torch("report", str(run))
     assert p.returncode == 2 and "keeps no prediction" in p.stderr and "Traceback" not in p.stderr, p.stderr
 

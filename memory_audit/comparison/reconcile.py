@@ -8,9 +8,10 @@ else prediction()) on the same keys.
 import os
 
 from ..reading.attribute import attribute
-from ..reading.loader import find_snapshots, load_meta, load_snapshot, SnapshotError
+from ..reading.loader import PREDICTED_FILE, find_snapshots, load_meta, load_snapshot, SnapshotError
 from ..prediction import tensor_parallel
-from ..prediction.predict import device_facts, phase_allocated, prediction, published_formulas
+from ..prediction.predict import (device_facts, phase_allocated, predicted_snapshot, prediction,  # noqa: F401
+                                  published_formulas, traced)
 from ..schema import CATEGORIES, PHASES, REPORT_SCHEMA_VERSION
 from ..reading.timeline import replay
 
@@ -65,15 +66,26 @@ def prediction_of(meta, dev=None):
 
 
 def store_prediction(run_dir):
-    """Make a train.py audit's prediction and keep it in its meta.json (what `report` reads):
+    """Make a train.py audit's prediction and keep it in its meta.json (what `report` reads), and
+    the shadow run's step as a snapshot in PREDICTED_FILE where the shadow gives the totals:
     after the audited steps, so that what the prediction runs (the shadow's kernel probes, a
     compiled plan) is not in the measured process. Raises ValueError (one line) where the step
     cannot be predicted."""
     import json
+    import pickle
     meta = load_meta(run_dir)
     if meta is None or "n_layer" not in (meta.get("config") or {}):
         return None  # another model: Audit(predicted=...) is its prediction
-    meta["prediction"] = prediction(meta["config"], device_from_meta(meta))
+    dev = device_from_meta(meta)
+    # a CPU step named as its audit names it (a GPU's deep step is repeated: no names)
+    meta["prediction"], shadow_replay = traced(meta["config"], dev, names=dev["type"] != "cuda")
+    snap_path = os.path.join(run_dir, PREDICTED_FILE)
+    if shadow_replay is not None:
+        with open(snap_path + ".tmp", "wb") as f:
+            pickle.dump(predicted_snapshot(shadow_replay, dev), f, protocol=4)
+        os.replace(snap_path + ".tmp", snap_path)
+    elif os.path.exists(snap_path):  # an older prediction's trace: not this prediction's
+        os.remove(snap_path)
     path = os.path.join(run_dir, "meta.json")
     with open(path + ".tmp", "w") as f:  # the audit's record is replaced whole or not at all
         json.dump(meta, f, indent=1)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from ..reading.loader import is_recorded
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -224,8 +226,7 @@ def row_for(cfg, status, run_dir, log, wall, plain):
     row["steady_lines"] = len(steady)
     row["steady_lines_mismatched"] = sorted(r["key"] for r in mismatched(steady))[:20]
     row["measured_lines"] = measured_lines(rec)
-    row["dump_bytes"] = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir)
-                            if f.endswith(".pickle"))
+    row["dump_bytes"] = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir) if is_recorded(f))
     s2, s3 = row["step_ms"]["audited_step2"], row["step_ms"]["after_recording_step3"]
     p3 = row["step_ms"]["plain_step3"]
     row["overhead"] = {"audited_over_plain": None if not (s2 and p3) else round(s2 / p3, 3),

@@ -114,6 +114,23 @@ def traced(config=None, device=None, plan=None, names=False):
     return pred, r
 
 
+def predicted_snapshot(replay, dev):
+    """The shadow run's step (traced()'s replay) as a plain snapshot, categorized as `viz`
+    categorizes an audit of it (grads, recomputed, temporaries by the audit's names; the viewer's
+    'unknown' its loader needs), so MemoryViz opens the file itself; its phases' trace positions
+    under schema.PHASES_KEY."""
+    from . import shadow
+    from ..reading.loader import normalize
+    from ..reading.timeline import categorize_trace
+    from ..reading.trace import plain
+    if dev["type"] == "cuda":
+        from .shadow_allocator import snapshot
+        snap = snapshot(replay["result"], dev.get("expandable_segments", False), shadow.audit_names(replay["result"]))
+    else:
+        snap = shadow.snapshot(replay["result"])
+    return plain(categorize_trace(normalize(snap), None, detail=False))
+
+
 def uncovered(cfg, dev):
     """Why no trace of the step gives this eager config's totals, or None when the shadow's does."""
     from .shadow_dist import COVERED

@@ -21,7 +21,7 @@ import gc
 
 from . import shadow_cuda, shadow_dist, shadow_probe, shadow_repeat
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
-from ..schema import PREDICTED_FRAME
+from ..schema import PHASES_KEY, PREDICTED_FRAME
 from .. import nosympy
 from ..nodynamo import stood_in
 from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, module_labels
@@ -439,12 +439,16 @@ def snapshot(result):
     for aid, key, nbytes in result["pre"]:
         events.append((0, "alloc", place(aid, nbytes), nbytes, frames(key), key.split("/", 1)[0], ""))
     names = audit_names(result)
+    at = [len(events)]  # the trace entry each step event starts at (a free is two entries)
     for action, key, nbytes, aid in result["events"]:
         t += 1000
         where = place(aid, nbytes) if action == "alloc" else addr[aid]
         key = names.get(aid, key)
         events.append((t, action, where, nbytes, frames(key), key.split("/", 1)[0], ""))
-    return snapshot_at(events, t)
+        at.append(at[-1] + (1 if action == "alloc" else 2))
+    snap = snapshot_at(events, t)
+    snap[PHASES_KEY] = {phase: at[i] for phase, i in result["phases"].items()}
+    return snap
 
 
 def audit_names(result):

@@ -14,7 +14,7 @@ from itertools import accumulate
 
 from ..reading.allocator_sim import round_size
 from ..reading.trace import fastcore
-from ..schema import PREDICTED_FRAME
+from ..schema import PHASES_KEY, PREDICTED_FRAME
 
 
 def placed(result, expandable=False):
@@ -89,7 +89,9 @@ def snapshot(result, expandable=False, names=None):
     apart), the step's named by `names` (play's), and the segments as they stand at step 2's end
     with their blocks."""
     trace, live, segments = [], {}, {}
+    start, step_at = len(result["history"]), {}  # step event -> the trace entry it starts at
     for i, action, key, nbytes, block, addr, seg in play(result, expandable, names):
+        step_at[i - start] = len(trace)
         frames = [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
         if seg:
             trace.append({"action": "segment_map" if expandable else "segment_alloc", "addr": seg[0],
@@ -104,8 +106,10 @@ def snapshot(result, expandable=False, names=None):
             for a in ("free_requested", "free_completed"):
                 trace.append({"action": a, "addr": addr, "size": nbytes, "stream": 0, "frames": frames,
                               "time_us": i})
-    return {"segments": [_segment(start, size, live, expandable) for start, size in sorted(segments.items())],
-            "device_traces": [trace], "allocator_settings": {"expandable_segments": expandable}}
+    step_at[len(result["events"])] = len(trace)
+    return {"segments": [_segment(at, size, live, expandable) for at, size in sorted(segments.items())],
+            "device_traces": [trace], "allocator_settings": {"expandable_segments": expandable},
+            PHASES_KEY: {phase: step_at[i] for phase, i in result["phases"].items()}}
 
 
 def _segment(start, size, live, expandable):

@@ -159,15 +159,25 @@ def load_meta(run_dir):
     return meta
 
 
+PREDICTED_FILE = "predicted.pickle"  # a run's predicted step as a snapshot (reconcile.store_prediction)
+
+
+def is_recorded(filename):
+    """Whether a file in a run directory is one of the run's own snapshots: a *.pickle that is
+    not what the tools derive from them (the predicted step, a *.categorized.pickle, a
+    *.window-A-B.pickle of viz)."""
+    return (filename.endswith((".pickle", ".pkl")) and filename != PREDICTED_FILE
+            and not filename.endswith(".categorized.pickle") and ".window-" not in filename)
+
+
 def find_snapshots(path):
     """Resolve a CLI path to [(phase name, pickle path)] and the run directory.
 
     A pickle file stands for itself; a run directory gives its phase pickles in phase order,
-    then any other *.pickle (oom, crash) that is not a derived *.categorized.pickle.
+    then any other *.pickle (oom, crash) that it recorded (is_recorded).
     """
     if os.path.isdir(path):
-        names = sorted(f for f in os.listdir(path) if f.endswith((".pickle", ".pkl"))
-                       and not f.endswith(".categorized.pickle"))
+        names = sorted(f for f in os.listdir(path) if is_recorded(f))
         if not names:
             raise SnapshotError(f"{path}: directory holds no snapshot (*.pickle)")
         order = {f"{p}.pickle": i for i, p in enumerate(PHASES)}

@@ -10,6 +10,8 @@ saved-tensor ledger by address. Addresses are reused all the time, so a name sti
 allocation live at that moment, never to the address.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .attribute import (BASELINE, baseline_name, block_namer, distributed_name, name_from_frames, phase_names,
@@ -222,12 +224,12 @@ def categorize_trace(snap, meta=None, detail=True):
             cats.append(cat)
         if not detail:
             cats = [c.split("/", 1)[0] for c in cats]
-        _viewer_needs_unknown(cats, act)
+        viewer_needs_unknown(cats, act)
         t.set_values("category", cats)
     return snap
 
 
-def _viewer_needs_unknown(cats, act):
+def viewer_needs_unknown(cats, act):
     """MemoryViz.js throws while it loads a trace whose categories do not include 'unknown' (it
     means to add the name itself, but misspells the list: `snapshot.categores.push`). Where no
     entry is 'unknown', the first free carries it: the viewer colours an allocation by its
@@ -274,7 +276,7 @@ def _name_at(cuts, address, before=None):
 
 def pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device=0):
     """Allocations made before the trace began, named by the phases where they can be:
-    [(name or None, bytes, index of their free in the trace or None)].
+    [(name or None, bytes, index of their free in the trace or None, address)].
 
     They are the blocks live at the end that no alloc in the trace made (the weights of a
     model built before recording started) and the frees whose alloc the trace never saw.
@@ -289,11 +291,11 @@ def pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device=0):
 
         def name(b):
             return namer(b)[0] or baseline_name(snap)
-    out = [(name(b), b["size"], None)
+    out = [(name(b), b["size"], None, b["address"])
            for s in snap.get("segments", []) if s.get("device", 0) == device for b in s["blocks"]
            if b["state"] == "active_allocated" and b["address"] not in traced_live]
     for i in np.flatnonzero(is_action(act, FREES) & (pair < 0)).tolist():  # named by name_events
-        out.append((event_name.get(i), int(block[i]), i))
+        out.append((event_name.get(i), int(block[i]), i, int(addr[i])))
     return out
 
 
@@ -338,14 +340,26 @@ def _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, unnamed):
     freed = dict(zip(live.tolist(), ((pair[live] >= 0) & is_action(trace.act[np.maximum(pair[live], 0)], FREES)).tolist()))
     lines = {}
     for i in live.tolist():
-        key = event_name.get(i) or ("workspace/cublas" if cat[i] == _CODE["workspace"] else
-                                    unnamed(i, bool(freed[i])) or CATEGORIES[cat[i]])
+        key = alloc_name(i, bool(freed[i]), event_name, cat, unnamed)
         lines[key] = lines.get(key, 0) + int(block[i])
-    for name, size, freed_at in pre:
+    for name, size, freed_at, _ in pre:
         if freed_at is None or freed_at > peak_i:
             key = name or "unattributed/before-trace"
             lines[key] = lines.get(key, 0) + size
     return dict(sorted(lines.items(), key=lambda kv: -kv[1]))
+
+
+def alloc_name(i, freed, event_name, cat, unnamed):
+    """The name of the allocation entry i makes, as the peak's lines give it: a phase's name,
+    else the cuBLAS workspace, else by its stack (freed: whether the trace frees it), else its
+    category."""
+    return event_name.get(i) or ("workspace/cublas" if cat[i] == _CODE["workspace"] else
+                                 unnamed(i, freed) or CATEGORIES[cat[i]])
+
+
+def frame_text(frames, depth=8):
+    """A stack as 'file:line:function' strings, innermost first."""
+    return [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}" for f in frames[:depth]]
 
 
 _CODE = {c: k for k, c in enumerate(CATEGORIES)}
@@ -361,17 +375,26 @@ def _sample_points(n, start, max_points):
     return lo, points
 
 
-def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000):
-    """Replay one device's trace.
+@dataclass
+class Reading:
+    """One device's trace as the replay reads it: block bytes and the matching alloc/free per
+    entry (pair), each entry's category code (an index in CATEGORIES), the names the phases
+    give, and what was live before the trace began (pre_trace_blocks)."""
+    trace: Trace
+    cuts: list
+    block: np.ndarray
+    pair: np.ndarray
+    cat: np.ndarray
+    event_name: dict
+    unmatched_free: int
+    unnamed: "StackNames"
+    pre: list
 
-    Returns a dict: entries, start_index (where `start_phase` begins), baseline_bytes (live
-    before the trace began), series (downsampled points: index, time_us, allocated, reserved,
-    {category: bytes}), phase_index {phase: index}, peak {bytes, index, time_us, categories,
-    lines (largest named allocations live at the peak)}, overflow (bool).
-    """
+
+def read_trace(snap, meta=None, device=0):
+    """The Reading of one device's trace (no per-entry Python: ten million entries in seconds)."""
     traces = snap.get("device_traces", [])
     trace = as_trace(traces[device]) if device < len(traces) else Trace({}, 0)
-    n, act, size = trace.n, trace.act, trace.size
     cuts = _phase_names(meta)
     cpu = bool((snap.get("allocator_settings") or {}).get("cpu_profiler_timeline"))
     # block sizes as memory_allocated() counts them (CPU: no caching allocator, exact bytes)
@@ -379,6 +402,45 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     block = _end_sizes(snap, trace, block, pair, device)
     cat, event_name, unmatched_free, unnamed = _entry_categories(trace, meta, cuts, pair)
     pre = pre_trace_blocks(snap, trace, pair, block, cuts, event_name, device)
+    return Reading(trace, cuts, block, pair, cat, event_name, unmatched_free, unnamed, pre)
+
+
+def _extreme_points(allocated, lo, buckets):
+    """Entry indexes from `lo` to the end: in each of `buckets` equal runs of entries, the one
+    after which memory is highest and the one after which it is lowest, so that every peak and
+    valley wider than a run survives; the first and last always."""
+    span = allocated[lo:]
+    if not len(span):
+        return np.array([], dtype=np.int64)
+    width = -(-len(span) // max(1, buckets))
+    runs = np.arange(0, len(span), width)
+    high = np.maximum.reduceat(span, runs)
+    low = np.minimum.reduceat(span, runs)
+    points = [runs, np.array([len(span) - 1])]
+    for k, start in enumerate(runs.tolist()):  # a bucket's argmax/argmin: where the reduced value is
+        part = span[start:start + width]
+        points.append(np.array([start + int(np.argmax(part == high[k])), start + int(np.argmax(part == low[k]))]))
+    return np.unique(np.concatenate(points)) + lo
+
+
+def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000, buckets=None, phases=None,
+           reading=None):
+    """Replay one device's trace.
+
+    Returns a dict: entries, start_index (where `start_phase` begins), baseline_bytes (live
+    before the trace began), series (downsampled points: index, time_us, allocated, reserved,
+    {category: bytes}), phase_index {phase: index}, peak {bytes, index, time_us, categories,
+    lines (largest named allocations live at the peak)}, overflow (bool).
+
+    The points are every (n / max_points)-th entry, or with `buckets` the highest and lowest
+    entry of each of that many runs (_extreme_points: what a plot of any length must keep).
+    `phases`: {phase: trace index} where no meta.json says (a predicted snapshot's
+    schema.PHASES_KEY). `reading`: read_trace()'s, when the caller has it already.
+    """
+    r = reading or read_trace(snap, meta, device)
+    trace, cuts, block, pair, cat, event_name, unnamed, pre = (
+        r.trace, r.cuts, r.block, r.pair, r.cat, r.event_name, r.unnamed, r.pre)
+    n, act, size = trace.n, trace.act, trace.size
     delta = block.copy()  # +block at an alloc, -block at a free, 0 elsewhere (in place: 1M entries)
     frees = is_action(act, FREES)
     delta[~(frees | (act == A["alloc"]))] = 0
@@ -397,9 +459,11 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     def reserved_at(i):
         return int(seg_run[np.searchsorted(seg_at, i, side="right")])
 
-    phase_index = {phase: cut for cut, _, phase in cuts}
+    phase_index = {phase: cut for cut, _, phase in cuts} or dict(phases or {})
     start = phase_index.get(start_phase, 0)
     lo, points = _sample_points(n, start, max_points)
+    if buckets:
+        points = _extreme_points(allocated, lo, buckets)
     peak_i = int(lo + np.argmax(allocated[lo:])) if lo < n else None
     per_cat = _per_category(delta, cat, points if peak_i is None else np.append(points, peak_i))
 
@@ -415,7 +479,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     # what was live before the first entry (0 when recording began before any allocation)
     baseline = end_allocated - (int(allocated[-1]) if n else 0)
     at_start = {}
-    for name, size, _ in pre:
+    for name, size, _, _ in pre:
         at_start[CATEGORIES[_code(name)]] = at_start.get(CATEGORIES[_code(name)], 0) + size
     if baseline != sum(at_start.values()):  # a snapshot whose segments and trace disagree
         at_start["unattributed"] = at_start.get("unattributed", 0) + baseline - sum(at_start.values())
@@ -428,9 +492,8 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     if peak_i is not None:
         peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, unnamed)
         peak["action"] = trace.action(peak_i)
-        peak["frames"] = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
-                          for f in trace.frames(peak_i)[:4]]
+        peak["frames"] = frame_text(trace.frames(peak_i), 4)
     return {"entries": n, "start_index": start, "baseline_bytes": baseline,
-            "unmatched_free_bytes": unmatched_free, "series": series, "phase_index": phase_index,
-            "peak": peak, "overflow": any(i is not None and (name is None or name.startswith("baseline/")) for name, _, i in pre) or any(
+            "unmatched_free_bytes": r.unmatched_free, "series": series, "phase_index": phase_index,
+            "peak": peak, "overflow": any(i is not None and (name is None or name.startswith("baseline/")) for name, _, i, _ in pre) or any(
                 info.get("ring_buffer_full") for info in (meta or {}).get("phases", {}).values())}

@@ -1,10 +1,16 @@
-"""The PyTorch memory viz for a run: its categorized snapshot in the HTML torch writes.
+"""The PyTorch memory viz for a run, and an overview page for snapshots of any size.
 
-`python -m memory_audit viz RUN` writes RUN/<phase>.html from the step's categorized snapshot:
-the page torch.cuda._memory_viz writes (a module script that loads MemoryViz.js from the internet
-and hands it the pickle as base64), built here without importing torch, with our categories as
-the legend and colours. The test suite opens the same HTML in headless Chromium
-against ../shared's copy of MemoryViz.js and d3 from npm (tests/test_memory_viz.py).
+`python -m memory_audit viz RUN` writes, beside the snapshot of `--phase` (default step2_end):
+  * below REAL_VIEWER_MAX_ENTRIES trace entries, RUN/<phase>.html: the page torch's _memory_viz
+    writes (a module script that loads MemoryViz.js from the internet and hands it the pickle as
+    base64), built here without torch, with our categories as the legend and colours;
+  * RUN/<phase>.overview.html (above the limit: RUN/<phase>.html itself): overview_page's
+    self-contained page, drawn offline at any size: bytes per category over the whole trace,
+    memory_allocated and reserved, the peak and its largest allocations. For an audit whose
+    prediction left RUN/predicted.pickle, the predicted step is drawn on the same axes;
+  * above the limit, the span around the peak as RUN/<phase>.window-A-B.pickle and its MemoryViz
+    page; `--window=A:B` writes any other span.
+The test suite opens these pages in headless Chromium, offline (tests/test_memory_viz.py).
 """
 
 import base64
@@ -12,8 +18,10 @@ import json
 import os
 import pickle
 
-from .loader import find_snapshots, load_meta, load_snapshot
-from .timeline import categorize_trace
+from . import overview_page
+from .loader import PREDICTED_FILE, find_snapshots, load_meta, load_snapshot
+from .overview import overview, peak_window, window
+from .timeline import categorize_trace, read_trace
 from .trace import plain
 
 VIEWS = ("Active Memory Timeline", "Allocator State History", "Active Cached Segment Timeline")
@@ -52,16 +60,65 @@ def html(snap, view=VIEWS[0]):
     return PAGE % {"url": VIEWER_URL, "files": files, "view": json.dumps(view)}
 
 
-def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False):
-    """Write the viz page of one phase of a run (or of one snapshot file); returns its path."""
+# Above this many trace entries the real viewer is not written for the whole trace: measured by
+# benchmarks/bench_viz.py (headless Chromium, 2 cores), see REAL_VIEWER_MEASURED.
+REAL_VIEWER_MAX_ENTRIES = 100_000
+REAL_VIEWER_MEASURED = "not measured yet"
+WINDOW_ENTRIES = 20_000  # the span around the peak written for MemoryViz above the limit
+
+
+def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False, window=None):
+    """Write the pages of one phase of a run (or of one snapshot file): [(path, what it is)]."""
     pairs, run_dir = find_snapshots(path)
     files = dict(pairs)
     if phase not in files:
         if len(files) != 1:
             raise ValueError(f"{path}: no {phase} snapshot; phases here: {', '.join(files) or 'none'}")
         phase = next(iter(files))
-    page = html(categorized(files[phase], load_meta(run_dir), detail), view)
-    out = out or os.path.splitext(files[phase])[0] + ".html"
-    with open(out, "w") as f:
-        f.write(page)
-    return out
+    meta, src = load_meta(run_dir), files[phase]
+    base = os.path.splitext(src)[0]
+    snap = load_snapshot(src)
+    traces = snap.get("device_traces") or []
+    n = len(traces[0]) if traces else 0
+    if window is not None:
+        return [_write_window(snap, meta, window, base, view, out)]
+    written = []
+    if n <= REAL_VIEWER_MAX_ENTRIES:
+        page = html(plain(categorize_trace(snap, meta, detail)), view)
+        written.append((_write(out or base + ".html", page), "PyTorch's MemoryViz (loads its code from the internet)"))
+    reading = read_trace(snap, meta)
+    view_ = overview(snap, meta, reading=reading)
+    view_.update(label="measured", file=src)
+    timelines = [view_]
+    predicted = os.path.join(run_dir, PREDICTED_FILE) if os.path.isdir(path) else None
+    if predicted and os.path.exists(predicted):
+        pred = overview(load_snapshot(predicted))
+        pred.update(label="predicted", file=predicted)
+        timelines.append(pred)
+    windows = []
+    if n > REAL_VIEWER_MAX_ENTRIES and view_["peak"].get("index") is not None:
+        a, b = peak_window(view_, WINDOW_ENTRIES)
+        written.append(_write_window(snap, meta, (a, b), base, view, None, reading))
+        windows.append((f"entries {a:,} to {b:,}, around the peak", os.path.basename(written[-1][0])))
+    dest = (out or base + ".html") if n > REAL_VIEWER_MAX_ENTRIES else base + ".overview.html"
+    title = f"{os.path.basename(os.path.abspath(run_dir)) if os.path.isdir(path) else os.path.basename(src)}: {phase}"
+    subtitle = f"{n:,} trace entries" + (", with the predicted step (predicted.pickle)" if len(timelines) > 1 else "")
+    written.append((_write(dest, overview_page.page(timelines, title, subtitle, windows)),
+                    "overview (works offline, any size)"))
+    return written
+
+
+def _write_window(snap, meta, span, base, view, out, reading=None):
+    a, b = span
+    win = window(snap, a, b, meta, reading=reading)
+    pickle_path = f"{base}.window-{a}-{b}.pickle"
+    with open(pickle_path, "wb") as f:
+        pickle.dump(win, f, protocol=4)
+    dest = out or f"{base}.window-{a}-{b}.html"
+    return _write(dest, html(win, view)), f"entries {a:,} to {b:,} in MemoryViz ({pickle_path} beside it)"
+
+
+def _write(dest, text):
+    with open(dest, "w") as f:
+        f.write(text)
+    return dest
