@@ -446,7 +446,8 @@ def main(argv=None):
     v.add_argument("--phase", default="step2_end", help="which snapshot of a run (default: the whole step)")
     v.add_argument("--view", default="Active Memory Timeline", help="Active Memory Timeline | "
                    "Allocator State History | Active Cached Segment Timeline")
-    v.add_argument("--out", default=None, help="HTML file (default: beside the snapshot)")
+    v.add_argument("--out", default=None, help="HTML file (default: beside the snapshot); the overview and "
+                   "window pages go beside it")
     v.add_argument("--detail", action="store_true", help="second-level categories (temporary/backward, ...); "
                    "more than ten share colours")
     v.add_argument("--window", default=None, metavar="START:END", help="write trace entries START to END "

@@ -76,16 +76,16 @@ def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False, wi
             raise ValueError(f"{path}: no {phase} snapshot; phases here: {', '.join(files) or 'none'}")
         phase = next(iter(files))
     meta, src = load_meta(run_dir), files[phase]
-    base = os.path.splitext(src)[0]
+    base = os.path.splitext(out or src)[0]  # every page beside --out when given, else beside the snapshot
     snap = load_snapshot(src)
     traces = snap.get("device_traces") or []
     n = len(traces[0]) if traces else 0
     if window is not None:
-        return [_write_window(snap, meta, window, base, view, out)]
+        return [_write_window(snap, meta, window, base, view)]
     written = []
     if n <= REAL_VIEWER_MAX_ENTRIES:
         page = html(plain(categorize_trace(snap, meta, detail)), view)
-        written.append((_write(out or base + ".html", page), "PyTorch's MemoryViz (loads its code from the internet)"))
+        written.append((_write(base + ".html", page), "PyTorch's MemoryViz (loads its code from the internet)"))
     reading = read_trace(snap, meta)
     view_ = overview(snap, meta, reading=reading)
     view_.update(label="measured", file=src)
@@ -98,9 +98,9 @@ def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False, wi
     windows = []
     if n > REAL_VIEWER_MAX_ENTRIES and view_["peak"].get("index") is not None:
         a, b = peak_window(view_, WINDOW_ENTRIES)
-        written.append(_write_window(snap, meta, (a, b), base, view, None, reading))
+        written.append(_write_window(snap, meta, (a, b), base, view, reading))
         windows.append((f"entries {a:,} to {b:,}, around the peak", os.path.basename(written[-1][0])))
-    dest = (out or base + ".html") if n > REAL_VIEWER_MAX_ENTRIES else base + ".overview.html"
+    dest = base + (".html" if n > REAL_VIEWER_MAX_ENTRIES else ".overview.html")
     title = f"{os.path.basename(os.path.abspath(run_dir)) if os.path.isdir(path) else os.path.basename(src)}: {phase}"
     subtitle = f"{n:,} trace entries" + (", with the predicted step (predicted.pickle)" if len(timelines) > 1 else "")
     written.append((_write(dest, overview_page.page(timelines, title, subtitle, windows)),
@@ -108,14 +108,13 @@ def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False, wi
     return written
 
 
-def _write_window(snap, meta, span, base, view, out, reading=None):
+def _write_window(snap, meta, span, base, view, reading=None):
     a, b = span
     win = window(snap, a, b, meta, reading=reading)
     pickle_path = f"{base}.window-{a}-{b}.pickle"
     with open(pickle_path, "wb") as f:
         pickle.dump(win, f, protocol=4)
-    dest = out or f"{base}.window-{a}-{b}.html"
-    return _write(dest, html(win, view)), f"entries {a:,} to {b:,} in MemoryViz ({pickle_path} beside it)"
+    return _write(f"{base}.window-{a}-{b}.html", html(win, view)), f"entries {a:,} to {b:,} in MemoryViz ({pickle_path} beside it)"
 
 
 def _write(dest, text):
