@@ -91,3 +91,8 @@ def chromium(url, profile, timeout=180, budget_ms=None, screenshot=None, network
     if screenshot:
         subprocess.run(args + [f"--screenshot={screenshot}", url], capture_output=True, timeout=timeout)
     return p.stdout, wall, p.returncode
+
+
+def version():
+    """Chromium's version line ('Chromium 131.0.6778.85 ...')."""
+    return subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()

@@ -60,10 +60,11 @@ def html(snap, view=VIEWS[0]):
     return PAGE % {"url": VIEWER_URL, "files": files, "view": json.dumps(view)}
 
 
-# Above this many trace entries the real viewer is not written for the whole trace: measured by
-# benchmarks/bench_viz.py (headless Chromium, 2 cores), see REAL_VIEWER_MEASURED.
+# Above this many trace entries the real viewer is not written for the whole trace: where it
+# takes more than ~5 s to draw. benchmarks/bench_viz.py, Chromium 156 headless, 2 cores
+# (2026-11-27), the page's time to drawn: 10,355 entries 0.96 s, 30,299 2.48 s, 100,103 4.27 s,
+# 300,374 10.30 s, 1,000,076 45.49 s (a 111 MB page); the overview page 0.19-0.32 s at each.
 REAL_VIEWER_MAX_ENTRIES = 100_000
-REAL_VIEWER_MEASURED = "not measured yet"
 WINDOW_ENTRIES = 20_000  # the span around the peak written for MemoryViz above the limit
 
 
