@@ -1,16 +1,17 @@
-"""Benchmark: `python -m memory_audit attribute FILE` as a user runs it, beside torch's summary.
+"""Benchmark: `attribute` and `viz` as a user runs them on big snapshots, beside torch's summary.
 
-    python benchmarks/bench_attribute.py [SNAPSHOT] [--entries=1000000] [--runs=5] [--keep=FILE]
+    python benchmarks/bench_attribute.py [SNAPSHOT] [--entries=1000000,10000000] [--runs=5] [--keep=FILE]
 
-Builds a large snapshot from a real one (default: the committed CUDA example; see build()),
-writes it to a temporary file, then times whole processes, imports included, each run fresh:
-  ours:   python -m memory_audit attribute FILE            (what a user types)
-  small:  the same on a ~1 MB file built the same way      (target < 0.3 s)
-  torch:  python -c 'pickle.load + torch.cuda._memory_viz.trace'
-and prints the median wall time, the peak RSS (the child's VmHWM, read by a wrapper) and the
-ratios against the targets of issue "The reading side as a user runs it" (< 1.0 s and < 2x the
-pickle's size on the big file). MEMORY_AUDIT_PURE_PYTHON=1 times our pure-Python road. Not a
-test: the numbers depend on the machine.
+Builds large snapshots from a real one (default: the committed CUDA example; see build()),
+writes each to a temporary file, then times whole processes, imports included, each run fresh:
+  attribute:  python -m memory_audit attribute FILE   (also on a ~1 MB file: target < 0.3 s)
+  viz:        python -m memory_audit viz FILE --out big.html, and whether headless Chromium
+              draws the page offline (tests/headless.py)
+  torch:      python -c 'pickle.load + torch.cuda._memory_viz.trace'
+and prints the median wall time, the cost per entry, the peak RSS (the child's, read by a
+wrapper) and the page's size. Targets at 10M entries (740 MiB): attribute < 3 s and < 1.5x the
+file in RSS; viz < 15 s, page < 20 MB. MEMORY_AUDIT_PURE_PYTHON=1 times our pure-Python road.
+Not a test: the numbers depend on the machine.
 """
 
 import argparse
@@ -25,6 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from memory_audit.reading.viz import REAL_VIEWER_MAX_ENTRIES  # noqa: E402
 
 # Runs argv[1:] as a child, waits for it and prints its peak RSS (VmHWM of the child, read from
 # /proc before it is reaped; ru_maxrss of RUSAGE_CHILDREN would do too on Linux).
@@ -132,46 +134,66 @@ def timed(argv, runs):
     return statistics.median(walls), max(rss)
 
 
+def rendered(page):
+    """Whether headless Chromium draws the overview page offline, and its time (s), or why not."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import re
+    import headless
+    why = headless.missing()
+    if why:
+        return why
+    with tempfile.TemporaryDirectory() as tmp:
+        dom, wall, _ = headless.chromium(f"file://{page}", os.path.join(tmp, "profile"), network=False)
+    drawn = 'data-drawn="yes"' in dom and len(re.findall("<polygon", dom)) > 0
+    return f"drawn offline, {wall:.1f} s in Chromium" if drawn else "NOT drawn"
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("snapshot", nargs="?", default=os.path.join(ROOT, "snapshots", "examples",
                                                               "cuda-tiny-fp16-manual", "step2_end.pickle"))
-    p.add_argument("--entries", type=int, default=1_000_000)
+    p.add_argument("--entries", default="1000000", help="trace sizes, comma-separated (1000000,10000000)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--fresh-frames", action="store_true",
                    help="a new dict per frame per entry (no sharing, unlike torch): the worst case")
-    p.add_argument("--keep", default=None, help="also copy the built file here")
+    p.add_argument("--keep", default=None, help="also copy the (last) built file here")
     p.add_argument("--no-torch", action="store_true", help="skip timing torch's summary")
     args = p.parse_args()
-    snap = build(args.snapshot, args.entries, args.fresh_frames)
-    n = len(snap["device_traces"][0])
     ours = ["-m", "memory_audit", "attribute"]
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "big.pickle")
-        with open(path, "wb") as f:
-            pickle.dump(snap, f, protocol=4)
-        del snap
-        if args.keep:
-            import shutil
-            shutil.copy(path, args.keep)
         mb_path = os.path.join(tmp, "one_mb.pickle")  # ~1 MB: the size of a small real snapshot
         with open(mb_path, "wb") as f:
             pickle.dump(build(args.snapshot, 12_000, args.fresh_frames), f, protocol=4)
-        size, mb_size = os.path.getsize(path), os.path.getsize(mb_path)
-        rows = [("ours, big file", size, *timed(ours + [path], args.runs)),
-                ("ours, 1 MB file", mb_size, *timed(ours + [mb_path], args.runs))]
-        if not args.no_torch:
-            rows.append(("torch pickle.load + _memory_viz.trace, big", size,
-                         *timed(["-c", TORCH, path], max(1, args.runs // 2))))
-    print(f"big file: {n:,} trace entries, {size / 2**20:.1f} MiB pickle; small file: {mb_size / 2**20:.2f} MiB; "
-          f"{args.runs} runs each (median wall, whole process, imports included)")
-    for name, nbytes, wall, rss in rows:
-        print(f"{name:>44}: {wall:.2f} s, peak RSS {rss / 2**20:.0f} MiB ({rss / nbytes:.2f}x the file)")
-    big, small = rows[0], rows[1]
-    print(f"targets: big file {big[2]:.2f} s (< 1.0 s: {big[2] < 1.0}), RSS {big[3] / size:.2f}x the file "
-          f"(< 2x: {big[3] < 2 * size}); 1 MB file {small[2]:.2f} s (< 0.3 s: {small[2] < 0.3})")
-    if len(rows) > 2:
-        print(f"torch / ours on the big file: {rows[2][2] / big[2]:.2f}x the time")
+        small = timed(ours + [mb_path], args.runs)
+        print(f"1 MB file ({os.path.getsize(mb_path) / 2**20:.2f} MiB): attribute {small[0]:.2f} s (< 0.3 s: "
+              f"{small[0] < 0.3}), peak RSS {small[1] / 2**20:.0f} MiB; {args.runs} runs each, median wall, "
+              "whole process, imports included")
+        for entries in (int(x) for x in args.entries.split(",")):
+            path = os.path.join(tmp, "big.pickle")
+            snap = build(args.snapshot, entries, args.fresh_frames)
+            n = len(snap["device_traces"][0])
+            with open(path, "wb") as f:
+                pickle.dump(snap, f, protocol=4)
+            del snap
+            if args.keep:
+                import shutil
+                shutil.copy(path, args.keep)
+            size = os.path.getsize(path)
+            wall, rss = timed(ours + [path], args.runs)
+            out = os.path.join(tmp, "big.html")
+            vwall, vrss = timed(["-m", "memory_audit", "viz", path, "--out", out], max(1, args.runs // 2))
+            print(f"\n{n:,} trace entries, {size / 2**20:.1f} MiB pickle:")
+            print(f"  attribute: {wall:.2f} s ({wall / n * 1e6:.3f} us per entry), peak RSS {rss / 2**20:.0f} MiB "
+                  f"({rss / size:.2f}x the file)")
+            print(f"  viz: {vwall:.2f} s, peak RSS {vrss / 2**20:.0f} MiB, page {os.path.getsize(out) / 2**20:.2f} MiB "
+                  f"({'overview' if n > REAL_VIEWER_MAX_ENTRIES else 'MemoryViz'}); {rendered(out)}")
+            if not args.no_torch:
+                twall, trss = timed(["-c", TORCH, path], max(1, args.runs // 2))
+                print(f"  torch pickle.load + _memory_viz.trace: {twall:.2f} s ({twall / wall:.2f}x ours), "
+                      f"peak RSS {trss / 2**20:.0f} MiB")
+            for f in os.listdir(tmp):
+                if f.startswith("big."):
+                    os.remove(os.path.join(tmp, f))
 
 
 if __name__ == "__main__":

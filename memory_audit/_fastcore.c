@@ -201,12 +201,14 @@ typedef uintptr_t Val;
 #define MAX_COLS 64
 #define MAX_ROWLISTS 256
 #define RECENT 4096 /* direct-mapped: where each recent list/dict sits in the memo */
+#define MEMO_CHUNK 4096
 
 typedef struct {
     PyObject *name;   /* str */
     int kind;         /* 1 int, 2 object */
     int64_t *data;    /* kind 1: rows_cap values (ABSENT: no such key in that entry) */
-    int32_t *index;   /* kind 2: rows_cap indexes into table (-1: absent) */
+    void *index;      /* kind 2: rows_cap indexes into table (-1: absent), `width` bytes each */
+    int width;        /* 1, then 2 from 128 distinct values, 4 from 32,768 (trace._index_dtype) */
     PyObject *table;  /* kind 2: list of distinct values */
     Map ident;        /* kind 2: id(value) -> table index */
     uintptr_t last;   /* kind 2: the value the last row took, and its index */
@@ -224,7 +226,10 @@ typedef struct {
     Reader rd;
     Val *stack; size_t sp, scap;
     size_t *marks; size_t mp, mcap;
-    Val *memo; size_t memo_cap, memo_init; uint64_t memo_limit, memo_count; /* memo[:memo_init] zeroed */
+    /* The memo in chunks of MEMO_CHUNK slots, each made when a value other than an entry is put
+     * in it: an entry (a row) is only marked in `row_bit`, since no reader takes it back (a
+     * second reference to an entry is declined), so ten million entries cost 1.25 MB here. */
+    Val **memo; size_t memo_chunks; uint8_t *row_bit; size_t row_bits; uint64_t memo_limit, memo_count;
     Column cols[MAX_COLS]; int ncols;
     PyObject *keycache[MAX_COLS]; int keycol[MAX_COLS]; int nkeys;
     struct { uint64_t idx; int col; } keymemo[64]; /* memo index of a key -> its column, + 1 */
@@ -285,40 +290,69 @@ static int pop_mark(Dec *d, size_t *k) {
     return 0;
 }
 
+static inline Val memo_at(Dec *d, uint64_t idx) {
+    size_t c = (size_t)(idx / MEMO_CHUNK);
+    return (c < d->memo_chunks && d->memo[c]) ? d->memo[c][idx % MEMO_CHUNK] : 0;
+}
+
+static inline int memo_row(Dec *d, uint64_t idx) {
+    return idx / 8 < d->row_bits && ((d->row_bit[idx / 8] >> (idx % 8)) & 1);
+}
+
+/* the slot of idx, its chunk made (zeroed) if need be; NULL: out of memory */
+static Val *memo_slot(Dec *d, uint64_t idx) {
+    size_t c = (size_t)(idx / MEMO_CHUNK);
+    if (c >= d->memo_chunks) {
+        size_t n = d->memo_chunks ? d->memo_chunks : 64;
+        while (n <= c) n *= 2;
+        Val **m = realloc(d->memo, n * sizeof(Val *));
+        if (!m) return NULL;
+        memset(m + d->memo_chunks, 0, (n - d->memo_chunks) * sizeof(Val *));
+        d->memo = m; d->memo_chunks = n;
+    }
+    if (!d->memo[c] && !(d->memo[c] = calloc(MEMO_CHUNK, sizeof(Val)))) return NULL;
+    return &d->memo[c][idx % MEMO_CHUNK];
+}
+
 static int memo_put(Dec *d, uint64_t idx) {
     /* writers number the memo 0, 1, 2, ...: far-off indexes (a memory bomb) go to the slow road */
     if (d->sp <= mark_base(d) || idx > d->memo_limit || idx > d->memo_count + (1u << 20)) return -1;
-    if (idx >= d->memo_cap) { /* grown, not zeroed: pages nobody writes stay out of memory */
-        size_t c = d->memo_cap ? d->memo_cap : 1024;
-        while (c <= idx) c *= 2;
-        Val *m = realloc(d->memo, c * sizeof(Val));
-        if (!m) return -1;
-        d->memo = m; d->memo_cap = c;
-    }
-    if (idx >= d->memo_init) {
-        memset(d->memo + d->memo_init, 0, (idx + 1 - d->memo_init) * sizeof(Val));
-        d->memo_init = idx + 1;
-    }
-    Val v = d->stack[d->sp - 1];
-    if (d->memo[idx]) { /* a memo slot written again (no writer does): forget its key's column */
-        val_decref(d->memo[idx]);
+    Val v = d->stack[d->sp - 1], old = memo_at(d, idx);
+    if (old || memo_row(d, idx)) { /* a memo slot written again (no writer does): forget its key's column */
+        val_decref(old);
+        if (old) *memo_slot(d, idx) = 0;
+        if (memo_row(d, idx)) d->row_bit[idx / 8] &= (uint8_t)~(1u << (idx % 8));
         if (d->keymemo[idx & 63].idx == idx) d->keymemo[idx & 63].col = 0;
     } else d->memo_count++;
+    if (IS_ROW(v)) {
+        if (idx / 8 >= d->row_bits) {
+            size_t n = d->row_bits ? d->row_bits : 4096;
+            while (n <= idx / 8) n *= 2;
+            uint8_t *b = realloc(d->row_bit, n);
+            if (!b) return -1;
+            memset(b + d->row_bits, 0, n - d->row_bits);
+            d->row_bit = b; d->row_bits = n;
+        }
+        d->row_bit[idx / 8] |= (uint8_t)(1u << (idx % 8));
+        return 0;
+    }
+    Val *slot = memo_slot(d, idx);
+    if (!slot) return -1;
     if (IS_OBJ(v)) {
         Py_INCREF((PyObject *)v);
         if (PyList_CheckExact((PyObject *)v) || PyDict_CheckExact((PyObject *)v)) {
-            size_t slot = (v >> 4) & (RECENT - 1);
-            d->recent[slot].ptr = v;
-            d->recent[slot].idx = idx;
+            size_t r = (v >> 4) & (RECENT - 1);
+            d->recent[r].ptr = v;
+            d->recent[r].idx = idx;
         }
     }
-    d->memo[idx] = v;
+    *slot = v;
     return 0;
 }
 
 static int memo_get(Dec *d, uint64_t idx) {
-    if (idx >= d->memo_init || !d->memo[idx]) return -1;
-    Val v = d->memo[idx];
+    Val v = memo_at(d, idx);
+    if (!v) return -1; /* nothing there, or an entry: taken once only */
     if (IS_OBJ(v)) Py_INCREF((PyObject *)v);
     return push(d, v);
 }
@@ -332,10 +366,33 @@ static int grow_column(Column *c, int64_t cap) {
         if (!p) return -1;
         c->data = p;
     } else {
-        int32_t *p = realloc(c->index, (size_t)cap * sizeof(int32_t));
+        void *p = realloc(c->index, (size_t)cap * (size_t)c->width);
         if (!p) return -1;
         c->index = p;
     }
+    return 0;
+}
+
+static inline void set_index(Column *c, int64_t r, int32_t x) {
+    if (c->width == 1) ((int8_t *)c->index)[r] = (int8_t)x;
+    else if (c->width == 2) ((int16_t *)c->index)[r] = (int16_t)x;
+    else ((int32_t *)c->index)[r] = x;
+}
+
+static inline int32_t get_index(const Column *c, int64_t r) {
+    return c->width == 1 ? ((int8_t *)c->index)[r] : c->width == 2 ? ((int16_t *)c->index)[r] : ((int32_t *)c->index)[r];
+}
+
+/* the column's indexes rewritten `width` bytes wide (its table outgrew the narrower type) */
+static int widen(Column *c, int64_t cap, int64_t nrows, int width) {
+    Column wide = *c;
+    wide.width = width;
+    wide.index = malloc((size_t)cap * (size_t)width);
+    if (!wide.index) return -1;
+    for (int64_t j = 0; j < nrows; j++) set_index(&wide, j, get_index(c, j));
+    free(c->index);
+    c->index = wide.index;
+    c->width = width;
     return 0;
 }
 
@@ -352,7 +409,7 @@ static int new_row(Dec *d) {
     int64_t r = d->nrows++;
     for (int i = 0; i < d->ncols; i++) {
         if (d->cols[i].kind == 1) d->cols[i].data[r] = ABSENT;
-        else d->cols[i].index[r] = -1;
+        else set_index(&d->cols[i], r, -1);
     }
     d->row_state[r] = 0;
     return push(d, MAKE_ROW(r));
@@ -375,11 +432,12 @@ static int column_for(Dec *d, PyObject *key, Val first_value) {
         PyObject *o = (PyObject *)first_value;
         long long x = IS_OBJ(first_value) && PyLong_CheckExact(o) ? PyLong_AsLongLongAndOverflow(o, &overflow) : 0;
         c->kind = (IS_INT(first_value) || (IS_OBJ(first_value) && PyLong_CheckExact(o) && !overflow && x != ABSENT)) ? 1 : 2;
+        c->width = 1;
         if (PyErr_Occurred()) return -1;
         if (grow_column(c, d->rows_cap) < 0) return -1;
         for (int64_t j = 0; j < d->nrows; j++) {
             if (c->kind == 1) c->data[j] = ABSENT;
-            else c->index[j] = -1;
+            else set_index(c, j, -1);
         }
         if (c->kind == 2) {
             c->table = PyList_New(0);
@@ -402,9 +460,9 @@ static int column_for(Dec *d, PyObject *key, Val first_value) {
 static void swap_memo(Dec *d, PyObject *old, PyObject *canon) {
     size_t slot = ((uintptr_t)old >> 4) & (RECENT - 1);
     uint64_t idx = d->recent[slot].idx;
-    if (d->recent[slot].ptr == (uintptr_t)old && idx < d->memo_init && d->memo[idx] == (Val)old) {
+    if (d->recent[slot].ptr == (uintptr_t)old && memo_at(d, idx) == (Val)old) {
         Py_INCREF(canon);
-        d->memo[idx] = (Val)canon;
+        *memo_slot(d, idx) = (Val)canon;
         Py_DECREF(old);
         d->recent[slot].ptr = 0;
     }
@@ -528,20 +586,22 @@ static int row_set(Dec *d, int64_t row, PyObject *key, Val *slot) {
         return 0;
     }
     if (c->last == (uintptr_t)value && c->last_index >= 0) { /* the same object as the last row's */
-        c->index[row] = c->last_index;
+        set_index(c, row, c->last_index);
         return 0;
     }
     PyObject *v = PyList_CheckExact(value) ? share_list(d, value) : (Py_INCREF(value), value);
     if (!v) return -1;
     int64_t *hit = map_find(&c->ident, (int64_t)(uintptr_t)v);
     if (hit) {
-        c->index[row] = (int32_t)*hit;
+        set_index(c, row, (int32_t)*hit);
         if (v == value) { c->last = (uintptr_t)value; c->last_index = (int32_t)*hit; }
     } else {
         int64_t idx = PyList_GET_SIZE(c->table);
         if (idx >= INT32_MAX || PyList_Append(c->table, v) < 0) { Py_DECREF(v); return -1; }
         if (map_put(&c->ident, (int64_t)(uintptr_t)v, idx) < 0) { Py_DECREF(v); return -1; }
-        c->index[row] = (int32_t)idx;
+        if ((idx == 127 && c->width == 1 && widen(c, d->rows_cap, d->nrows, 2) < 0) ||
+            (idx == 32767 && c->width == 2 && widen(c, d->rows_cap, d->nrows, 4) < 0)) { Py_DECREF(v); return -1; }
+        set_index(c, row, (int32_t)idx);
     }
     Py_DECREF(v);
     return 0;
@@ -636,8 +696,8 @@ static int peek_is_entry(Dec *d) {
             if (op == 'h') { if (p + 2 > end) return 0; idx = r->buf[p + 1]; }
             else { if (p + 5 > end) return 0; idx = (uint64_t)r->buf[p + 1] | (uint64_t)r->buf[p + 2] << 8 |
                                                    (uint64_t)r->buf[p + 3] << 16 | (uint64_t)r->buf[p + 4] << 24; }
-            if (idx >= d->memo_init || !IS_OBJ(d->memo[idx])) return 0;
-            PyObject *k = (PyObject *)d->memo[idx];
+            if (!IS_OBJ(memo_at(d, idx))) return 0;
+            PyObject *k = (PyObject *)memo_at(d, idx);
             return PyUnicode_CheckExact(k) && PyUnicode_Compare(k, d->action_str) == 0;
         }
         return 0;
@@ -701,8 +761,9 @@ static int fast_entry(Dec *d) {
         if (need(r, 1 + w + 1) < 0) return 0;
         const unsigned char *b = r->buf + r->pos;
         uint64_t idx = le(b + 1, (int)w);
-        if (idx >= d->memo_init || !IS_OBJ(d->memo[idx])) return 0;
-        PyObject *key = (PyObject *)d->memo[idx];
+        Val kv = memo_at(d, idx);
+        if (!IS_OBJ(kv)) return 0;
+        PyObject *key = (PyObject *)kv;
         unsigned char vop = b[1 + w];
         size_t vw = vop == 'K' ? 1 : vop == 'M' ? 2 : vop == 'J' ? 4 : vop == 'h' ? 1 : vop == 'j' ? 4 :
                     vop == 0x8a ? 1 : vop == 'N' ? 0 : 99;
@@ -724,8 +785,8 @@ static int fast_entry(Dec *d) {
             used += n;
         } else {
             uint64_t j = le(a, (int)vw);
-            if (j >= d->memo_init || !d->memo[j] || IS_ROW(d->memo[j])) return 0;
-            v = d->memo[j];
+            v = memo_at(d, j);
+            if (!v) return 0;
             if (IS_OBJ(v)) Py_INCREF((PyObject *)v);
         }
         size_t slot = idx & 63;
@@ -929,8 +990,12 @@ static int run(Dec *d) {
 static void dec_free(Dec *d) {
     while (d->sp) val_decref(d->stack[--d->sp]);
     free(d->stack); free(d->marks);
-    for (size_t i = 0; i < d->memo_init; i++) val_decref(d->memo[i]);
-    free(d->memo);
+    for (size_t c = 0; c < d->memo_chunks; c++) {
+        if (!d->memo[c]) continue;
+        for (size_t i = 0; i < MEMO_CHUNK; i++) val_decref(d->memo[c][i]);
+        free(d->memo[c]);
+    }
+    free(d->memo); free(d->row_bit);
     for (int i = 0; i < d->ncols; i++) {
         Py_XDECREF(d->cols[i].name); Py_XDECREF(d->cols[i].table);
         free(d->cols[i].data); free(d->cols[i].index); map_free(&d->cols[i].ident);
@@ -971,27 +1036,12 @@ static PyObject *build_result(Dec *d) {
             data = buf_new(c->data, (size_t)d->nrows * sizeof(int64_t));
             c->data = NULL;
             if (!data) goto done;
-        } else {
-            Py_ssize_t n = PyList_GET_SIZE(c->table);
-            width = n < 128 ? 1 : n < 32768 ? 2 : 4; /* as trace._index_dtype */
-            if (width == 4) {
-                data = buf_new(c->index, (size_t)d->nrows * sizeof(int32_t));
-                c->index = NULL;
-                if (!data) goto done;
-                goto add;
-            }
-            data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)d->nrows * width);
+        } else { /* already the narrowest type that holds its table's indexes */
+            width = c->width;
+            data = buf_new(c->index, (size_t)d->nrows * (size_t)width);
+            c->index = NULL;
             if (!data) goto done;
-            char *out = PyBytes_AS_STRING(data);
-            for (int64_t j = 0; j < d->nrows; j++) {
-                int32_t x = c->index[j];
-                if (width == 1) ((int8_t *)out)[j] = (int8_t)x;
-                else if (width == 2) ((int16_t *)out)[j] = (int16_t)x;
-                else ((int32_t *)out)[j] = x;
-            }
-            free(c->index); c->index = NULL;
         }
-    add:;
         PyObject *t = Py_BuildValue("(OiNOi)", c->name, c->kind, data, c->table ? c->table : Py_None, width);
         if (!t || PyList_Append(cols, t) < 0) { Py_XDECREF(t); goto done; }
         Py_DECREF(t);

@@ -208,6 +208,21 @@ def test_ints_of_every_width_and_rows_out_of_order(tmp_path):
         load_snapshot(str(path))
 
 
+@pytest.mark.parametrize("distinct, itemsize", [(127, 1), (128, 2), (32767, 2), (32768, 4), (40000, 4)])
+def test_index_columns_widen_as_their_tables_grow(tmp_path, distinct, itemsize):
+    """An object column starts one byte wide and is rewritten wider when its table of distinct
+    values outgrows the type (trace._index_dtype's widths); every entry still reads as pickle
+    reads it."""
+    notes = [f"note {i}" for i in range(distinct)]
+    entries = [{"action": "alloc", "addr": 512 * i, "size": 512, "note": notes[(i * 7) % distinct]}
+               for i in range(distinct + 50)]
+    path = tmp_path / "wide.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [entries]}, protocol=4))
+    res = core.scan(str(path))
+    assert next(size for name, _, _, _, size in res[2] if name == "note") == itemsize
+    assert _as_read(res) == _restricted(str(path))
+
+
 @pytest.mark.parametrize("data", [
     # a trace-entry-shaped dict inside a tuple: not where torch puts entries
     pickle.dumps({"segments": [], "x": ({"action": "alloc", "addr": 1},)}, protocol=4),
