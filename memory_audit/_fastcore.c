@@ -1141,6 +1141,51 @@ static void sim_segment_free(Sim *s, int64_t addr, int64_t size) {
     if (f && *f == size) { take_free(s, addr); map_pop(&s->seg_of, addr, NULL); }
 }
 
+/* per_category(delta_i64, cat_i8, sample_i64 ascending, ncat) -> (bytes, present): for each
+ * category c and sample j, the sum of delta over the entries i <= sample[j] whose cat is c
+ * (int64, ncat rows of len(sample)); present[c] = 1 where some entry of c moves memory. The
+ * running sums of timeline._per_category in one pass. */
+static PyObject *py_per_category(PyObject *self, PyObject *args) {
+    Py_buffer delta, cat, sample;
+    int ncat;
+    if (!PyArg_ParseTuple(args, "y*y*y*i", &delta, &cat, &sample, &ncat)) return NULL;
+    PyObject *result = NULL, *out_b = NULL, *present_b = NULL;
+    Py_ssize_t n = cat.len, ns = sample.len / 8;
+    if (delta.len != n * 8 || ncat < 1 || ncat > 127) {
+        PyErr_SetString(PyExc_ValueError, "per_category: delta and cat differ in length, or ncat is not 1..127");
+        goto done;
+    }
+    out_b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)ncat * ns * 8);
+    present_b = PyBytes_FromStringAndSize(NULL, ncat);
+    if (!out_b || !present_b) goto done;
+    const int64_t *dl = delta.buf, *sm = sample.buf;
+    const int8_t *ct = cat.buf;
+    int64_t *out = (int64_t *)PyBytes_AS_STRING(out_b), run[128] = {0};
+    char *present = PyBytes_AS_STRING(present_b);
+    memset(present, 0, (size_t)ncat);
+    int bad = 0;
+    Py_ssize_t j = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        for (; j < ns && sm[j] < i; j++)
+            for (int c = 0; c < ncat; c++) out[(Py_ssize_t)c * ns + j] = run[c];
+        if (dl[i]) {
+            int c = ct[i];
+            if (c < 0 || c >= ncat) bad = 1;
+            else { run[c] += dl[i]; present[c] = 1; }
+        }
+    }
+    for (; j < ns; j++)
+        for (int c = 0; c < ncat; c++) out[(Py_ssize_t)c * ns + j] = run[c];
+    Py_END_ALLOW_THREADS
+    if (bad) { PyErr_SetString(PyExc_ValueError, "per_category: a category code out of range"); goto done; }
+    result = Py_BuildValue("(OO)", out_b, present_b);
+done:
+    Py_XDECREF(out_b); Py_XDECREF(present_b);
+    PyBuffer_Release(&delta); PyBuffer_Release(&cat); PyBuffer_Release(&sample);
+    return result;
+}
+
 static PyObject *py_replay(PyObject *self, PyObject *args) {
     Py_buffer act, addr, size;
     int cpu;
@@ -1370,6 +1415,8 @@ done:
 static PyMethodDef methods[] = {
     {"scan", py_scan, METH_VARARGS,
      "scan(path) -> (root, [(list, rows)], [(name, kind, data, table)], nrows), or None: take the slow road"},
+    {"per_category", py_per_category, METH_VARARGS,
+     "per_category(delta_i64, cat_i8, sample_i64 ascending, ncat) -> (int64 bytes per category and sample, present)"},
     {"replay", py_replay, METH_VARARGS,
      "replay(action_u8, addr_i64, size_i64, cpu) -> (block bytes per entry, matching entry per entry)"},
     {"model", py_model, METH_VARARGS,

@@ -294,3 +294,22 @@ def test_compiled_allocator_model_refuses_a_free_of_nothing():
     with pytest.raises(ValueError, match="not live"):
         core.model(bytes([1, 0, 0]), np.array([512, 512, 512], dtype=np.int64).tobytes(),
                    np.array([7, 7, 7], dtype=np.int64).tobytes(), False)
+
+
+def test_per_category_equals_the_numpy_road(monkeypatch):
+    """The compiled running sums per category at sampled entries (samples in any order, repeated,
+    at the first and last entry) equal timeline._per_category's numpy road, category for category."""
+    from memory_audit.reading import timeline
+    from memory_audit.schema import CATEGORIES
+    rng = np.random.default_rng(20261127)
+    for n in (1, 7, 5000):
+        delta = rng.integers(-2 ** 40, 2 ** 40, n) * (rng.random(n) < 0.6)
+        cat = rng.integers(0, len(CATEGORIES) - 3, n).astype(np.int8)
+        sample = np.r_[rng.integers(0, n, 40), 0, n - 1, n - 1]
+        fast = timeline._per_category(delta, cat, sample)
+        monkeypatch.setenv("MEMORY_AUDIT_PURE_PYTHON", "1")
+        slow = timeline._per_category(delta, cat, sample)
+        monkeypatch.delenv("MEMORY_AUDIT_PURE_PYTHON")
+        assert fast.keys() == slow.keys() and all((fast[c] == slow[c]).all() for c in fast), n
+    with pytest.raises(ValueError, match="out of range"):
+        core.per_category(np.ones(3, np.int64), np.array([0, 99, 1], np.int8), np.array([2], np.int64), len(CATEGORIES))

@@ -17,7 +17,7 @@ import numpy as np
 from .attribute import (BASELINE, baseline_name, block_namer, distributed_name, name_from_frames, phase_names,
                         trace_workspaces)
 from ..schema import CATEGORIES, RECOMPUTE_LABEL
-from .trace import A, FREES, Trace, as_trace, is_action
+from .trace import A, FREES, Trace, as_trace, fastcore, is_action
 
 
 def _phase_names(meta):
@@ -95,11 +95,11 @@ class StackNames:
     def codes(self, idx, freed):
         """Category codes of the allocations at entry indexes `idx` (freed: bool per index)."""
         stacks = np.full(len(idx), -1, dtype=np.int64) if self.values is None else self.values[idx]
-        out = np.empty(len(idx), dtype=np.int64)
+        out = np.empty(len(idx), dtype=np.int8)
         for f in (False, True):
             sel = freed == f
             keys, inverse = np.unique(stacks[sel], return_inverse=True)
-            table = np.array([_code(self.by_stack(int(k), f)) for k in keys], dtype=np.int64)
+            table = np.array([_code(self.by_stack(int(k), f)) for k in keys], dtype=np.int8)
             out[sel] = table[inverse] if len(keys) else 0
         return out
 
@@ -251,7 +251,7 @@ def _entry_categories(trace, meta, cuts, pair):
     act, addr = trace.act, trace.addr
     event_name, freed, unmatched_free = name_events(trace, cuts, (meta or {}).get("compiled_wrappers"))
     allocs = np.flatnonzero(act == A["alloc"])
-    cat = np.full(trace.n, _CODE["unattributed"], dtype=np.int64)
+    cat = np.full(trace.n, _CODE["unattributed"], dtype=np.int8)  # a CATEGORIES index: 15 of them
     unnamed = StackNames(trace, meta)
     cat[allocs] = unnamed.codes(allocs, freed[allocs])
     workspaces = trace_workspaces(trace, meta)
@@ -320,7 +320,19 @@ def _code(name):
 
 
 def _per_category(delta, cat, sample):
-    """{category: bytes at each sampled entry}: a running sum over each category's entries."""
+    """{category: bytes at each sampled entry}: a running sum over each category's entries,
+    for the categories whose entries move memory."""
+    core = fastcore()
+    if core is not None:  # one pass in C; the numpy road below is its reference
+        order = np.argsort(sample, kind="stable")
+        sums, present = core.per_category(np.ascontiguousarray(delta, dtype=np.int64),
+                                          np.ascontiguousarray(cat, dtype=np.int8),
+                                          np.ascontiguousarray(np.asarray(sample, dtype=np.int64)[order]),
+                                          len(CATEGORIES))
+        sums = np.frombuffer(sums, dtype=np.int64).reshape(len(CATEGORIES), len(order))
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        return {CATEGORIES[c]: sums[c][back] for c, on in enumerate(present) if on}
     per_cat = {}
     moving = delta != 0
     present = np.flatnonzero(np.bincount(cat[moving], minlength=len(CATEGORIES)))
