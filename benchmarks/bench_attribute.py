@@ -174,6 +174,8 @@ def main():
             n = len(snap["device_traces"][0])
             with open(path, "wb") as f:
                 pickle.dump(snap, f, protocol=4)
+                f.flush()
+                os.fsync(f.fileno())  # written back before timing: not competing with the runs' reads
             del snap
             if args.keep:
                 import shutil
