@@ -10,7 +10,7 @@ import random
 import pytest
 
 from conftest import run_cli, run_train
-from memory_audit.cli import predicted_snapshot
+from memory_audit.prediction.predict import predicted_snapshot
 from memory_audit.reading.loader import load_meta
 from memory_audit.reading.viz import categorized
 from memory_audit.prediction.predict import resolved
