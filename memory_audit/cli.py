@@ -21,7 +21,8 @@ from .text import GiB, fmt_bytes, table
 
 def cmd_attribute(args):
     from .reading.attribute import attribute, check_against_meta
-    from .reading.timeline import categorize_trace, replay
+    from .reading.event_names import categorize_trace
+    from .reading.timeline import replay
     from .reading.trace import plain
     pairs, run_dir = find_snapshots(args.path)
     meta = load_meta(run_dir)

@@ -140,7 +140,7 @@ def test_the_shared_step_function_names_nothing_optimizer_state():
     rules read "optim" and "step" as an optimizer's step, and the function's name says neither."""
     import train_step
     from memory_audit.reading.attribute import name_from_frames
-    from memory_audit.reading.timeline import temporary_name
+    from memory_audit.reading.event_names import temporary_name
     step = {"filename": train_step.__file__, "name": train_step.run_step.__name__, "line": 1}
     loop = {"filename": "/x/train.py", "name": "train", "line": 2}
     forward = [{"filename": "/x/model.py", "name": "forward", "line": 3}, step, loop]

@@ -78,7 +78,8 @@ def test_json_flag_does_not_swallow_the_path():
 def test_temporaries_say_what_made_them(cpu_run):
     """No bare "temporary" at the peak or in the categorized trace: each names its maker."""
     from memory_audit.reading.loader import load_meta, load_snapshot
-    from memory_audit.reading.timeline import categorize_trace, replay
+    from memory_audit.reading.event_names import categorize_trace
+    from memory_audit.reading.timeline import replay
     meta = load_meta(cpu_run)
     snap = load_snapshot(os.path.join(cpu_run, "step2_end.pickle"))
     lines = replay(snap, meta)["peak"]["lines"]

@@ -183,7 +183,7 @@ def test_torchrun_ddp(torchrun_runs, road):
 
 def test_ddp_bucket_named_at_the_peak(torchrun_runs):
     """DDP's bucket, rebuilt in step 2's forward and live at the end, is grads/ddp_buckets at the
-    peak too (reading/timeline.name_events names it by its stack), on both roads and ranks."""
+    peak too (reading/event_names.name_events names it by its stack), on both roads and ranks."""
     _, peak = hand_books(ddp=True)
     for road in ROADS:
         for rank in (0, 1):

@@ -121,7 +121,7 @@ def predicted_snapshot(replay, dev):
     under schema.PHASES_KEY."""
     from . import shadow
     from ..reading.loader import normalize
-    from ..reading.timeline import categorize_trace
+    from ..reading.event_names import categorize_trace
     from ..reading.trace import plain
     if dev["type"] == "cuda":
         from .shadow_allocator import snapshot

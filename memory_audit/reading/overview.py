@@ -11,7 +11,8 @@ of its own, with what was live at its start, small enough for the real MemoryViz
 import numpy as np
 
 from ..schema import CATEGORIES, PHASES_KEY
-from .timeline import alloc_name, frame_text, read_trace, replay, viewer_needs_unknown
+from .event_names import viewer_needs_unknown
+from .timeline import alloc_name, frame_text, read_trace, replay
 from .trace import A, FREES, is_action
 
 BUCKETS = 1500  # runs of entries per timeline: about the width of the plot in pixels

@@ -21,7 +21,8 @@ import pickle
 from . import overview_page
 from .loader import PREDICTED_FILE, find_snapshots, load_meta, load_snapshot
 from .overview import overview, peak_window, window
-from .timeline import categorize_trace, read_trace
+from .event_names import categorize_trace
+from .timeline import read_trace
 from .trace import plain
 
 VIEWS = ("Active Memory Timeline", "Allocator State History", "Active Cached Segment Timeline")

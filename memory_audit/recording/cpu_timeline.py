@@ -283,7 +283,7 @@ def _free_staged(events, staged, alive=()):
 def name_compiled(events, wrappers):
     """Name the allocations a compiled graph's wrapper makes by its own buffer names
     (inductor_plan.PlanCursor). The name rides as a first frame ("<inductor>", "backward/buf12")
-    that timeline.temporary_name reads."""
+    that event_names.temporary_name reads."""
     from ..reading.inductor_plan import PlanCursor
     cursor, out = PlanCursor(wrappers), []
     if not cursor.plans:
