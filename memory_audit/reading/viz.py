@@ -19,6 +19,7 @@ import os
 import pickle
 
 from . import overview_page
+from ..schema import PHASES_KEY
 from .loader import PREDICTED_FILE, find_snapshots, load_meta, load_snapshot
 from .overview import overview, peak_window, window
 from .event_names import categorize_trace
@@ -90,7 +91,7 @@ def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False, wi
         written.append((_write(base + ".html", page), "PyTorch's MemoryViz (loads its code from the internet)"))
     reading = read_trace(snap, meta)
     view_ = overview(snap, meta, reading=reading)
-    view_.update(label="measured", file=src)
+    view_.update(label="predicted" if PHASES_KEY in snap else "measured", file=src)  # predict --trace's file
     timelines = [view_]
     predicted = os.path.join(run_dir, PREDICTED_FILE) if os.path.isdir(path) else None
     if predicted and os.path.exists(predicted):
