@@ -733,69 +733,86 @@ static PyObject *long_from_le(const unsigned char *p, size_t n) {
     return r;
 }
 
+/* One (key value) pair of an entry at b (avail bytes): the key by memo reference to an object,
+ * the value an int, None or a memo reference. 0 if it is not such a pair (or is cut short);
+ * else its length, with the key's memo index and the value: an unboxed int or None in *v, or
+ * its memo index in *vidx (else UINT64_MAX; the memo's object is read when it is used, since
+ * sharing an earlier value may have replaced it). */
+static size_t entry_pair(Dec *d, const unsigned char *b, size_t avail, uint64_t *idx, Val *v, uint64_t *vidx) {
+    if (avail < 2 || (b[0] != 'h' && b[0] != 'j')) return 0;
+    size_t w = b[0] == 'h' ? 1 : 4;
+    if (avail < 1 + w + 1) return 0;
+    *idx = le(b + 1, (int)w);
+    if (!IS_OBJ(memo_at(d, *idx))) return 0;
+    unsigned char vop = b[1 + w];
+    size_t vw = vop == 'K' ? 1 : vop == 'M' ? 2 : vop == 'J' ? 4 : vop == 'h' ? 1 : vop == 'j' ? 4 :
+                vop == 0x8a ? 1 : vop == 'N' ? 0 : 99;
+    size_t used = 2 + w + vw;
+    if (vw == 99 || avail < used) return 0;
+    const unsigned char *a = b + 2 + w;
+    *vidx = UINT64_MAX;
+    if (vop == 'K' || vop == 'M') *v = MAKE_INT((int64_t)le(a, (int)vw));
+    else if (vop == 'J') *v = MAKE_INT((int64_t)(int32_t)(uint32_t)le(a, 4));
+    else if (vop == 'N') *v = (Val)Py_None;
+    else if (vop == 0x8a) {
+        size_t n = a[0];
+        if (n < 1 || n > 8 || avail < used + n) return 0;
+        uint64_t x = le(a + 1, (int)n);
+        if (n < 8 && (a[n] & 0x80)) x |= ~(uint64_t)0 << (8 * n); /* sign-extend */
+        if (!INT_FITS((int64_t)x)) return 0;
+        *v = MAKE_INT((int64_t)x);
+        used += n;
+    } else if (!memo_at(d, (*vidx = le(a, (int)vw)))) return 0;
+    return used;
+}
+
 /* A trace entry's fields as torch writes them, after its EMPTY_DICT: [MEMOIZE] MARK, then
- * (key value) pairs, keys by memo reference, values ints or memo references, then SETITEMS.
- * Decoded here straight into the row's cells, without the stack. At anything else it stops
- * before the pair it cannot take and leaves the rest to run(), whose SETITEMS applies the
- * remaining pairs to the same row. 0 ok (whether or not it reached SETITEMS), -1 give up. */
+ * (key value) pairs (entry_pair), then SETITEMS. Decoded straight into the row's cells, without
+ * the stack, but only once every pair up to the SETITEMS has been read (a MARK closed by
+ * anything else drops its pairs, as pickle does: run() takes such a dict). 0 ok (whether or not
+ * it took the pairs), -1 give up. */
 static int fast_entry(Dec *d) {
     Reader *r = &d->rd;
     int64_t row = ROW_OF(d->stack[d->sp - 1]);
-    int marked = 0;
-    for (;;) {
+    for (;;) { /* [FRAME] [MEMOIZE] MARK */
         if (need(r, 1) < 0) return 0;
         unsigned char op = r->buf[r->pos];
         if (op == 0x95) { if (need(r, 9) < 0) return 0; r->pos += 9; continue; } /* FRAME */
-        if (!marked) {
-            if (op == 0x94) { r->pos++; if (memo_put(d, d->memo_count) < 0) return -1; continue; }
-            if (op != '(') return 0;
-            r->pos++;
-            if (d->mp == d->mcap) { r->pos--; return 0; } /* run() grows the marks */
-            d->marks[d->mp++] = d->sp;
-            marked = 1;
-            continue;
-        }
-        if (op == 'u') { r->pos++; d->mp--; return 0; } /* every pair is in the row already */
-        if (op != 'h' && op != 'j') return 0;
-        size_t w = op == 'h' ? 1 : 4;
-        if (need(r, 1 + w + 1) < 0) return 0;
-        const unsigned char *b = r->buf + r->pos;
-        uint64_t idx = le(b + 1, (int)w);
-        Val kv = memo_at(d, idx);
-        if (!IS_OBJ(kv)) return 0;
-        PyObject *key = (PyObject *)kv;
-        unsigned char vop = b[1 + w];
-        size_t vw = vop == 'K' ? 1 : vop == 'M' ? 2 : vop == 'J' ? 4 : vop == 'h' ? 1 : vop == 'j' ? 4 :
-                    vop == 0x8a ? 1 : vop == 'N' ? 0 : 99;
-        if (vw == 99 || need(r, 1 + w + 1 + vw + (vop == 0x8a ? 8 : 0)) < 0) return 0;
-        b = r->buf + r->pos;
-        const unsigned char *a = b + 2 + w;
-        size_t used = 2 + w + vw;
-        Val v;
-        if (vop == 'K' || vop == 'M') v = MAKE_INT((int64_t)le(a, (int)vw));
-        else if (vop == 'J') v = MAKE_INT((int64_t)(int32_t)(uint32_t)le(a, 4));
-        else if (vop == 'N') { Py_INCREF(Py_None); v = (Val)Py_None; }
-        else if (vop == 0x8a) {
-            size_t n = a[0];
-            if (n < 1 || n > 8) return 0;
-            uint64_t x = le(a + 1, (int)n);
-            if (n < 8 && (a[n] & 0x80)) x |= ~(uint64_t)0 << (8 * n); /* sign-extend */
-            if (!INT_FITS((int64_t)x)) return 0;
-            v = MAKE_INT((int64_t)x);
-            used += n;
-        } else {
-            uint64_t j = le(a, (int)vw);
-            v = memo_at(d, j);
-            if (!v) return 0;
-            if (IS_OBJ(v)) Py_INCREF((PyObject *)v);
-        }
+        if (op == 0x94) { r->pos++; if (memo_put(d, d->memo_count) < 0) return -1; continue; }
+        if (op != '(' || d->mp == d->mcap) return 0; /* (run() grows the marks) */
+        r->pos++;
+        d->marks[d->mp++] = d->sp;
+        break;
+    }
+    uint64_t left = (uint64_t)(r->len - r->pos) + r->left;
+    need(r, left < 1024 ? (size_t)left : 1024); /* an entry's pairs are a few dozen bytes */
+    const unsigned char *b = r->buf + r->pos, *end = r->buf + r->len, *p = b;
+    enum { MAX_PAIRS = 32 };
+    uint64_t idxs[MAX_PAIRS], vidxs[MAX_PAIRS];
+    Val vals[MAX_PAIRS];
+    int n = 0;
+    for (;;) { /* read ahead: pairs only, then SETITEMS */
+        if (p >= end) return 0;
+        if (*p == 0x95) { p += 9; continue; }
+        if (*p == 'u') break;
+        size_t used = n < MAX_PAIRS ? entry_pair(d, p, (size_t)(end - p), &idxs[n], &vals[n], &vidxs[n]) : 0;
+        if (!used) return 0;
+        p += used;
+        n++;
+    }
+    r->pos += (size_t)(p + 1 - b);
+    d->mp--;
+    for (int k = 0; k < n; k++) { /* every pair into the row */
+        uint64_t idx = idxs[k];
+        Val v = vidxs[k] == UINT64_MAX ? vals[k] : memo_at(d, vidxs[k]);
+        PyObject *key = (PyObject *)memo_at(d, idx);
         size_t slot = idx & 63;
         int col = d->keymemo[slot].idx == idx ? d->keymemo[slot].col - 1 : -1;
         if (col >= 0 && IS_INT(v) && d->cols[col].kind == 1) { /* an int for an int column: most pairs */
             d->cols[col].data[row] = INT_OF(v);
-            r->pos += used;
             continue;
         }
+        if (IS_OBJ(v)) Py_INCREF((PyObject *)v);
         int rc = row_set(d, row, key, &v);
         val_decref(v);
         if (rc < 0) return -1;
@@ -803,8 +820,8 @@ static int fast_entry(Dec *d) {
             for (int i = 0; i < d->nkeys; i++)
                 if (d->keycache[i] == key) { d->keymemo[slot].idx = idx; d->keymemo[slot].col = d->keycol[i] + 1; break; }
         }
-        r->pos += used;
     }
+    return 0;
 }
 
 /* Run the machine to STOP. 0 ok (result on the stack), -1 give up. */

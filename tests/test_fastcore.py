@@ -223,6 +223,19 @@ def test_index_columns_widen_as_their_tables_grow(tmp_path, distinct, itemsize):
     assert _as_read(res) == _restricted(str(path))
 
 
+def test_pairs_a_mark_drops_are_dropped(tmp_path):
+    """An entry whose first MARK is closed by POP_MARK, not SETITEMS: pickle drops those pairs
+    (the entry is {'action': 'alloc', 'addr': 6}); the compiled road must not keep them."""
+    data = (b"\x80\x04}\x94(\x8c\x08segments\x94]\x94\x8c\rdevice_traces\x94]\x94]\x94(}\x94(\x8c\x06action"
+            b"\x94\x8c\x05alloc\x94\x8c\x04addr\x94K\x05\x8c\x04size\x94M\x00\x02u}\x94(h\x07h\x08h\tK\x06h\n"
+            b"M\x00@1(h\x07h\x08h\tK\x06ueau.")
+    path = tmp_path / "popmark.pickle"
+    path.write_bytes(data)
+    res = core.scan(str(path))
+    assert res is None or _as_read(res) == pickle.loads(data)
+    assert pickle.loads(data)["device_traces"][0][1] == {"action": "alloc", "addr": 6}
+
+
 @pytest.mark.parametrize("data", [
     # a trace-entry-shaped dict inside a tuple: not where torch puts entries
     pickle.dumps({"segments": [], "x": ({"action": "alloc", "addr": 1},)}, protocol=4),
