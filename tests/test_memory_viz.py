@@ -194,10 +194,11 @@ def test_window_holds_what_was_live_at_its_start(path):
         level = np.cumsum(np.where(act == 1, block, np.where(np.isin(act, (2, 4)), -block, 0)))
         baseline = sum(size for _, size, freed_at, _ in whole.pre)  # live before the trace, all of it
         for a, b in ((0, 300), (400, 900), (771, 773), (whole.trace.n - 50, whole.trace.n)):
-            win = read_trace(normalize(window(snap, a, b, meta)))
+            cut = window(snap, a, b, meta)
+            win = read_trace(normalize(cut))
             wact, wblock = win.trace.act, win.block
             wlevel = np.r_[0, np.cumsum(np.where(wact == 1, wblock, np.where(np.isin(wact, (2, 4)), -wblock, 0)))]
-            head = win.trace.n - (b - a)  # the allocations live at `a`, then the window's own entries
+            head = cut["memory_audit_window"]["live_at_start"]  # the allocations live at `a`, then the window's own
             assert int(wlevel[head]) == baseline + (level[a - 1] if a else 0), (a, b)
             # to the window's end, or (one that ends before the trace does) to its first allocation
             # live at the trace's end, whose block only the end table knows (window's docstring)
@@ -224,3 +225,31 @@ def test_big_snapshot_gets_the_overview_and_a_window_the_real_viewer_opens(viewe
     _check(open_in_viewer(viewer, window_page.read_text(), "window"), ["weights", "optimizer", "workspace"])
     assert main(["viz", str(dst), "--window=10:20"]) == 0 and (dst / "step2_end.window-10-20.html").exists()
     assert main(["viz", str(dst), "--window=20:10"]) != 0  # one line, no page
+    assert main(["viz", str(dst), "--window=0:501"]) != 0  # longer than the real viewer's limit
+    # a window with no free (one alloc entry) still gives the viewer the 'unknown' it needs
+    from memory_audit.reading.loader import load_snapshot
+    trace = load_snapshot(str(dst / "step2_end.pickle"))["device_traces"][0]
+    i = next(i for i in range(trace.n) if trace[i]["action"] == "alloc" and i > 100)
+    assert main(["viz", str(dst), f"--window={i}:{i + 1}"]) == 0
+    _check(open_in_viewer(viewer, (dst / f"step2_end.window-{i}-{i + 1}.html").read_text(), "window-alloc"), [])
+
+
+def test_viz_of_the_predicted_file_and_of_another_device(tmp_path):
+    """The predicted step given as a file inside its run is read as itself (not with the audit's
+    meta.json); a snapshot whose trace is on device 1 (a rank's own GPU) is drawn from it."""
+    import pickle
+    from memory_audit.cli import main
+    dst = tmp_path / "run"
+    shutil.copytree(os.path.join(ROOT, "snapshots", "examples", "cpu-tiny-fp32-manual"), dst)
+    assert main(["viz", str(dst / "predicted.pickle")]) == 0
+    _, data = _page_data(dst / "predicted.overview.html")
+    (t,) = data["timelines"]
+    assert t["label"] == "predicted" and len(t["x"]) > 100 and t["peak"]["bytes"] > 0
+    snap = pickle.load(open(os.path.join(ROOT, "snapshots", "examples", "cuda-tiny-fp16-manual", "step2_end.pickle"), "rb"))
+    snap["device_traces"] = [[], snap["device_traces"][0]]
+    for seg in snap["segments"]:
+        seg["device"] = 1
+    (tmp_path / "rank1.pickle").write_bytes(pickle.dumps(snap, protocol=4))
+    assert main(["viz", str(tmp_path / "rank1.pickle")]) == 0
+    _, data = _page_data(tmp_path / "rank1.overview.html")
+    assert data["timelines"][0]["peak"]["bytes"] == 72_315_904  # the committed audit's measured peak

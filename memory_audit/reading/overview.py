@@ -11,7 +11,7 @@ of its own, with what was live at its start, small enough for the real MemoryViz
 import numpy as np
 
 from ..schema import CATEGORIES, PHASES_KEY
-from .event_names import viewer_needs_unknown
+from .event_names import category_code, viewer_needs_unknown
 from .timeline import alloc_name, frame_text, read_trace, replay
 from .trace import A, FREES, is_action
 
@@ -83,7 +83,7 @@ def window(snap, start, end, meta=None, device=0, reading=None):
     for name, size, freed_at, addr in r.pre:
         if freed_at is None or freed_at >= start:
             head.append({"action": "alloc", "addr": addr, "size": size, "stream": 0, "frames": [],
-                         "time_us": when, "category": (name or "unattributed").split("/", 1)[0]})
+                         "time_us": when, "category": CATEGORIES[category_code(name)]})
     body = []
     for i in range(start, end):
         e = t.entry(i)
@@ -94,6 +94,9 @@ def window(snap, start, end, meta=None, device=0, reading=None):
     viewer_needs_unknown(cats, [A.get(e["action"], 0) for e in entries])
     for e, c in zip(entries, cats):
         e["category"] = c
+    if "unknown" not in cats:  # no free to carry it: an entry of torch's own 'snapshot' kind does
+        entries.append({"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "frames": [],
+                        "time_us": t.time_us(end - 1), "category": "unknown"})
     segments = [seg for seg in snap.get("segments", []) if seg.get("device", 0) == device] if end == t.n else []
     return {"segments": segments, "device_traces": [entries], "allocator_settings": dict(snap.get("allocator_settings") or {}),
             "memory_audit_window": {"start": start, "end": end, "entries": t.n, "live_at_start": len(head)}}

@@ -93,7 +93,8 @@ function panel(t, other) {
     if (down !== null) { const a = Math.min(down, u), b = Math.max(down, u);
       sel.setAttribute('x', px(a)); sel.setAttribute('width', px(b) - px(a)); sel.setAttribute('visibility', 'visible'); } });
   svg.addEventListener('mouseup', ev => { if (down === null) return; const u = uAt(ev);
-    const a = fromU(t, Math.min(down, u)), b = Math.max(fromU(t, Math.max(down, u)), a + 1); down = null;
+    const a = fromU(t, Math.min(down, u)), b = Math.min(t.entries, Math.max(fromU(t, Math.max(down, u)) + 1, a + 1));
+    down = null;  // [a, b): the last entry included when the drag reaches the end
     document.getElementById('selection').textContent = t.file ? `entries ${a} to ${b} (${b - a} entries) in MemoryViz: ` +
       `python -m memory_audit viz ${t.file} --window=${a}:${b}` : `entries ${a} to ${b} of the predicted step`; });
 }

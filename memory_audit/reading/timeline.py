@@ -206,7 +206,8 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
     def reserved_at(i):
         return int(seg_run[np.searchsorted(seg_at, i, side="right")])
 
-    phase_index = {phase: cut for cut, _, phase in cuts} or dict(phases or {})
+    # the phases this trace reaches (an earlier phase's snapshot stops before the later cuts)
+    phase_index = {phase: cut for cut, _, phase in cuts if cut <= n} or dict(phases or {})
     start = phase_index.get(start_phase, 0)
     lo, points = _sample_points(n, start, max_points)
     if buckets:

@@ -79,29 +79,37 @@ def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False, wi
             raise ValueError(f"{path}: no {phase} snapshot; phases here: {', '.join(files) or 'none'}")
         phase = next(iter(files))
     meta, src = load_meta(run_dir), files[phase]
+    if out and (os.path.isdir(out) or out.endswith(os.sep)):
+        out = os.path.join(out, phase + ".html")
     base = os.path.splitext(out or src)[0]  # every page beside --out when given, else beside the snapshot
     snap = load_snapshot(src)
+    if PHASES_KEY in snap:  # a predicted step (predict --trace, RUN/predicted.pickle): not the audit's trace
+        meta = None
     traces = snap.get("device_traces") or []
-    n = len(traces[0]) if traces else 0
+    device = max(range(len(traces)), key=lambda d: len(traces[d]), default=0)  # a rank's own GPU
+    n = len(traces[device]) if traces else 0
     if window is not None:
-        return [_write_window(snap, meta, window, base, view)]
+        if window[1] - window[0] > REAL_VIEWER_MAX_ENTRIES:
+            raise ValueError(f"--window={window[0]}:{window[1]}: {window[1] - window[0]:,} entries; MemoryViz takes "
+                             f"more than ~5 s above {REAL_VIEWER_MAX_ENTRIES:,} (the overview page draws any size)")
+        return [_write_window(snap, meta, window, base, view, device=device)]
     written = []
     if n <= REAL_VIEWER_MAX_ENTRIES:
         page = html(plain(categorize_trace(snap, meta, detail)), view)
         written.append((_write(base + ".html", page), "PyTorch's MemoryViz (loads its code from the internet)"))
-    reading = read_trace(snap, meta)
-    view_ = overview(snap, meta, reading=reading)
+    reading = read_trace(snap, meta, device)
+    view_ = overview(snap, meta, device, reading=reading)
     view_.update(label="predicted" if PHASES_KEY in snap else "measured", file=src)  # predict --trace's file
     timelines = [view_]
     predicted = os.path.join(run_dir, PREDICTED_FILE) if os.path.isdir(path) else None
-    if predicted and os.path.exists(predicted):
+    if predicted and os.path.exists(predicted) and phase == "step2_end":  # the predicted step is the whole step
         pred = overview(load_snapshot(predicted))
         pred.update(label="predicted", file=predicted)
         timelines.append(pred)
     windows = []
     if n > REAL_VIEWER_MAX_ENTRIES and view_["peak"].get("index") is not None:
         a, b = peak_window(view_, WINDOW_ENTRIES)
-        written.append(_write_window(snap, meta, (a, b), base, view, reading))
+        written.append(_write_window(snap, meta, (a, b), base, view, reading, device))
         windows.append((f"entries {a:,} to {b:,}, around the peak", os.path.basename(written[-1][0])))
     dest = base + (".html" if n > REAL_VIEWER_MAX_ENTRIES else ".overview.html")
     title = f"{os.path.basename(os.path.abspath(run_dir)) if os.path.isdir(path) else os.path.basename(src)}: {phase}"
@@ -111,9 +119,9 @@ def write_viz(path, phase="step2_end", view=VIEWS[0], out=None, detail=False, wi
     return written
 
 
-def _write_window(snap, meta, span, base, view, reading=None):
+def _write_window(snap, meta, span, base, view, reading=None, device=0):
     a, b = span
-    win = window(snap, a, b, meta, reading=reading)
+    win = window(snap, a, b, meta, device, reading=reading)
     pickle_path = f"{base}.window-{a}-{b}.pickle"
     with open(pickle_path, "wb") as f:
         pickle.dump(win, f, protocol=4)
