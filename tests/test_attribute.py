@@ -147,3 +147,23 @@ def test_the_shared_step_function_names_nothing_optimizer_state():
     assert name_from_frames(forward) == ("activations/model.py:3", "frames:forward")
     assert name_from_frames([step, loop], live=False) == (None, None)
     assert temporary_name([step]) == "temporary/loop"
+
+
+def test_extreme_points_keep_every_runs_highest_and_lowest_entry():
+    """The overview's sampling: on a random walk of 100,003 entries cut into 500 runs, the points
+    hold each run's highest and lowest entry, the first and the last, and nothing else (so the
+    walk's own maximum and minimum are drawn exactly)."""
+    import numpy as np
+    from memory_audit.reading.timeline import _extreme_points
+    rng = np.random.default_rng(7)
+    level = np.cumsum(rng.integers(-5000, 5000, 100_003))
+    lo = 17
+    points = _extreme_points(level, lo, 500)
+    span = level[lo:]
+    width = -(-len(span) // 500)
+    want = {lo, lo + len(span) - 1}
+    for start in range(0, len(span), width):
+        part = span[start:start + width]
+        want |= {lo + start, lo + start + int(np.argmax(part)), lo + start + int(np.argmin(part))}
+    assert set(points.tolist()) == want and list(points) == sorted(points)
+    assert level[points].max() == span.max() and level[points].min() == span.min()
