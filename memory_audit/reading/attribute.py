@@ -8,7 +8,7 @@ reusable `pending_free`. The books balance per device: categories sum to the res
 (segment total_size), active blocks to memory_allocated. Naming rules, strongest first:
   registry       meta.json's address registry for that phase (weights, grads, Adam, inputs)
   saved-tensors  meta.json's saved-tensor ledger (activations, at the phase it was taken)
-  workspace      trace: a block allocated at a thread's first GEMM and never freed
+  workspace      trace: a block of a cuBLAS(Lt) workspace's size made while recording, never freed
   frames         the allocation's Python stack (for snapshots with no meta.json)
 Whatever no rule names is `unattributed`, listed with its frames, never hidden.
 """
@@ -22,7 +22,12 @@ from .trace import A, as_trace
 # default, 4096 KiB x 8 = 33,554,432 B on sm90 (measured on an H100, torch 2.11).
 # Only a hint: a block must also have been allocated at a GEMM and never freed (see below).
 CUBLAS_WORKSPACE_SIZES = (8_519_680, 33_554_432)
-_GEMM_FRAMES = ("linear.py", "functional.py", "matmul", "addmm", "bmm", "einsum")
+# Which blocks are workspaces: a workspace's size, made while recording and never freed, on a CUDA
+# trace, named by no stronger rule. Their Python frames say nothing certain: the first GEMM of a
+# thread runs from a Linear, inductor's generated code, SAC's policy mode (_ops.py under
+# checkpoint.py), a `@` in a library's rotary embedding, an optimizer's step (Adafactor's) or no
+# frames at all (autograd's thread); every one of these was measured on an H100, torch 2.11,
+# 2026-11-27 (scripts/zoo_audit.py, shadow_check, tests/test_cuda.py's compiled audits).
 # cuBLASLt's workspace (CUBLASLT_WORKSPACE_SIZE KiB, default 1024): made by each thread's first
 # addmm with a bias epilogue (a Linear with a bias), after that thread's cuBLAS workspace; measured
 # on an H200, torch 2.11 (2026-11-26, 0e54def: every random tiny config with bias=True)
@@ -107,6 +112,7 @@ def user_site(frames):
 
 
 _DDP_BUCKETS = ("_ddp_init_helper", "_rebuild_buckets")
+_DDP_FILE = "torch/nn/parallel/distributed.py"
 
 
 def distributed_name(frames):
@@ -114,7 +120,12 @@ def distributed_name(frames):
     gradient buckets (made by its Reducer when DDP is built and when it rebuilds them on the first
     step), "buffers/device_mesh" for a DeviceMesh's rank tensor, FSDP2's all-gather and
     reduce-scatter buffers "temporary/fsdp_all_gather" / "temporary/fsdp_reduce_scatter"; else None."""
-    for f in frames or ():
+    frames = frames or ()
+    if frames and frames[0].get("name") == "_pre_forward" and frames[0].get("filename", "").endswith(_DDP_FILE):
+        # the Reducer's C++ _rebuild_buckets, called from DDP's _pre_forward (no frame of its own on
+        # CUDA: torch 2.11 on an H100, NCCL, 2026-11-27)
+        return "grads/ddp_buckets"
+    for f in frames:
         name = f.get("name") or ""
         if any(k in name for k in _DDP_BUCKETS):
             return "grads/ddp_buckets"
@@ -173,20 +184,18 @@ def lt_workspace_size(meta):
 
 
 def trace_workspaces(trace, meta=None):
-    """{address: ledger key} of the cuBLAS and cuBLASLt workspaces in a trace: still live at its
-    end, made inside a GEMM call or on a thread with no Python frames (autograd's backward thread,
-    which does the first backward GEMM), and of a workspace's size; cuBLASLt's only in a trace
-    that holds a cuBLAS workspace (every CUDA GEMM makes that one first)."""
+    """{address: ledger key} of the cuBLAS and cuBLASLt workspaces in a CUDA trace: of a
+    workspace's size, made while recording and still live at its end (cuBLAS never frees one);
+    cuBLASLt's only in a trace that holds a cuBLAS workspace (every CUDA GEMM makes that one
+    first). A stronger rule (the registry, the saved tensors) names a block first."""
     t = as_trace(trace)
+    if t.cpu:
+        return {}
     sizes, lt_size = workspace_sizes(meta), lt_workspace_size(meta)
     out = {}
     for addr, i in live_at_end(t).items():
         size = int(t.size[i])
-        if size not in sizes and size != lt_size:
-            continue
-        frames = t.frames(i)
-        top = frames[0].get("filename", "") if frames else ""
-        if not frames or any(k in top for k in _GEMM_FRAMES):
+        if size in sizes or size == lt_size:
             out[addr] = "workspace/cublas" if size in sizes else "workspace/cublaslt"
     if "workspace/cublas" not in out.values():
         return {}
