@@ -164,3 +164,45 @@ def test_korthikanti_selective_and_full_columns():
 def test_sac_op_the_predictor_does_not_model_is_refused():
     with pytest.raises(ValueError, match="not for native_layer_norm"):
         predict(dict(activation_checkpointing="sac", sac_save_ops="mm,native_layer_norm"), device_facts("cpu"))
+
+
+def _sac_saved(tmp_path, name):
+    """The sac_output records an Audit of a model.py SAC step on CPU keeps: (key, bytes)."""
+    import os
+    import torch
+    from memory_audit import Audit
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, bias=True,
+                          activation_checkpointing="sac", sac_save_ops="addmm,bmm"))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 64, (2, 16))
+    with Audit(model, opt, out_dir=str(tmp_path / name), step=1) as audit:
+        for step in range(2):
+            with audit.step(step):
+                _, loss = model(x, x)
+                audit.before_backward(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    meta = load_json(os.path.join(audit.run_dir, "meta.json"))
+    return sorted((r["key"], r["nbytes"]) for r in meta["saved_tensors"] if ".sac_output" in r["key"])
+
+
+def test_sac_outputs_are_named_by_their_module_when_the_policy_runs_before_the_op(tmp_path, monkeypatch):
+    """torch 2.11 asks SAC's policy before the op runs (no ctx.op_output): the audit reads what SAC
+    kept from the region's storage as it ends, and names each output by the module the policy's
+    call ran in, as a torch that hands the policy the output is named (the ledger's names; on an
+    H100 with torch 2.11 they were named by block until this). Simulated here by a context
+    without op_output."""
+    import torch.utils.checkpoint as ckpt
+    seen = _sac_saved(tmp_path, "with-output")
+    assert ("activations/h.0.attn.c_attn/addmm.sac_output", 2 * 16 * 48 * 4) in seen
+
+    class Before:  # torch 2.11's context: the policy is asked before the op runs
+        def __init__(self, *, is_recompute, **_):
+            self.is_recompute = is_recompute
+    monkeypatch.setattr(ckpt, "SelectiveCheckpointContext", Before)
+    from memory_audit.recording.recorder import _sac_policy_sees_outputs
+    assert not _sac_policy_sees_outputs()
+    assert _sac_saved(tmp_path, "before") == seen

@@ -227,13 +227,18 @@ def _sac_policy_sees_outputs():
 
 def _kept_by_sac(mode, keep):
     """An older torch asks SAC's policy before the op runs: the outputs it kept are read from the
-    forward mode's storage ({op: [outputs]}) as the region ends, each given to keep(op, output)."""
+    forward mode's storage ({op: [outputs]} in call order; {op: {index: output}} in later torch) as
+    the region ends, each given to
+    keep(op, output, late=True), which names it by the module the policy's call noted."""
     from torch.utils._pytree import tree_map
     storage = getattr(mode, "storage", None)
     for op, outputs in (list(storage.items()) if isinstance(storage, dict) else []):
-        for out in outputs if isinstance(outputs, list) else []:
-            if hasattr(op, "overloadpacket"):
-                keep(op, tree_map(lambda x: getattr(x, "val", x), out))
+        if isinstance(outputs, dict):  # a later torch's {call index: output or a recompute mark}
+            outputs = [outputs[k] for k in sorted(outputs)]
+        for out in outputs if isinstance(outputs, list) and hasattr(op, "overloadpacket") else []:
+            value = tree_map(lambda x: getattr(x, "val", x), out)
+            if tensors_in(value):
+                keep(op, value, True)
 
 
 class _RecomputeLabel:
@@ -359,7 +364,7 @@ class _SavedStorages:
         self.impls = {}  # storage data_ptr -> the storage (its C++ address) first seen there
         self.weak = []  # weak references to what was saved: their grad_fns find the graph without a loss
 
-    def record(self, t, op=None, held=False):
+    def record(self, t, op=None, held=False, module=None):
         t = local_tensor(t)  # tensor parallelism saves DTensors: this rank holds their local tensors
         st = t.untyped_storage()
         ptr = self.ident(st)
@@ -368,7 +373,7 @@ class _SavedStorages:
             del first_seen[ptr], impls[ptr]  # (FSDP2 frees an unsharded weight a matmul saved)
         if ptr not in first_seen:
             impls[ptr] = st._cdata
-            first_seen[ptr] = {"module": stack[-1] if stack else None, "data_ptr": ptr, "device": str(t.device),
+            first_seen[ptr] = {"module": module or (stack[-1] if stack else None), "data_ptr": ptr, "device": str(t.device),
                                "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
                                "shape": list(t.shape)}
             if op:
@@ -425,10 +430,20 @@ def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
         record(t)
         return t
 
-    def keep(op, output):  # SAC: an output the policy keeps for backward
+    kept_at = {}  # a torch whose SAC policy runs before the op: op -> the modules it ran in, in order
+
+    def keep(op, output, late=False):
+        """SAC: an output the policy keeps for backward, as the op runs (output None: the policy
+        was asked before the op ran; the module running is noted), or, late, read from the
+        region's storage as it ends (named by the module noted for it)."""
+        if output is None:
+            kept_at.setdefault(op, []).append(stack[-1] if stack else None)
+            return
+        modules = kept_at.get(op) if late else None
+        module = modules.pop(0) if modules else None
         tensors = tensors_in(output)
         for i, t in enumerate(tensors):
-            record(t, f"{op.overloadpacket.__name__}.sac_output{i if len(tensors) > 1 else ''}")
+            record(t, f"{op.overloadpacket.__name__}.sac_output{i if len(tensors) > 1 else ''}", module=module)
 
     names = {m: n for n, m in model.named_modules()}
     handles = [h for m in names for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
