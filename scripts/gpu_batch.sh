@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# GPU_RUNS.md's items 1, 3, 5 and 7 side by side in ONE command of under 10 minutes (every stream
+# GPU_RUNS.md's items 1, 5, 6 and 8 side by side in ONE command of under 10 minutes (every stream
 # stops SECONDS_FOR_WORK seconds after the start, default 470). From the repo root, with the
 # machine's own python3:
 #   OUT=$OUT SECONDS_FOR_WORK=470 bash scripts/gpu_batch.sh
 # Streams, all started at once, each stopped at the deadline (one process's CUDA allocator never sees
 # another's, so running them together changes no byte measured):
-#   - 4 x scripts/shadow_check.py --device=cuda (random tiny configs, seeds printed; one stream at
+#   - 2 x scripts/shadow_check.py --device=cuda (random tiny configs, seeds printed; one stream at
 #     fp16, which the CPU draw lacks), every audited step kept with its whole trace (--keep);
 #   - tests/test_cuda.py and tests/test_nodynamo.py (the OOM test last and alone: it fills the GPU);
-#   - scripts/gpu_reserved.sh with TRACE=1 on GPT-2-sized rows: compact traces to commit, and the
-#     shadow run against each measured step (`report --trace`); two streams on a GPU of over 120 GB.
-# Returns at most 8 files in $OUT: logs.tgz, reserved.tgz, keep-{a,b,c,d}.tgz.
+#   - scripts/zoo_audit.py: random library-model loops (transformers, timm, torchvision, plain
+#     torch) audited, tiny ones kept with their traces, and a few GPT-2-sized ones (rows only);
+#   - NCCL at world size 1 (ddp, fsdp, tp on cpu-tiny, rank traces kept, `report --trace` each)
+#     and the full-checkpointing-with-dropout run;
+#   - RESERVED=1: scripts/gpu_reserved.sh with TRACE=1 on GPT-2-sized rows as well.
+# Returns at most 8 files in $OUT: logs.tgz, keep-{a,d}.tgz, zoo.tgz, nccl.tgz (reserved.tgz).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OMP_NUM_THREADS=2
 OUT=${OUT:-/tmp/gpu_out}
@@ -25,7 +28,7 @@ python3 setup.py -q build_ext --inplace > "$W/build.log" 2>&1 || echo "compiled 
 MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1); MEM_MIB=${MEM_MIB:-0}
 cat "$W/env.txt"
 
-for s in a b c d; do
+for s in a d; do
     extra=(); [ "$s" = d ] && extra=(--dtype=float16)
     [ "$DEVICE" = cpu ] && [ "$s" = d ] && extra=()
     timeout "$(left)" python3 scripts/shadow_check.py --device="$DEVICE" --n=60 "${extra[@]}" \
@@ -35,10 +38,27 @@ if [ "$DEVICE" = cuda ]; then
     timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -n 3 tests/test_cuda.py tests/test_nodynamo.py \
         -k "not oom" > "$W/tests.log" 2>&1 &
 fi
+timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=60 --out="$W/zoo.jsonl" --keep="$W/zoo" \
+    > "$W/zoo.log" 2>&1 &
+[ "$DEVICE" = cuda ] && timeout "$(left)" python3 scripts/zoo_audit.py --device=cuda --size=gpt2 --n=10 \
+    --out="$W/zoo-gpt2.jsonl" > "$W/zoo-gpt2.log" 2>&1 &
+if [ "$DEVICE" = cuda ]; then
+    (   # NCCL at world size 1: its streams and record_stream frees, one rank's trace per strategy (kept)
+        for par in ddp fsdp tp; do
+            timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=1 train.py --audit --device=cuda --preset=cpu-tiny \
+                --parallel=$par --audit_dir="$W/nccl" --run_name=$par
+            timeout "$(left)" python3 -m memory_audit report "$W/nccl/$par/rank0" --trace | tail -25
+        done
+        # the SystemError of full checkpointing with dropout (torch 2.11): audited, then not
+        timeout "$(left)" python3 train.py --audit --device=cuda --preset=cpu-tiny --activation_checkpointing=full \
+            --dropout=0.1 --audit_dir="$W/nccl" --run_name=ac-dropout 2>&1 | tail -5
+        timeout "$(left)" python3 train.py --device=cuda --preset=cpu-tiny --activation_checkpointing=full --dropout=0.1 2>&1 | tail -3
+    ) > "$W/nccl.log" 2>&1 &
+fi
 G1="gpt2-sdpa-fp32-b4 gpt2-bias-b8 gpt2-manual-fp16 xl-manual-bf16"
 G2="gpt2-vocab32000-b8 medium-full-b8 large-sdpa-fp16-b8 large-manual-fp16-b10"
-if [ "$DEVICE" = cpu ]; then
-    :
+if [ "$DEVICE" = cpu ] || [ "${RESERVED:-0}" = 0 ]; then
+    :   # the GPT-2-sized reserved rows (RESERVED=1): 11 of them are committed from an H200
 elif [ "$MEM_MIB" -gt 120000 ]; then
     (OUT=$W RUNS=$W/runs1 TRACE=1 bash scripts/gpu_reserved.sh $G1 > "$W/reserved-1.log" 2>&1) &
     (OUT=$W RUNS=$W/runs2 TRACE=1 bash scripts/gpu_reserved.sh $G2 > "$W/reserved-2.log" 2>&1) &
@@ -51,10 +71,14 @@ if [ "$DEVICE" = cuda ]; then
         > "$W/tests-oom.log" 2>&1
 fi
 
-tar czf "$OUT/logs.tgz" -C "$W" --exclude='keep-*' --exclude='runs*' --exclude=reserved .
+tar czf "$OUT/logs.tgz" -C "$W" --exclude='keep-*' --exclude='runs*' --exclude=reserved --exclude=zoo --exclude=nccl .
+[ -d "$W/zoo" ] && tar czf "$OUT/zoo.tgz" -C "$W" zoo
+[ -d "$W/nccl" ] && tar czf "$OUT/nccl.tgz" -C "$W" nccl
 [ -d "$W/reserved" ] && tar czf "$OUT/reserved.tgz" -C "$W" reserved
-for s in a b c d; do [ -d "$W/keep-$s" ] && tar czf "$OUT/keep-$s.tgz" -C "$W" "keep-$s"; done
+for s in a d; do [ -d "$W/keep-$s" ] && tar czf "$OUT/keep-$s.tgz" -C "$W" "keep-$s"; done
 for f in "$W"/shadow-?.log; do echo "== $f"; grep -v -e "^ *$" -e USDT "$f" | cut -c1-400 | tail -8; done
+echo "== zoo"; grep -v -e USDT -e transformers "$W/zoo.log" | cut -c1-300 | tail -70
+echo "== nccl"; cut -c1-300 "$W/nccl.log" 2>/dev/null | tail -60
 echo "== tests"; tail -15 "$W/tests.log" 2>/dev/null; tail -3 "$W/tests-oom.log" 2>/dev/null
 for f in "$W"/reserved-?.log; do echo "== $f"; cut -c1-300 "$f" | tail -40; done
 ls -la "$OUT"

@@ -1,0 +1,134 @@
+"""Two CUDA-only questions, each asked in fresh processes (scripts/GPU_RUNS.md):
+
+    python scripts/gpu_probe.py
+
+1. `SystemError: ... returned NULL without setting an exception` in dropout or run_backward when a
+   step with non-reentrant checkpointing and dropout runs under the allocator's history: which
+   recording settings (context "all"/"alloc"/"state", stacks "python"/"all") and checkpoint
+   early stop (on/off) raise it, and whether it happens with no recording at all.
+3. Which part of an Audit raises that SystemError (a checkpointed encoder with dropout through
+   the public Audit API): the whole Audit, then with one of its parts replaced by a no-op.
+2. What imports the real torch._dynamo while the shadow runs a CUDA step (tests/test_nodynamo.py):
+   the Python stack at that import.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+STEP = """
+import sys, torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+context, stacks, early = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
+torch.manual_seed(0)
+blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 64)) for _ in range(3)).cuda()
+if context != "none":
+    torch.cuda.memory._record_memory_history(enabled="all", context=None if context == "None" else context,
+                                            stacks=stacks, max_entries=100000)
+with set_checkpoint_early_stop(early):
+    for step in range(3):
+        x = torch.randn(8, 32, 64, device="cuda")
+        for b in blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        x.square().mean().backward()
+print("ok")
+"""
+
+WHO = """
+import sys, traceback, importlib.abc
+class Hook(importlib.abc.MetaPathFinder):
+    shown = 0
+    def find_spec(self, name, path, target=None):
+        stack = traceback.extract_stack()
+        if name == "torch._dynamo" and self.shown < 2 and not any(f.name == "_install" for f in stack):
+            self.shown += 1  # the stand-in's own find_spec (nodynamo._install) is not an import
+            print("torch._dynamo imported from:")
+            print("".join(traceback.format_list(stack[-30:-1])))
+        return None
+import torch
+sys.meta_path.insert(0, Hook())
+from memory_audit.prediction import shadow
+from memory_audit.prediction.ledger import resolved
+cfg = resolved({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2, "gradient_accumulation_steps": 2,
+                "activation_checkpointing": "selective", "dropout": 0.1, "dtype": "float16"})
+shadow.run(cfg, "cuda")
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+
+
+AUDIT = """
+import contextlib, sys, tempfile, torch
+sys.path[:0] = ["scripts"]
+import zoo
+from memory_audit import Audit
+from memory_audit.recording import audit as audit_module, recorder
+parts = set(sys.argv[1].split(",")) - {""}  # the parts of an Audit replaced by no-ops
+if "ledger" in parts:  # the saved-tensor ledger: its hooks, RNG-state notes, checkpoint regions
+    audit_module.saved_tensor_ledger = lambda *a, **k: contextlib.nullcontext(lambda *a, **k: None)
+if "loop_names" in parts:  # the hooks that find the batch, the output and the loss
+    audit_module.LoopNames.watch = lambda self, model: None
+if "grads" in parts:  # the gradients' registration at the end of backward
+    audit_module.Audit._hook_gradients = lambda self: None
+if "dumps" in parts:  # the phases' snapshots (step 2's start, before backward, end)
+    recorder.AuditRecording.phase = lambda self, *a, **k: None
+if "oom" in parts:  # the out-of-memory observer
+    torch._C._cuda_attach_out_of_memory_observer = lambda f: None
+if "python_stacks" in parts:  # the history without Python stacks
+    real = torch.cuda.memory._record_memory_history
+    torch.cuda.memory._record_memory_history = lambda *a, **k: real(*a, **dict(k, stacks="cpp") if k else k)
+spec = {"lib": "plain", "name": "encoder_vit", "size": "tiny", "dtype": "float32", "optimizer": "adamw", "impl": "for",
+        "checkpointing": True, "batch": 7, "seed": 1, "image": 32, "classes": 10, "width": 32, "layers": 3, "heads": 4,
+        "patch": 8}
+model, opt = zoo.build(spec, "cuda")
+real_step = opt.step
+def step(*a, **k):
+    out = real_step(*a, **k)
+    print("optimizer step done", flush=True)
+    return out
+opt.step = step
+audit = Audit(model, opt, out_dir=tempfile.mkdtemp() + "/r", step=2) if "audit" not in parts else None
+with audit if audit else contextlib.nullcontext():
+    zoo.train(spec, "cuda", audit, model=model, optimizer=opt)
+print("ok")
+"""
+
+# Measured on an H100 (torch 2.11, 2026-11-27): no Audit at all: ok; the Audit without any ONE of
+# ledger / its saved-tensor hooks / its RNG-state notes / its checkpoint regions / every module
+# hook: the SystemError in dropout each time. Next: everything off, then one part on at a time.
+AUDIT_VARIANTS = ("audit", "", "ledger,loop_names", "ledger,loop_names,grads", "ledger,loop_names,grads,dumps",
+                  "ledger,loop_names,grads,dumps,oom", "ledger,loop_names,grads,dumps,oom,python_stacks",
+                  "python_stacks", "dumps", "grads", "oom")
+
+
+def run(code, *args):
+    p = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    last = (p.stdout + p.stderr).strip().splitlines()
+    return p.returncode, last
+
+
+def main():
+    print("1. checkpoint + dropout under the allocator's history")
+    for context, stacks, early in (("none", "python", "on"), ("all", "python", "on"), ("all", "python", "off"),
+                                   ("alloc", "python", "on"), ("state", "python", "on"), ("all", "all", "on"),
+                                   ("alloc", "all", "on")):
+        rc, out = run(STEP, context, stacks, early)
+        err = next((line for line in reversed(out) if "Error" in line), "") if rc else ""
+        print(f"  context={context:5s} stacks={stacks:6s} early_stop={early:3s}: {'ok' if rc == 0 else 'FAILED ' + err[:160]}",
+              flush=True)
+    print("3. which part of an Audit raises it (the parts named replaced by no-ops)")
+    for parts in AUDIT_VARIANTS:
+        rc, out = run(AUDIT, parts)
+        steps = sum(line == "optimizer step done" for line in out)
+        err = next((line for line in reversed(out) if "Error" in line), "") if rc else ""
+        print(f"  off: {parts or '(none)':48s} {steps} steps: {'ok' if rc == 0 else 'FAILED ' + err[:120]}", flush=True)
+    print("2. who imports torch._dynamo in a CUDA shadow step")
+    rc, out = run(WHO)
+    print("\n".join("  " + line for line in out[-40:]))
+
+
+if __name__ == "__main__":
+    main()
