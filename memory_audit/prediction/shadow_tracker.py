@@ -101,6 +101,7 @@ class Tracker:
         self.naming = False  # name what the audited forward makes as an audit does (shadow.run(names=True))
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
+        self.on_op = None  # called with each op before it runs (shadow_script's step boundaries), or None
 
     @property
     def op(self):
@@ -365,6 +366,8 @@ def dispatch_mode(tracker, device_type):
             kwargs = kwargs or {}
             if func.namespace == "prim" or tracker.unseen:  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **kwargs)
+            if tracker.on_op is not None:  # shadow_script: the first op after an optimizer step ends the step
+                tracker.on_op(func)
             if any(t not in _PLAIN for t in types):  # a DTensor: its own dispatch runs the ops on
                 tracker.subclass_op = func  # its shards, and those come back through this mode
                 return NotImplemented

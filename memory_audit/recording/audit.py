@@ -97,6 +97,7 @@ class Audit:
                                                     wrappers=self.recording.compiled_wrappers))
         else:
             self._found.watch(model)
+        self.recording.show_cpu([t for _, t in named_tensors(model, optimizer, scaler)])
         self.recording.distributed = distributed_info(model)
         config = self.recording.config
         config.setdefault("model_class", type(model).__name__)

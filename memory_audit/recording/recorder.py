@@ -636,6 +636,14 @@ class AuditRecording:
         with (nodynamo.inductor_not_offered() if alone else nullcontext()):
             self.prof.__enter__()
 
+    def show_cpu(self, tensors):
+        """CPU, profiling: an alias of each of `tensors` (no memory, no effect on training), so
+        the profiler reports the ones older than itself that no op of the step uses (a buffer
+        only read when the sequence grows: transformers' rotary original_inv_freq)."""
+        if not self.cuda and self.prof is not None and self.active:
+            for t in tensors:
+                torch.ops.aten.alias.default(t)
+
     def begin_cpu(self, tensors=lambda: ()):
         """CPU, deferred: start the profiler now (a compiled run's audited step: profiling
         inductor's compilation with stacks would take more memory than the machine has). The

@@ -1,0 +1,322 @@
+"""The user's own training code, shadow-run as written (issue #46; CPU).
+
+    with memory_audit.shadow() as s:
+        model = ...; optimizer = ...
+        for step in range(steps):
+            loss = model(x).loss
+            loss.backward(); optimizer.step(); optimizer.zero_grad()
+            print(loss.item())
+    print(s.summary["peak"])
+
+Every tensor made inside is fake (FakeTensorMode: shapes, dtypes and storage sizes, no memory)
+and every allocation and free goes through the shadow's tracker, as shadow_loop's run_loop runs a
+`make`/`step` pair; here nothing is restructured. Python's own lifetimes apply: a loss rebound
+in the next step is freed when the new one exists, as in a real run.
+
+Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is the
+module last called at top level whose parameters it holds). A step ends when `zero_grad()`
+(the optimizer's or a module's) written below its optimizer step follows it before any other
+op, else at that step's optimizer step (a zero_grad written above it starts the next step); step `audited` (2, as train.py audits) is recorded as an Audit records it
+(its before-backward moment at its last `.backward()`), and the loop is stopped as it ends: the
+`with` block is left there, the exception that stopped it swallowed.
+
+Data-dependent reads of fake tensors (`.item()`, `.tolist()`, `bool()`, `float()`, `int()`)
+answer with a placeholder (0, False) where fake tensors cannot: each is listed in
+`summary["placeholders"]` with the line of the user's code that read it. Any other failure ends
+in one ShadowError line naming the op, the line of the user's code and the reason.
+"""
+
+import contextlib
+import linecache
+import os
+import sys
+import traceback
+
+from .shadow import (ShadowError, begin_step, end_step, held_names, name_grads, step_result)
+from .shadow_loop import _LoopLedger, _ident, _merged, loop_summary
+from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memory_audit/
+_LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python", "<frozen", _HERE)
+
+
+class _Stopped(BaseException):
+    """Raised as the audited step ends: the user's loop stops there (BaseException: a loop's own
+    `except Exception` does not catch it)."""
+
+
+def user_line(tb=None):
+    """'file.py:line: code' of the innermost frame of the user's code (not torch, not an
+    installed package, not this package), in a traceback or the current stack; None if none."""
+    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
+    for f in reversed(frames):
+        name = f.filename or ""
+        if name.endswith(".py") and not any(k in name for k in _LIBRARY) and "/torch/" not in name:
+            code = (f.line or linecache.getline(name, f.lineno) or "").strip()
+            return f"{os.path.basename(name)}:{f.lineno}: {code}"
+    return None
+
+
+class Shadow:
+    """The context manager `memory_audit.shadow()` returns (see the module docstring).
+    `result`: run()'s dict for the audited step; `summary`: loop_summary(result) plus
+    "placeholders" (the data-dependent reads answered without data) and "steps" (optimizer
+    steps seen)."""
+
+    def __init__(self, device="cpu", step=2):
+        if device != "cpu":
+            raise ShadowError(f"shadow(device={device!r}): only the CPU shadow runs a user's own code so far")
+        if not isinstance(step, int) or step < 1:
+            raise ShadowError(f"shadow(step={step!r}): the audited step must be an int >= 1 (step 0 makes the optimizer's state)")
+        self.audited = step
+        self.result = self.summary = None
+        self.placeholders = []
+
+    # -- entering and leaving
+    def __enter__(self):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from .. import nosympy
+        from ..nodynamo import stood_in
+        from ..recording.loop_names import LoopNames
+        self.tracker = tracker = Tracker()
+        tracker.naming = True
+        self.phases, self.made, self.pre = {}, {}, None
+        self.steps, self.pending, self.optimizer, self.model = 0, False, None, None
+        self.step_site = None
+        self.found = LoopNames(ident=_ident)
+        self._top, self._depth, self._handles = None, 0, []
+        self._stack = stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(stood_in())
+            stack.enter_context(nosympy.stood_in())
+            stack.enter_context(FakeTensorMode())
+            stack.enter_context(dispatch_mode(tracker, "cpu"))
+            stack.enter_context(cpu_rules(tracker))
+            stack.callback(self._unhook)
+            self._hook(torch)
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        stopped = exc_type is not None and issubclass(exc_type, _Stopped)
+        try:
+            self._stack.close()
+        finally:
+            if "ledger" in self.made:
+                self.made["ledger"].close()
+        if stopped:
+            self.result = step_result(self.tracker, self.pre, self.phases)
+            self.summary = dict(loop_summary(self.result), steps=self.steps, placeholders=self.placeholders,
+                                source="shadow(): the user's code on fake tensors")
+            return True
+        if exc_type is None:
+            raise ShadowError(f"the code ran {self.steps} optimizer step(s) and ended before step {self.audited} "
+                              "did: nothing to predict")
+        if isinstance(exc, (ShadowError, KeyboardInterrupt, SystemExit)):
+            return False
+        where = user_line(tb) or "the loop"
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ShadowError(f"the shadow run stopped at {self.tracker.op}, {where}: {exc_type.__name__}: {reason}") from None
+
+    # -- what the session hooks
+    def _hook(self, torch):
+        from torch.nn.modules import module as module_mod
+        from torch.optim import optimizer as optim_mod
+        session = self
+
+        def pre(mod, args):
+            if session._depth == 0:
+                session._top = mod
+            session._depth += 1
+
+        def post(mod, args, kwargs, out):
+            session._depth -= 1
+            if session._depth == 0 and session.model is None:  # before the model is known (step 0), every
+                session.found.note_output(mod, args, kwargs, out)  # top-level call, as an Audit's hook on it sees
+        self._handles += [module_mod.register_module_forward_pre_hook(pre),
+                          module_mod.register_module_forward_hook(post, with_kwargs=True),
+                          optim_mod.register_optimizer_step_post_hook(self._stepped)]
+        self._saved = {}
+
+        def patch(owner, name, new):
+            self._saved[(owner, name)] = getattr(owner, name)
+            setattr(owner, name, new)
+        patch(torch.nn.Module, "_apply", _fake_apply(torch.nn.Module._apply))
+        patch(torch.Tensor, "__deepcopy__", _same_mode_deepcopy(torch.Tensor.__deepcopy__))
+        backward = torch.Tensor.backward
+        patch(torch.Tensor, "backward", lambda t, *a, **k: self._backward(backward, t, *a, **k))
+        for owner in (torch.optim.Optimizer, torch.nn.Module):
+            zero = owner.zero_grad
+            patch(owner, "zero_grad", lambda obj, *a, _zero=zero, **k: self._zero_grad(_zero, obj, *a, **k))
+        for name, answer in (("item", None), ("tolist", None), ("__bool__", False), ("__float__", 0.0),
+                             ("__int__", 0)):
+            patch(torch.Tensor, name, self._read(name, getattr(torch.Tensor, name), answer))
+
+        def on_op(func):  # the first op after an optimizer step, zero_grad not called first: the step ends
+            if session.pending and func.namespace != "profiler":  # (the step's own record_function exit)
+                session._boundary()
+        self.tracker.on_op = on_op
+
+    def _unhook(self):
+        for h in self._handles:
+            h.remove()
+        for (owner, name), value in self._saved.items():
+            setattr(owner, name, value)
+        self.found.remove()
+        for h in self.made.get("labels", []):
+            h.remove()
+
+    def _read(self, name, original, answer):
+        """A data-dependent read: the real answer where the fake tensor knows it (a constant),
+        else a placeholder, noted with the user's line."""
+        import torch
+        from torch._subclasses.fake_tensor import DataDependentOutputException
+        session = self
+
+        def read(t, *args, **kwargs):
+            try:
+                return original(t, *args, **kwargs)
+            except DataDependentOutputException:
+                value = answer
+                if name in ("item", "tolist"):
+                    zero = False if t.dtype is torch.bool else 0.0 if t.dtype.is_floating_point else 0
+                    value = zero if name == "item" else _filled(list(t.shape), zero)
+                session.placeholders.append({"read": f"Tensor.{name}()", "answer": value,
+                                             "where": user_line() or "torch"})
+                return value
+        return read
+
+    # -- steps
+    def _stepped(self, optimizer, args, kwargs):
+        if self.optimizer is None:
+            self.optimizer = optimizer
+            self._found_model()
+        if optimizer is not self.optimizer:
+            return
+        self.step_site = _call_site()
+        self.steps += 1
+        self.pending = True
+
+    def _zero_grad(self, original, obj, *args, **kwargs):
+        first = self.pending and _above(_call_site(), self.step_site)
+        if first:  # zero_grad written above the optimizer step: the next step's first line
+            self._boundary()
+        self.pending_zero = self.pending
+        self.pending = False  # zero_grad written after the optimizer step belongs to its step
+        try:
+            return original(obj, *args, **kwargs)
+        finally:
+            if self.pending_zero:
+                self._boundary()
+
+    def _boundary(self):
+        """A step has ended (its optimizer step, and zero_grad if that came next)."""
+        self.pending = False
+        tracker = self.tracker
+        if self.steps == self.audited:  # the audited step starts
+            self.pre = begin_step(tracker, self._named(self.found.held()), self.phases)
+            self.made["ledger"] = _LoopLedger(tracker, self.model)
+        elif self.steps == self.audited + 1:  # it ends: the loop stops here
+            end_step(tracker, self._named(self.found.held()))
+            raise _Stopped()
+        tracker.phase = "forward"
+
+    def _found_model(self):
+        params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        top = self._top
+        if top is None or not any(id(p) in params for p in top.parameters()):
+            raise ShadowError("the optimizer stepped, but no module holding its parameters ran a forward before it: "
+                              "shadow() follows a model's forward, loss, backward and optimizer step")
+        self.model = top
+        self.made["labels"] = module_labels(top, self.tracker, root=type(top).__name__.lower())
+        self.found.watch(top)
+
+    def _named(self, held):
+        return held_names(self.model, self.optimizer, _merged(self.found.tensors(None), held))
+
+    def _backward(self, original, t, *args, **kwargs):
+        tracker = self.tracker
+        if tracker.recording:
+            tracker.before_op()
+            self.phases["step2_before_backward"] = len(tracker.events)
+        with tracker.unseeing():
+            self.found.note_loss(t)
+        if tracker.recording:
+            self.made["ledger"].name(t, self._named({}), self._named(self.found.held()))
+        tracker.phase = "backward"
+        try:
+            return original(t, *args, **kwargs)
+        finally:
+            tracker.phase = "optimizer"
+            if self.model is not None:
+                name_grads(tracker, self.model)
+
+
+def _call_site():
+    """(file, line) of the innermost frame of the user's code now, or None."""
+    for f in reversed(traceback.extract_stack()):
+        name = f.filename or ""
+        if name.endswith(".py") and not any(k in name for k in _LIBRARY) and "/torch/" not in name:
+            return f.filename, f.lineno
+    return None
+
+
+def _above(site, step_site):
+    """Whether a call at `site` is written above the optimizer step at `step_site`, in the same
+    file: a loop that zeroes the gradients first (its zero_grad starts the next step)."""
+    return site is not None and step_site is not None and site[0] == step_site[0] and site[1] < step_site[1]
+
+
+def _fake_apply(original):
+    """Module._apply for a model of fake tensors: torch swaps each fake parameter for its
+    converted one (swap_tensors), which fails on a fake tensor something holds a weak reference
+    to; here a conversion that returns the tensor itself (`.to()` to where it is) keeps it, and
+    one that makes a new tensor (`.to(dtype)`, `.half()`) puts a new Parameter in its place, as
+    a real `.data =` assignment lets the old storage go."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def apply(module, fn, recurse=True):
+        if not any(isinstance(t, FakeTensor) for t in module.parameters()):
+            return original(module, fn, recurse)
+        if recurse:
+            for child in module.children():
+                apply(child, fn)
+        for key, param in module._parameters.items():
+            if param is not None:
+                with torch.no_grad():
+                    new = fn(param)
+                if new is not param:
+                    module._parameters[key] = torch.nn.Parameter(new, param.requires_grad)
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = fn(buf)
+        return module
+    return apply
+
+
+def _same_mode_deepcopy(original):
+    """Tensor.__deepcopy__ for fake tensors: the copy stays in the same FakeTensorMode (torch
+    deep-copies a fake tensor's __dict__, its mode too, and the copy's ops then mix two modes:
+    nn.TransformerEncoder clones its layer with copy.deepcopy)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def deepcopy(t, memo):
+        if isinstance(t, FakeTensor):
+            memo.setdefault(id(t.fake_mode), t.fake_mode)
+        return original(t, memo)
+    return deepcopy
+
+
+def _filled(shape, value):
+    if not shape:
+        return value
+    return [_filled(shape[1:], value) for _ in range(shape[0])]
+
+
+def shadow(device="cpu", step=2):
+    """`with memory_audit.shadow() as s:` around a training script's own code (module docstring)."""
+    return Shadow(device=device, step=step)

@@ -1,0 +1,158 @@
+"""A user's own training code shadow-run as written (`with memory_audit.shadow():`, issue #46):
+against an Audit of the same code on CPU, step 2's peak and every line of its three phases to the
+byte, with Python's own lifetimes (the loss rebound each step), `loss.item()` logged, and
+nothing restructured."""
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import memory_audit
+from memory_audit import Audit
+from memory_audit.comparison.reconcile import measure
+from memory_audit.prediction.shadow import ShadowError
+
+class Net(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        if kind == "encoder":  # torch's own encoder: it deep-copies its layer (fake tensors: one mode)
+            layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, activation="gelu", batch_first=True,
+                                               norm_first=True)
+            self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.embed = nn.Embedding(50, 32)
+        else:
+            self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                                      nn.Conv2d(16, 16, 3, padding=1))
+        self.head = nn.Linear(32 if kind == "encoder" else 16, 10)
+
+    def forward(self, x):
+        if self.kind == "encoder":
+            return self.head(self.body(self.embed(x)).mean(1))
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def loop(kind, audit_dir=None, zero_first=False, steps=3, log=True):
+    """The loop as users write it: the batch made each step, the loss rebound, logged with
+    .item() (log); zero_grad after the optimizer step or (zero_first) at the top of the loop;
+    an Audit of step 2 where `audit_dir` is given."""
+    torch.manual_seed(0)
+    model = Net(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    audit = Audit(model, optimizer, out_dir=audit_dir, step=2) if audit_dir else None
+    losses = []
+    for step in range(steps):
+        with audit.step(step) if audit is not None else contextlib.nullcontext():
+            if zero_first:
+                optimizer.zero_grad()
+            x = torch.randint(0, 50, (4, 12)) if kind == "encoder" else torch.randn(4, 3, 16, 16)
+            y = torch.randint(0, 10, (4,))
+            loss = nn.functional.cross_entropy(model(x), y)
+            if audit is not None:
+                audit.before_backward(loss)
+            loss.backward()
+            optimizer.step()
+            if not zero_first:
+                optimizer.zero_grad()
+            if log:
+                losses.append(loss.item())
+    if audit is not None:
+        audit.close()
+    return losses
+
+
+LOGGED = next(i for i, line in enumerate(open(__file__), 1) if line.strip() == "losses.append(loss.item())")
+
+
+@pytest.mark.parametrize("kind, zero_first, log", [("conv", False, True), ("encoder", False, True),
+                                                   ("conv", True, False)])
+def test_a_loop_as_written_is_its_audit(tmp_path, kind, zero_first, log):
+    """A conv net with GroupNorm and SiLU, torch's own TransformerEncoder (it deep-copies its layer:
+    the copies stay in the shadow's fake mode), and a loop that zeroes the gradients first (its
+    zero_grad, written above the optimizer step, starts the next step: the grads of step 1 live
+    when step 2 starts, as the Audit's `with audit.step(2)` sees them)."""
+    loop(kind, str(tmp_path / "r"), zero_first=zero_first, log=log)
+    m = measure(str(tmp_path / "r"))
+    with memory_audit.shadow() as s:
+        loop(kind, zero_first=zero_first, steps=100, log=log)  # stopped as step 2 ends
+    assert s.summary["steps"] == 3
+    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+    for phase, lines in s.summary["phase_lines"].items():
+        assert lines == m["phases"][phase]["attribution"]["lines"], phase
+    assert all(p["attribution"]["unattributed_bytes"] == 0 for p in m["phases"].values())
+    # steps 0 and 1 logged their loss: a placeholder each, with the user's line
+    assert [p["where"].split(":")[:2] for p in s.summary["placeholders"]] == [["test_shadow_script.py", str(LOGGED)]] * 2 * log
+    assert all(p["answer"] == 0.0 for p in s.summary["placeholders"])
+
+
+def test_the_with_block_is_left_as_step_2_ends_and_the_code_after_it_runs():
+    after = []
+    with memory_audit.shadow() as s:
+        loop("conv", steps=100)
+        after.append("never")  # the loop was stopped: the rest of the block does not run
+    after.append("after")
+    assert after == ["after"] and s.summary["steps"] == 3
+
+
+def test_code_that_fake_tensors_cannot_run_is_one_line_with_the_users_line():
+    with pytest.raises(ShadowError) as e:
+        with memory_audit.shadow():
+            model = nn.Linear(8, 8)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                keep = x[x > 0]  # a data-dependent shape: nonzero under the mask
+                model(keep.view(-1, 8)[:1]).sum().backward()
+                optimizer.step()
+    text = str(e.value)
+    assert "\n" not in text and "test_shadow_script.py" in text and "keep = x[x > 0]" in text
+    assert text.startswith("the shadow run stopped at aten.")
+
+
+def test_code_that_ends_before_step_2_says_so():
+    with pytest.raises(ShadowError, match="ran 1 optimizer step"):
+        with memory_audit.shadow():
+            model = nn.Linear(8, 8)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum().backward()
+            optimizer.step()
+
+
+def test_a_device_it_does_not_run_yet_is_refused_in_one_line():
+    with pytest.raises(ShadowError, match="only the CPU shadow"):
+        memory_audit.shadow(device="cuda")
+
+
+HF = [  # scripts/zoo.py specs: small configs, no download
+    {"lib": "hf", "name": "gpt2", "attention": "eager", "dtype": "bfloat16", "optimizer": "adamw", "impl": "foreach"},
+    {"lib": "hf", "name": "llama", "attention": "sdpa", "dtype": "float32", "optimizer": "adafactor", "impl": "default"},
+    {"lib": "hf", "name": "bert", "attention": "sdpa", "dtype": "float32", "optimizer": "adam", "impl": "for"},
+    {"lib": "hf", "name": "t5", "attention": "sdpa", "dtype": "bfloat16", "optimizer": "sgd", "impl": "foreach"},
+]
+
+
+@pytest.mark.parametrize("spec", HF, ids=[s["name"] for s in HF])
+def test_transformers_models_as_written(tmp_path, spec):
+    """The library most users train from (transformers, from configs): GPT-2 in bf16 autocast,
+    Llama (GQA, rotary, RMSNorm) with Adafactor, BERT's masked LM (labels at -100 ignored), T5's
+    encoder-decoder; the usual `model(**batch).loss` step in scripts/zoo.py's loop."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import zoo
+    spec = dict(spec, size="tiny", checkpointing=False, batch=3, seed=7, heads=2, kv_heads=1 if spec["name"] == "llama"
+                else 2, width=32, layers=2, seq=24, vocab=300)
+    model, optimizer = zoo.build(spec, "cpu")
+    with Audit(model, optimizer, out_dir=str(tmp_path / "r"), step=2) as audit:
+        zoo.train(spec, "cpu", audit, model=model, optimizer=optimizer)
+    del model, optimizer
+    m = measure(audit.run_dir)
+    with memory_audit.shadow() as s:
+        zoo.train(spec, "cpu", steps=10)
+    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+    for phase, lines in s.summary["phase_lines"].items():
+        assert lines == m["phases"][phase]["attribution"]["lines"], phase
+    assert all(p["attribution"]["unattributed_bytes"] == 0 for p in m["phases"].values())
