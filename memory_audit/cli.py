@@ -378,8 +378,51 @@ def cmd_viz(args):
     for path, what in write_viz(args.path, args.phase, args.view, args.out, args.detail, span):
         print(f"wrote {path}: {what}")
 
+def cmd_predict_script(args):
+    """Shadow-run a training script as written (prediction/shadow_script.py) and print step 2."""
+    import runpy
+    from .prediction.shadow import snapshot
+    from .prediction.shadow_script import shadow
+    script = args.script
+    if not os.path.isfile(script) or not script.endswith(".py"):
+        raise ValueError(f"{script}: not a Python file")
+    if args.trace and os.path.exists(args.trace) and not args.trace.endswith(".pickle"):
+        raise ValueError(f"--trace: refusing to overwrite {args.trace}: not a .pickle file")
+    rest = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    argv, path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [script, *rest], [os.path.dirname(os.path.abspath(script))]
+    try:
+        with shadow(step=args.step) as s:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        raise ValueError(f"{script} exited (code {e.code}) before its step {args.step} ended") from None
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    summary = s.summary
+    if args.trace:
+        with open(args.trace, "wb") as f:
+            pickle.dump(snapshot(s.result), f, protocol=4)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items()}, indent=1, default=str))
+        return
+    rows = [("steady state (step 2's start)", summary["steady_state"]), ("before backward", summary["before_backward"]),
+            ("peak", summary["peak"]), ("end", summary["end"])]
+    print(table(("step 2 (CPU, fake tensors)", "bytes", "MiB"), [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows
+                                                                 if v is not None]))
+    print(table(("at the peak", "bytes"), [(k, f"{v:,}") for k, v in sorted(summary["peak_categories"].items(),
+                                                                          key=lambda kv: -kv[1])]))
+    reads = {}
+    for p in summary["placeholders"]:
+        reads[(p["read"], p["where"])] = reads.get((p["read"], p["where"]), 0) + 1
+    for (read, where), n in sorted(reads.items(), key=lambda kv: -kv[1]):
+        print(f"placeholder: {read} answered without data {n} time(s) at {where}")
+    if args.trace:
+        print(f"wrote the shadow run's {len(s.result['events']):,} events of step {args.step} to {args.trace}")
+
+
 COMMANDS = {"attribute": cmd_attribute, "predict": cmd_predict, "fit": cmd_fit, "plan": cmd_plan, "report": cmd_report,
-            "diff": cmd_diff, "accuracy": cmd_accuracy, "sweep": cmd_sweep, "viz": cmd_viz}
+            "diff": cmd_diff, "accuracy": cmd_accuracy, "sweep": cmd_sweep, "viz": cmd_viz,
+            "predict-script": cmd_predict_script}
 
 
 def _prediction_parsers(sub):
@@ -453,6 +496,13 @@ def main(argv=None):
                    "more than ten share colours")
     v.add_argument("--window", default=None, metavar="START:END", help="write trace entries START to END "
                    "(with what was live at START) as a snapshot and its MemoryViz page, for any size of trace")
+    ps = sub.add_parser("predict-script", help="shadow-run a training script as written, on fake tensors (CPU): "
+                        "step 2's peak and where it goes, before it runs")
+    ps.add_argument("script", help="the training script (.py), run as `python SCRIPT ARGS` would run it")
+    ps.add_argument("script_args", nargs=argparse.REMAINDER, help="-- then the script's own arguments")
+    ps.add_argument("--step", type=int, default=2, help="the step recorded (counted by optimizer.step())")
+    ps.add_argument("--trace", default=None, metavar="FILE.pickle", help="write step 2 as a snapshot MemoryViz opens")
+    ps.add_argument("--json", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # `--json -` is the flag: JSON on stdout
         if argv[i] == "-" and argv[i - 1] == "--json":

@@ -132,10 +132,16 @@ HF = [  # scripts/zoo.py specs: small configs, no download
     {"lib": "hf", "name": "llama", "attention": "sdpa", "dtype": "float32", "optimizer": "adafactor", "impl": "default"},
     {"lib": "hf", "name": "bert", "attention": "sdpa", "dtype": "float32", "optimizer": "adam", "impl": "for"},
     {"lib": "hf", "name": "t5", "attention": "sdpa", "dtype": "bfloat16", "optimizer": "sgd", "impl": "foreach"},
+    # the library's own gradient checkpointing: its layers are recomputed in backward (not the
+    # model's forward), and the mask and rotary cos/sin reach each layer through a partial's keywords
+    {"lib": "hf", "name": "llama", "attention": "eager", "dtype": "float32", "optimizer": "sgd", "impl": "for",
+     "checkpointing": True},
+    {"lib": "hf", "name": "bert", "attention": "eager", "dtype": "float32", "optimizer": "adam", "impl": "for",
+     "checkpointing": True},
 ]
 
 
-@pytest.mark.parametrize("spec", HF, ids=[s["name"] for s in HF])
+@pytest.mark.parametrize("spec", HF, ids=[s["name"] + ("-ckpt" if s.get("checkpointing") else "") for s in HF])
 def test_transformers_models_as_written(tmp_path, spec):
     """The library most users train from (transformers, from configs): GPT-2 in bf16 autocast,
     Llama (GQA, rotary, RMSNorm) with Adafactor, BERT's masked LM (labels at -100 ignored), T5's
@@ -143,7 +149,7 @@ def test_transformers_models_as_written(tmp_path, spec):
     pytest.importorskip("transformers")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import zoo
-    spec = dict(spec, size="tiny", checkpointing=False, batch=3, seed=7, heads=2, kv_heads=1 if spec["name"] == "llama"
+    spec = dict({"checkpointing": False}, **spec, size="tiny", batch=3, seed=7, heads=2, kv_heads=1 if spec["name"] == "llama"
                 else 2, width=32, layers=2, seq=24, vocab=300)
     model, optimizer = zoo.build(spec, "cpu")
     with Audit(model, optimizer, out_dir=str(tmp_path / "r"), step=2) as audit:
@@ -156,3 +162,49 @@ def test_transformers_models_as_written(tmp_path, spec):
     for phase, lines in s.summary["phase_lines"].items():
         assert lines == m["phases"][phase]["attribution"]["lines"], phase
     assert all(p["attribution"]["unattributed_bytes"] == 0 for p in m["phases"].values())
+
+
+def _cli(*args):
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "memory_audit", *args], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_predict_script_runs_a_script_with_its_own_arguments(tmp_path):
+    """`python -m memory_audit predict-script SCRIPT -- ARGS`: the script as `python SCRIPT ARGS`
+    runs it, stopped as step 2 ends; the numbers are shadow()'s of the same code, the
+    placeholder the script's log line read, the trace a snapshot `attribute` reads."""
+    import json
+    trace = tmp_path / "step2.pickle"
+    p = _cli("predict-script", "--json", f"--trace={trace}", "examples/train_classifier.py", "--", "--batch=8", "--seq=32")
+    assert p.returncode == 0, p.stderr[-800:]
+    out = json.loads(p.stdout[p.stdout.index("{"):])
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import train_classifier
+    argv = sys.argv
+    sys.argv = ["train_classifier.py", "--batch=8", "--seq=32"]
+    try:
+        with memory_audit.shadow() as s:
+            train_classifier.main()
+    finally:
+        sys.argv = argv
+    assert out["peak"] == s.summary["peak"] and out["phase_lines"] == s.summary["phase_lines"]
+    assert [p["where"].split(":")[0] for p in out["placeholders"]] == ["train_classifier.py"]  # step 0's log line
+    from memory_audit.reading.attribute import attribute
+    from memory_audit.reading.loader import load_snapshot
+    snap = load_snapshot(str(trace))
+    assert attribute(snap)[0]["unattributed_bytes"] == 0
+
+
+@pytest.mark.parametrize("body, message", [
+    ("raise SystemExit(3)\n", "exited (code 3) before its step 2 ended"),
+    ("import torch\nx = torch.randn(4)\nprint(x[x > 0])\n", "bad.py:3: print(x[x > 0])"),
+])
+def test_predict_script_bad_input_is_one_line(tmp_path, body, message):
+    bad = tmp_path / "bad.py"
+    bad.write_text(body)
+    p = _cli("predict-script", str(bad))
+    assert p.returncode == 2 and p.stdout == ""
+    lines = [line for line in p.stderr.splitlines() if not line.startswith("USDT")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr

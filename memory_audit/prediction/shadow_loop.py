@@ -43,7 +43,7 @@ def _run_loop(make, step, inputs, audited, tracker):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from ..recording.loop_names import LoopNames
     phases, original, made = {}, torch.Tensor.backward, {}
-    found = LoopNames(ident=_ident)
+    found = LoopNames(ident=fake_ident)
 
     def backward(self, *args, **kwargs):  # the last one in the audited step: before backward
         if tracker.recording:
@@ -61,7 +61,7 @@ def _run_loop(make, step, inputs, audited, tracker):
             name_grads(tracker, made["model"])
 
     def named(last):
-        return held_names(made["model"], made["optimizer"], _merged(found.tensors(given), last))
+        return held_names(made["model"], made["optimizer"], merged(found.tensors(given), last))
     with FakeTensorMode(), dispatch_mode(tracker, "cpu"), cpu_rules(tracker):
         model, optimizer, *batch = make()
         made.update(model=model, optimizer=optimizer)
@@ -72,8 +72,8 @@ def _run_loop(make, step, inputs, audited, tracker):
         try:
             for it in range(audited + 1):
                 if it == audited:
-                    pre = begin_step(tracker, named(_merged(found.held(), kept)), phases)
-                    made["ledger"] = _LoopLedger(tracker, model)
+                    pre = begin_step(tracker, named(merged(found.held(), kept)), phases)
+                    made["ledger"] = LoopLedger(tracker, model)
                 tracker.phase = "forward"
                 kept = step(model, optimizer, *batch)
                 kept = {"temporary/loop/loss": kept} if isinstance(kept, torch.Tensor) else dict(kept or {})
@@ -84,23 +84,23 @@ def _run_loop(make, step, inputs, audited, tracker):
                 made["ledger"].close()
             for h in handles:
                 h.remove()
-        end_step(tracker, named(_merged(found.held(), kept)))
+        end_step(tracker, named(merged(found.held(), kept)))
     result = step_result(tracker, pre, phases)
     result["summary"] = loop_summary(result)
     return result
 
 
-def _ident(t):
+def fake_ident(t):
     from ..recording.recorder import local_tensor
     return address(local_tensor(t).untyped_storage())
 
 
-def _merged(first, then):
+def merged(first, then):
     """{name: tensor}: `first`'s, then `then`'s names not taken."""
     return dict(first, **{k: v for k, v in then.items() if k not in first})
 
 
-class _LoopLedger:
+class LoopLedger:
     """The audit's saved-tensor ledger over a loop's audited step (recorder.saved_tensor_ledger,
     as Audit runs it): open from the step's start, named at each backward (the last one
     counts), open again for the next micro-step's forward."""

@@ -26,6 +26,9 @@ PROBED = frozenset((
     "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward",  # LSTM layers: the workspace, weight reorders, scratch
     "convolution", "convolution_backward",  # the weight's reorder into oneDNN's layout
     "native_batch_norm", "native_batch_norm_backward",  # the CPU kernel's statistics buffers
+    # group norm's mean and rstd: fp32 for a bf16 input on CPU, where the fake kernel says bf16
+    # (a GroupNorm U-Net in bf16 autocast: 64 B each instead of 128; scripts/zoo_check.py seed 554003)
+    "native_group_norm", "native_group_norm_backward",
 ))
 # bf16 (fp16) matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported(),
 # _is_mkldnn_fp16_supported())

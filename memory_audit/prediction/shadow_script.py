@@ -14,7 +14,7 @@ and every allocation and free goes through the shadow's tracker, as shadow_loop'
 in the next step is freed when the new one exists, as in a real run.
 
 Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is the
-module last called at top level whose parameters it holds). A step ends when `zero_grad()`
+module called at top level in a forward that holds the most of its parameters, the last such). A step ends when `zero_grad()`
 (the optimizer's or a module's) written below its optimizer step follows it before any other
 op, else at that step's optimizer step (a zero_grad written above it starts the next step); step `audited` (2, as train.py audits) is recorded as an Audit records it
 (its before-backward moment at its last `.backward()`), and the loop is stopped as it ends: the
@@ -31,9 +31,10 @@ import linecache
 import os
 import sys
 import traceback
+import warnings
 
 from .shadow import (ShadowError, begin_step, end_step, held_names, name_grads, step_result)
-from .shadow_loop import _LoopLedger, _ident, _merged, loop_summary
+from .shadow_loop import LoopLedger, fake_ident, merged, loop_summary
 from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memory_audit/
@@ -84,10 +85,12 @@ class Shadow:
         self.phases, self.made, self.pre = {}, {}, None
         self.steps, self.pending, self.optimizer, self.model = 0, False, None, None
         self.step_site = None
-        self.found = LoopNames(ident=_ident)
-        self._top, self._depth, self._handles = None, 0, []
+        self.found = LoopNames(ident=fake_ident)
+        self._tops, self._depth, self._handles = {}, 0, []  # the modules called at top level, in order
         self._stack = stack = contextlib.ExitStack()
         try:
+            stack.enter_context(warnings.catch_warnings())  # torch's own data_ptr check on fake tensors
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             stack.enter_context(stood_in())
             stack.enter_context(nosympy.stood_in())
             stack.enter_context(FakeTensorMode())
@@ -128,11 +131,15 @@ class Shadow:
         session = self
 
         def pre(mod, args):
+            if torch._C._current_autograd_node() is not None:  # a checkpoint's recomputation, not a forward
+                return
             if session._depth == 0:
-                session._top = mod
+                session._tops[mod] = None
             session._depth += 1
 
         def post(mod, args, kwargs, out):
+            if torch._C._current_autograd_node() is not None:
+                return
             session._depth -= 1
             if session._depth == 0 and session.model is None:  # before the model is known (step 0), every
                 session.found.note_output(mod, args, kwargs, out)  # top-level call, as an Audit's hook on it sees
@@ -218,7 +225,7 @@ class Shadow:
         tracker = self.tracker
         if self.steps == self.audited:  # the audited step starts
             self.pre = begin_step(tracker, self._named(self.found.held()), self.phases)
-            self.made["ledger"] = _LoopLedger(tracker, self.model)
+            self.made["ledger"] = LoopLedger(tracker, self.model)
         elif self.steps == self.audited + 1:  # it ends: the loop stops here
             end_step(tracker, self._named(self.found.held()))
             raise _Stopped()
@@ -226,8 +233,10 @@ class Shadow:
 
     def _found_model(self):
         params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        top = self._top
-        if top is None or not any(id(p) in params for p in top.parameters()):
+        held = [(sum(id(p) in params for p in m.parameters()), i, m) for i, m in enumerate(self._tops)]
+        count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)
+        self._tops = {}
+        if not count:
             raise ShadowError("the optimizer stepped, but no module holding its parameters ran a forward before it: "
                               "shadow() follows a model's forward, loss, backward and optimizer step")
         self.model = top
@@ -235,7 +244,7 @@ class Shadow:
         self.found.watch(top)
 
     def _named(self, held):
-        return held_names(self.model, self.optimizer, _merged(self.found.tensors(None), held))
+        return held_names(self.model, self.optimizer, merged(self.found.tensors(None), held))
 
     def _backward(self, original, t, *args, **kwargs):
         tracker = self.tracker

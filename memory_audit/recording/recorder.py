@@ -316,12 +316,42 @@ def _checkpoint_regions(windows):
 
 
 @contextmanager
-def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: None, label=True):
+def _checkpoint_inputs(note):
+    """What torch.utils.checkpoint keeps of a region's inputs beside the tensors it saves for
+    backward: the tensors inside its dict and tuple arguments and those a functools.partial it
+    runs binds (transformers' layers pass the attention mask and the rotary cos/sin so), held by
+    its context where no saved-tensor hook sees them; each given to `note`. Unchanged: the region
+    torch runs."""
+    import functools
+    from torch.utils import checkpoint as ckpt
+    from torch.utils._pytree import tree_leaves
+    real = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    if real is None:
+        yield  # a torch whose checkpoint runs its regions otherwise
+        return
+
+    def generator(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs):
+        held = [fn.args, fn.keywords] if isinstance(fn, functools.partial) else []
+        held += [a for a in args if not isinstance(a, torch.Tensor)] + [kwargs]  # a top-level tensor is saved
+        for t in tree_leaves(held):
+            if isinstance(t, torch.Tensor):
+                note(t)
+        return real(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs)
+    ckpt._checkpoint_without_reentrant_generator = generator
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator = real
+
+
+@contextmanager
+def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: None, label=True,
+                         inputs=lambda t: None):
     """For the audited forward, wrap every checkpointing module's `ac_context_fn` (model.py's
     convention) so its region is noted and its recomputation labelled (label=True: a label the
     trace keeps; a callable: label(recompute context, module) wraps it; falsy: none), let SAC blocks report the
-    outputs they keep through `keep(op, output)`, and give each region's saved RNG state to
-    `rng_state`. Restores the modules on exit; contexts already made keep labelling the backward."""
+    outputs they keep through `keep(op, output)`, give each region's saved RNG state to
+    `rng_state` and what it keeps of its inputs beyond the tensors it saves to `inputs`. Restores the modules on exit; contexts already made keep labelling the backward."""
     wrapped = []
     for name, m in model.named_modules():
         fn = getattr(m, "ac_context_fn", None)
@@ -341,7 +371,7 @@ def checkpoint_observers(model, windows, keep, cuda, short, rng_state=lambda t: 
         if hasattr(m, "sac_observer"):
             m.sac_observer = keep
     try:
-        with _rng_states_seen(rng_state), _checkpoint_regions(windows):
+        with _rng_states_seen(rng_state), _checkpoint_regions(windows), _checkpoint_inputs(inputs):
             yield
     finally:
         for m, fn, observer in wrapped:
@@ -464,7 +494,7 @@ def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 checkpoint_observers(model, windows, keep, device.startswith("cuda"), short,
                                      lambda t: record(t, "checkpoint.rng_state"),
-                                     label=True if ident is None else recomputing):
+                                     label=True if ident is None else recomputing, inputs=record):
             yield label
     finally:
         for h in handles:
