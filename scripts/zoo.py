@@ -203,7 +203,7 @@ class MoE(nn.Module):
             y = torch.zeros_like(h)
             for e, expert in enumerate(experts):
                 idx = (choice == e).nonzero().squeeze(1)
-                y = y.index_add(0, idx, expert(h[idx]) * weight[idx, None])
+                y = y.index_add(0, idx, (expert(h[idx]) * weight[idx, None]).to(y.dtype))
             x = x + y.view_as(x)
         return self.out(x)
 
