@@ -407,7 +407,7 @@ def cmd_predict_script(args):
         return
     rows = [("steady state (step 2's start)", summary["steady_state"]), ("before backward", summary["before_backward"]),
             ("peak", summary["peak"]), ("end", summary["end"])]
-    print(table(("step 2 (CPU, fake tensors)", "bytes", "MiB"), [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows
+    print(table((f"step {args.step} (CPU, fake tensors)", "bytes", "MiB"), [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows
                                                                  if v is not None]))
     print(table(("at the peak", "bytes"), [(k, f"{v:,}") for k, v in sorted(summary["peak_categories"].items(),
                                                                           key=lambda kv: -kv[1])]))

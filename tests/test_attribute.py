@@ -167,3 +167,27 @@ def test_extreme_points_keep_every_runs_highest_and_lowest_entry():
         want |= {lo + start, lo + start + int(np.argmax(part)), lo + start + int(np.argmin(part))}
     assert set(points.tolist()) == want and list(points) == sorted(points)
     assert level[points].max() == span.max() and level[points].min() == span.min()
+
+
+def _one_block_snapshot(frames, size=32 * 1024 * 1024):
+    """A CUDA snapshot from elsewhere (no meta.json): one block of `size`, made while recording
+    and never freed, with these frames."""
+    block = {"address": 1 << 40, "size": size, "requested_size": size, "state": "active_allocated", "frames": frames}
+    seg = {"device": 0, "address": 1 << 40, "total_size": size, "allocated_size": size, "active_size": size,
+           "requested_size": size, "stream": 0, "segment_type": "large", "blocks": [block]}
+    trace = [{"action": "segment_alloc", "addr": 1 << 40, "size": size, "stream": 0, "frames": frames},
+             {"action": "alloc", "addr": 1 << 40, "size": size, "stream": 0, "frames": frames}]
+    return {"segments": [seg], "device_traces": [trace]}
+
+
+def test_a_never_freed_workspace_sized_block_is_a_workspace_only_where_a_frame_shows_a_gemm():
+    """Without meta.json no registry names a 32 MiB weight first (a 4096 x 4096 bf16 projection is
+    32 MiB): such a block is a cuBLAS workspace only where a frame shows a GEMM (or it has none)."""
+    from memory_audit.reading.attribute import attribute
+    from memory_audit.reading.loader import normalize
+    gemm = [{"filename": "/x/torch/nn/modules/linear.py", "name": "forward", "line": 125}]
+    mine = [{"filename": "/home/me/train.py", "name": "make_cache", "line": 7}]
+    named = attribute(normalize(_one_block_snapshot(gemm)))[0]["lines"]
+    assert named == {"workspace/cublas": 32 * 1024 * 1024}
+    other = attribute(normalize(_one_block_snapshot(mine)))[0]["lines"]
+    assert "workspace/cublas" not in other and sum(other.values()) == 32 * 1024 * 1024

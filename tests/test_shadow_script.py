@@ -208,3 +208,48 @@ def test_predict_script_bad_input_is_one_line(tmp_path, body, message):
     assert p.returncode == 2 and p.stdout == ""
     lines = [line for line in p.stderr.splitlines() if not line.startswith("USDT")]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+def test_a_script_ending_with_the_step_a_dtype_move_and_a_formatted_loss():
+    """A loop of exactly three steps that zeroes first and ends at its optimizer step (nothing
+    after it ends step 2), a model moved to another dtype after its optimizer was made (its tied
+    weights stay one Parameter, the optimizer's own), an f-string formatting the loss."""
+    with memory_audit.shadow() as s:
+        model = Tied()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.to(torch.float64)
+        assert model.head.weight is model.embed.weight
+        for _ in range(3):
+            optimizer.zero_grad()
+            x = torch.randint(0, 50, (4, 8))
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            print(f"loss {loss:.4f}")
+            loss.backward()
+            optimizer.step()
+    assert s.summary["steps"] == 3 and len(s.summary["placeholders"]) == 3
+    assert s.summary["lines"]["weights/embed.weight"] == 50 * 16 * 8  # fp64, once
+
+
+def test_every_patch_is_undone_after_a_failure():
+    originals = [torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.backward, torch.Tensor.__deepcopy__,
+                 torch.Tensor.__format__, torch.nn.Module._apply, torch.nn.Module.zero_grad,
+                 torch.optim.Optimizer.zero_grad]
+    with pytest.raises(ShadowError):
+        with memory_audit.shadow():
+            x = torch.randn(4)
+            x[x > 0]
+    assert originals == [torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.backward, torch.Tensor.__deepcopy__,
+                         torch.Tensor.__format__, torch.nn.Module._apply, torch.nn.Module.zero_grad,
+                         torch.optim.Optimizer.zero_grad]
+    assert torch.ones(2).sum().item() == 2.0  # real tensors again

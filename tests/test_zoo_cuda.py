@@ -44,5 +44,8 @@ def test_every_byte_of_every_library_loop_is_named(runs):
         snap = load_snapshot(os.path.join(run, "step2_end.pickle"))
         measured = attribute(snap, meta, "step2_end")[0]
         assert measured["unattributed_bytes"] == 0, (name, measured["unattributed"][:2])
+        # one cuBLAS workspace per thread that ran a GEMM (none where only convolutions ran)
+        assert measured["lines"].get("workspace/cublas", 0) in (0, 32 << 20, 64 << 20), name
+        assert measured["lines"].get("workspace/cublaslt", 0) in (0, 1 << 20, 2 << 20), name
         assert measured["balanced"], name
         assert replay(snap, meta, device=0)["peak"]["bytes"] == rows[name]["peak"]["bytes"], name

@@ -84,7 +84,7 @@ class Shadow:
         tracker.naming = True
         self.phases, self.made, self.pre = {}, {}, None
         self.steps, self.pending, self.optimizer, self.model = 0, False, None, None
-        self.step_site = None
+        self.step_site, self.ended = None, False
         self.found = LoopNames(ident=fake_ident)
         self._tops, self._depth, self._handles = {}, 0, []  # the modules called at top level, in order
         self._stack = stack = contextlib.ExitStack()
@@ -104,7 +104,11 @@ class Shadow:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        stopped = exc_type is not None and issubclass(exc_type, _Stopped)
+        if exc_type is None and self.pending and self.steps == self.audited + 1:
+            self._end_now()  # the code ended right after the audited step's optimizer step
+        # stopped: also when the code's own `finally:` or bare `except:` replaced the stop
+        stopped = self.ended and (exc_type is None or issubclass(exc_type, _Stopped) or not
+                                  isinstance(exc, (KeyboardInterrupt, SystemExit)))
         try:
             self._stack.close()
         finally:
@@ -133,7 +137,8 @@ class Shadow:
         def pre(mod, args):
             if torch._C._current_autograd_node() is not None:  # a checkpoint's recomputation, not a forward
                 return
-            if session._depth == 0:
+            if session._depth == 0 and session.model is None:  # the last call last
+                session._tops.pop(mod, None)
                 session._tops[mod] = None
             session._depth += 1
 
@@ -144,7 +149,7 @@ class Shadow:
             if session._depth == 0 and session.model is None:  # before the model is known (step 0), every
                 session.found.note_output(mod, args, kwargs, out)  # top-level call, as an Audit's hook on it sees
         self._handles += [module_mod.register_module_forward_pre_hook(pre),
-                          module_mod.register_module_forward_hook(post, with_kwargs=True),
+                          module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True),
                           optim_mod.register_optimizer_step_post_hook(self._stepped)]
         self._saved = {}
 
@@ -161,6 +166,8 @@ class Shadow:
         for name, answer in (("item", None), ("tolist", None), ("__bool__", False), ("__float__", 0.0),
                              ("__int__", 0)):
             patch(torch.Tensor, name, self._read(name, getattr(torch.Tensor, name), answer))
+        form = torch.Tensor.__format__
+        patch(torch.Tensor, "__format__", lambda t, spec: t.item().__format__(spec) if t.dim() == 0 else form(t, spec))
 
         def on_op(func):  # the first op after an optimizer step, zero_grad not called first: the step ends
             if session.pending and func.namespace != "profiler":  # (the step's own record_function exit)
@@ -219,6 +226,12 @@ class Shadow:
             if self.pending_zero:
                 self._boundary()
 
+    def _end_now(self):
+        try:
+            self._boundary()
+        except _Stopped:
+            pass
+
     def _boundary(self):
         """A step has ended (its optimizer step, and zero_grad if that came next)."""
         self.pending = False
@@ -228,13 +241,14 @@ class Shadow:
             self.made["ledger"] = LoopLedger(tracker, self.model)
         elif self.steps == self.audited + 1:  # it ends: the loop stops here
             end_step(tracker, self._named(self.found.held()))
+            self.ended = True
             raise _Stopped()
         tracker.phase = "forward"
 
     def _found_model(self):
         params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         held = [(sum(id(p) in params for p in m.parameters()), i, m) for i, m in enumerate(self._tops)]
-        count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)
+        count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)  # ties: the last called
         self._tops = {}
         if not count:
             raise ShadowError("the optimizer stepped, but no module holding its parameters ran a forward before it: "
@@ -283,8 +297,8 @@ def _fake_apply(original):
     """Module._apply for a model of fake tensors: torch swaps each fake parameter for its
     converted one (swap_tensors), which fails on a fake tensor something holds a weak reference
     to; here a conversion that returns the tensor itself (`.to()` to where it is) keeps it, and
-    one that makes a new tensor (`.to(dtype)`, `.half()`) puts a new Parameter in its place, as
-    a real `.data =` assignment lets the old storage go."""
+    one that makes a new tensor (`.to(dtype)`, `.half()`) is set as the parameter's (and its
+    gradient's) data, as torch does for plain tensors: the old storage goes, the Parameter stays."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -294,12 +308,13 @@ def _fake_apply(original):
         if recurse:
             for child in module.children():
                 apply(child, fn)
-        for key, param in module._parameters.items():
-            if param is not None:
-                with torch.no_grad():
-                    new = fn(param)
-                if new is not param:
-                    module._parameters[key] = torch.nn.Parameter(new, param.requires_grad)
+        for param in module._parameters.values():
+            for t in (param, None if param is None else param.grad):
+                if t is not None:
+                    with torch.no_grad():
+                        new = fn(t)
+                    if new is not t:  # the same Parameter object: ties and an optimizer's references hold
+                        t.data = new
         for key, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[key] = fn(buf)

@@ -23,7 +23,7 @@ from .trace import A, as_trace
 # Only a hint: a block must also have been allocated at a GEMM and never freed (see below).
 CUBLAS_WORKSPACE_SIZES = (8_519_680, 33_554_432)
 # Which blocks are workspaces: a workspace's size, made while recording and never freed, on a CUDA
-# trace, named by no stronger rule. Their Python frames say nothing certain: the first GEMM of a
+# trace, named by no stronger rule (with no meta.json, a frame must also show a GEMM). Their Python frames say nothing certain: the first GEMM of a
 # thread runs from a Linear, inductor's generated code, SAC's policy mode (_ops.py under
 # checkpoint.py), a `@` in a library's rotary embedding, an optimizer's step (Adafactor's) or no
 # frames at all (autograd's thread); every one of these was measured on an H100, torch 2.11,
@@ -185,7 +185,8 @@ def lt_workspace_size(meta):
 
 def trace_workspaces(trace, meta=None):
     """{address: ledger key} of the cuBLAS and cuBLASLt workspaces in a CUDA trace: of a
-    workspace's size, made while recording and still live at its end (cuBLAS never frees one);
+    workspace's size, made while recording and still live at its end (cuBLAS never frees one;
+    without meta.json, made where a frame shows a GEMM or with no frames);
     cuBLASLt's only in a trace that holds a cuBLAS workspace (every CUDA GEMM makes that one
     first). A stronger rule (the registry, the saved tensors) names a block first."""
     t = as_trace(trace)
@@ -195,11 +196,23 @@ def trace_workspaces(trace, meta=None):
     out = {}
     for addr, i in live_at_end(t).items():
         size = int(t.size[i])
-        if size in sizes or size == lt_size:
+        # a snapshot from elsewhere has no registry to name its weights first (a 4096 x 4096 bf16
+        # projection is 32 MiB too): there a frame must show a GEMM, or none be there
+        if (size in sizes or size == lt_size) and (meta is not None or _gemm_frames(t.frames(i))):
             out[addr] = "workspace/cublas" if size in sizes else "workspace/cublaslt"
     if "workspace/cublas" not in out.values():
         return {}
     return out
+
+
+_GEMMS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "einsum", "call")  # "call": inductor's code
+
+
+def _gemm_frames(frames):
+    """Evidence a block was made by a GEMM's first call on its thread: no Python frames
+    (autograd's thread), or a frame of a function that runs one."""
+    return not frames or any(f.get("name") in _GEMMS or (f.get("filename") or "").endswith("linear.py")
+                             for f in frames)
 
 
 def phase_names(meta, phase):
@@ -258,11 +271,11 @@ def block_namer(snap, meta=None, phase=None):
         hit = by_addr.get(block.get("address"))
         if hit:
             return hit
-        if block.get("address") in workspaces:
-            return workspaces[block["address"]], "workspace"
         kept = distributed_name(block.get("frames"))
         if kept:
             return kept, "frames:distributed"
+        if block.get("address") in workspaces:
+            return workspaces[block["address"]], "workspace"
         if meta is None:  # a snapshot from elsewhere: fall back to its stacks
             nm, rule = name_from_frames(block.get("frames") or [])
             if nm:
