@@ -253,3 +253,34 @@ def test_every_patch_is_undone_after_a_failure():
                          torch.Tensor.__format__, torch.nn.Module._apply, torch.nn.Module.zero_grad,
                          torch.optim.Optimizer.zero_grad]
     assert torch.ones(2).sum().item() == 2.0  # real tensors again
+
+
+class FailsOnce(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("the first call fails")
+        return self.linear(x)
+
+
+def test_a_forward_that_raised_and_was_caught_leaves_the_model_found():
+    """A forward that raises (caught by the code) still returns the depth of top-level calls, with
+    no warning from the hook that counts them: the model is found at the first optimizer step."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with memory_audit.shadow() as s:
+            model = FailsOnce()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            with contextlib.suppress(RuntimeError):
+                model(torch.randn(2, 4))
+            for _ in range(5):
+                model(torch.randn(2, 4)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert s.summary["steps"] == 3 and s.summary["lines"]["weights/linear.weight"] == 64

@@ -142,11 +142,11 @@ class Shadow:
                 session._tops[mod] = None
             session._depth += 1
 
-        def post(mod, args, kwargs, out):
+        def post(mod, args, kwargs, out=None):  # out: None where the forward raised (always_call)
             if torch._C._current_autograd_node() is not None:
                 return
             session._depth -= 1
-            if session._depth == 0 and session.model is None:  # before the model is known (step 0), every
+            if session._depth == 0 and session.model is None and out is not None:  # before the model is known (step 0), every
                 session.found.note_output(mod, args, kwargs, out)  # top-level call, as an Audit's hook on it sees
         self._handles += [module_mod.register_module_forward_pre_hook(pre),
                           module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True),
