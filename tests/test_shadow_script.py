@@ -284,3 +284,40 @@ def test_a_forward_that_raised_and_was_caught_leaves_the_model_found():
                 optimizer.step()
                 optimizer.zero_grad()
     assert s.summary["steps"] == 3 and s.summary["lines"]["weights/linear.weight"] == 64
+
+
+def _regression_loop(audit_dir=None, steps=3):
+    """A GRU regressor with MSE, written plainly (scripts/zoo.py has no MSE loop)."""
+    torch.manual_seed(0)
+    gru, head = nn.GRU(8, 16, batch_first=True, bidirectional=True), nn.Linear(32, 3)
+    model = nn.ModuleDict({"gru": gru, "head": head})
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01)
+    audit = Audit(model, optimizer, out_dir=audit_dir, step=2) if audit_dir else None
+
+    def forward(x):
+        return model["head"](model["gru"](x)[0])
+    model.forward = forward
+    for step in range(steps):
+        with audit.step(step) if audit is not None else contextlib.nullcontext():
+            x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 3)
+            loss = nn.functional.mse_loss(model(x), y)
+            if audit is not None:
+                audit.before_backward(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    if audit is not None:
+        audit.close()
+
+
+def test_mse_loss_keeps_its_element_wise_buffer_on_cpu(tmp_path):
+    """F.mse_loss's 0-dim result on CPU keeps the whole element-wise buffer as its storage (72
+    elements: 288 B, not 4), as the loss the loop holds: the peak and every line exact."""
+    _regression_loop(str(tmp_path / "r"))
+    m = measure(str(tmp_path / "r"))
+    with memory_audit.shadow() as s:
+        _regression_loop(steps=10)
+    assert m["phases"]["step2_end"]["attribution"]["lines"]["temporary/loop/loss"] == 4 * 6 * 3 * 4
+    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+    for phase, lines in s.summary["phase_lines"].items():
+        assert lines == m["phases"][phase]["attribution"]["lines"], phase

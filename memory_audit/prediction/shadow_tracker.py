@@ -508,9 +508,10 @@ def _cpu_op(tracker, func, args, kwargs, key):
     # a functional collective's wait returns the tensor it waited on (the fake kernel, a new one)
     out = args[0] if func.namespace == "_c10d_functional" and _short_name(func) == "wait_tensor" else func(*args, **kwargs)
     probed = shadow_probe.wanted(_short_name(func), args) and _probed_op(tracker, func, args, kwargs, key, out)
+    reduced = _reduced_loss_bytes(func, args, kwargs, out)
     for t in tree_leaves(out):
         if isinstance(t, torch.Tensor):
-            tracker.add(t.untyped_storage(), key)
+            tracker.add(t.untyped_storage(), key, reduced if t is out else None)
     # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse (the
     # kernel itself answers where it was probed: bf16/fp16 through oneDNN's brgemm)
     if not probed:
@@ -531,6 +532,25 @@ def _cpu_op(tracker, func, args, kwargs, key):
         x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
         held.insert(0, tracker.alloc(_buffer(key), 2 * torch.get_num_threads() * n * x.element_size())[0])
     return out, held, scalars
+
+
+# CPU losses whose mean or sum is taken in place in the element-wise buffer: the 0-dim result's
+# storage is the whole buffer (F.mse_loss of 24 fp32 elements: 96 B, not 4; bf16: 48). Found by
+# an independent set of loops (a GRU and an autoencoder with MSE, 2026-11-27); l1, huber and BCE
+# with logits reduce into a new 0-dim tensor.
+_ELEMENTWISE_LOSSES = frozenset(("mse_loss", "smooth_l1_loss", "soft_margin_loss"))
+
+
+def _reduced_loss_bytes(func, args, kwargs, out):
+    """The bytes of a reduced loss's storage where the CPU kernel keeps its element-wise buffer
+    (_ELEMENTWISE_LOSSES), else None."""
+    import torch
+    if _short_name(func) not in _ELEMENTWISE_LOSSES or not isinstance(out, torch.Tensor) or out.dim():
+        return None
+    reduction = kwargs.get("reduction", args[2] if len(args) > 2 else 1)
+    if reduction == 0:  # none: the element-wise tensor is the output already
+        return None
+    return math.prod(torch.broadcast_shapes(args[0].shape, args[1].shape)) * out.element_size()
 
 
 def _buffer(key):
