@@ -82,19 +82,10 @@ def on_cpu(facts, dtype):
         torch.set_num_threads(threads)
 
 
-# layer norm's mean and rstd are fp32 for a bf16 (fp16) input on CPU, where the fake kernel says
-# the input's dtype (BERT's prediction head in bf16 autocast: 576 B short; scripts/zoo_check.py
-# seed 461854); its fp32 forward and its backward are the fake kernel's (nanoGPT's rows)
-REDUCED_ONLY = frozenset(("native_layer_norm",))
-
-
 def wanted(name, args):
     """Whether a CPU op (its short name) is one whose kernel the shadow asks."""
     if name in PROBED:
         return True
-    if name in REDUCED_ONLY:
-        import torch
-        return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.bfloat16, torch.float16)
     if name not in MATMULS and name not in FLASH_CPU:
         return False
     import torch
