@@ -46,16 +46,23 @@ class _Stopped(BaseException):
     `except Exception` does not catch it)."""
 
 
-def user_line(tb=None):
-    """'file.py:line: code' of the innermost frame of the user's code (not torch, not an
-    installed package, not this package), in a traceback or the current stack; None if none."""
-    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
+def _user_frame(frames):
+    """The innermost frame of the user's code (not torch, not an installed package, not this
+    package) among traceback frames, or None."""
     for f in reversed(frames):
         name = f.filename or ""
         if name.endswith(".py") and not any(k in name for k in _LIBRARY) and "/torch/" not in name:
-            code = (f.line or linecache.getline(name, f.lineno) or "").strip()
-            return f"{os.path.basename(name)}:{f.lineno}: {code}"
+            return f
     return None
+
+
+def user_line(tb=None):
+    """'file.py:line: code' of the user's innermost frame, in a traceback or the current stack."""
+    f = _user_frame(traceback.extract_tb(tb) if tb is not None else traceback.extract_stack())
+    if f is None:
+        return None
+    code = (f.line or linecache.getline(f.filename, f.lineno) or "").strip()
+    return f"{os.path.basename(f.filename)}:{f.lineno}: {code}"
 
 
 class Shadow:
@@ -280,11 +287,8 @@ class Shadow:
 
 def _call_site():
     """(file, line) of the innermost frame of the user's code now, or None."""
-    for f in reversed(traceback.extract_stack()):
-        name = f.filename or ""
-        if name.endswith(".py") and not any(k in name for k in _LIBRARY) and "/torch/" not in name:
-            return f.filename, f.lineno
-    return None
+    f = _user_frame(traceback.extract_stack())
+    return None if f is None else (f.filename, f.lineno)
 
 
 def _above(site, step_site):
