@@ -383,16 +383,18 @@ def cmd_predict_script(args):
     import runpy
     from .prediction.shadow import snapshot
     from .prediction.shadow_script import shadow
+    from .prediction.known_values import parse_assume
     script = args.script
     if not os.path.isfile(script) or not script.endswith(".py"):
         raise ValueError(f"{script}: not a Python file")
     if args.trace and os.path.exists(args.trace) and not args.trace.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {args.trace}: not a .pickle file")
+    assume = parse_assume(args.assume)
     rest = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
     argv, path = sys.argv, list(sys.path)
     sys.argv, sys.path[:0] = [script, *rest], [os.path.dirname(os.path.abspath(script))]
     try:
-        with shadow(step=args.step) as s:
+        with shadow(step=args.step, assume=assume) as s:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         raise ValueError(f"{script} exited (code {e.code}) before its step {args.step} ended") from None
@@ -416,6 +418,13 @@ def cmd_predict_script(args):
         reads[(p["read"], p["where"])] = reads.get((p["read"], p["where"]), 0) + 1
     for (read, where), n in sorted(reads.items(), key=lambda kv: -kv[1]):
         print(f"placeholder: {read} answered without data {n} time(s) at {where}")
+    sizes = {}
+    for z in summary["sizes"]:
+        key = (z["op"], z["where"], z["from"].split(", call")[0])
+        sizes.setdefault(key, []).append(z["rows"])
+    for (op, where, why), rows in sizes.items():
+        print(f"data-dependent size: {op} took {', '.join(map(str, rows[:8]))}{' ...' if len(rows) > 8 else ''} "
+              f"row(s) from {why} at {where}")
     if args.trace:
         print(f"wrote the shadow run's {len(s.result['events']):,} events of step {args.step} to {args.trace}")
 
@@ -502,6 +511,10 @@ def main(argv=None):
     ps.add_argument("script_args", nargs=argparse.REMAINDER, help="-- then the script's own arguments")
     ps.add_argument("--step", type=int, default=2, help="the step recorded (counted by optimizer.step())")
     ps.add_argument("--trace", default=None, metavar="FILE.pickle", help="write step 2 as a snapshot MemoryViz opens")
+    ps.add_argument("--assume", action="append", default=[], metavar="KEY=SIZE",
+                    help="the size of a data-dependent shape (nonzero, a boolean mask's index): KEY the line "
+                         "(file.py:205) or the op (nonzero); SIZE rows, a fraction of the mask (0.25) or rows per "
+                         "call in a step (12,30,6); repeatable")
     ps.add_argument("--json", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # `--json -` is the flag: JSON on stdout

@@ -1,14 +1,17 @@
 """Library-model loops (scripts/zoo.py) on CPU: each audited through the public Audit API and
 shadow-run as written (`with memory_audit.shadow():` around the same code, nothing named,
 nothing restructured); prints, per loop, the measured peak, the shadow's difference, the phases
-whose lines differ, the first divergent event, the audit's unattributed bytes and the seconds the
-shadow took. The seed is new each run and printed; --seed replays it. Loops whose library is not
+whose lines differ, the first divergent event, the audit's unattributed bytes, the seconds the
+shadow took, and torch's MemTracker's peak over a real run of the same step beside it. A routed
+model's nonzero sizes are taken from the audited run's own kernel, as a user gives them with
+--assume. The seed is new each run and printed; --seed replays it. Loops whose library is not
 installed are skipped (one line each).
 
     python scripts/zoo_check.py [--n=20] [--seed=S] [--out=rows.jsonl]
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -36,17 +39,50 @@ def check(spec):
         del model, opt
         m = measure(audit.run_dir)
         events = step_events(audit.run_dir)
+    # nonzero's sizes (MoE routing): what the audited run's kernel made, in order, taken as assumed
+    # sizes (the user's --assume); each step takes them again from the start
+    rows = [e[2] // 8 for e in events if e[0] == "alloc" and e[1] == "aten::nonzero"]
     t0 = time.time()
-    with memory_audit.shadow() as s:
+    with memory_audit.shadow(assume={"nonzero": rows} if rows else None) as s:
         zoo.train(spec, "cpu", steps=10)
     seconds = time.time() - t0
     r, summary = s.result, s.summary
+    tracker = memtracker_peak(spec)
     differ = [phase for phase, lines in summary["phase_lines"].items()
               if lines != m["phases"][phase]["attribution"]["lines"]]
     unattributed = max(p["attribution"]["unattributed_bytes"] for p in m["phases"].values())
     return {"measured": m["phases"]["step2_end"]["replay"]["peak"]["bytes"], "predicted": r["peak"],
             "differ": differ, "divergence": first_divergence(events, r["events"]), "unattributed": unattributed,
-            "seconds": round(seconds, 2), "placeholders": len(summary["placeholders"])}
+            "seconds": round(seconds, 2), "placeholders": len(summary["placeholders"]), "memtracker": tracker,
+            "assumed": len(summary["sizes"])}
+
+
+class _Tracked:
+    """Stands where the loop takes an Audit: step 2 under torch's MemTracker, nothing else."""
+
+    def __init__(self, model, optimizer):
+        from torch.distributed._tools.mem_tracker import MemTracker
+        self.mt = MemTracker()
+        self.mt.track_external(model, optimizer)
+
+    def step(self, i):
+        return self.mt if i == 2 else contextlib.nullcontext()
+
+    def before_backward(self, loss):
+        pass
+
+
+def memtracker_peak(spec):
+    """torch's MemTracker (torch.distributed._tools.mem_tracker) over a real run of step 2 of the
+    same loop: its peak, or None where it fails."""
+    try:
+        model, opt = zoo.build(spec, "cpu")
+        tracked = _Tracked(model, opt)
+        zoo.train(spec, "cpu", tracked, model=model, optimizer=opt)
+        snap = tracked.mt.get_tracker_snapshot("peak")
+        return next(iter(snap.values()))["Total"]
+    except Exception:
+        return None
 
 
 def main():
@@ -57,7 +93,7 @@ def main():
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 20)
     print(f"seed {seed} (replay: --seed={seed}), torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    done = exact = lines_exact = 0
+    done = exact = lines_exact = tracker_exact = 0
     out = open(args.out, "a") if args.out else None
     for i, spec in enumerate(zoo.specs(seed, args.n)):
         lib = zoo.missing(spec)
@@ -73,15 +109,22 @@ def main():
             done += 1
             exact += row["predicted"] == row["measured"]
             lines_exact += not row["differ"]
+            tracker_exact += row["memtracker"] == row["measured"]
             d = row["divergence"]
             print(f"{i:3d} {zoo.describe(spec)}: measured {row['measured']:,} shadow {row['predicted'] - row['measured']:+,}"
                   f" lines {'equal' if not row['differ'] else 'DIFFER ' + ','.join(row['differ'])}"
                   f" unattributed {row['unattributed']}{'' if d is None else f' first divergence {d}'}"
+                  f" MemTracker {_diff(row['memtracker'], row['measured'])}"
                   f" ({row['seconds']} s, {row['placeholders']} placeholders)", flush=True)
         if out:
             out.write(json.dumps(dict(row, spec=spec, seed=seed, index=i, torch=torch.__version__)) + "\n")
             out.flush()
-    print(f"seed {seed}: {done} loops run; peak exact {exact}/{done}, every line {lines_exact}/{done}")
+    print(f"seed {seed}: {done} loops run; peak exact {exact}/{done}, every line {lines_exact}/{done}; "
+          f"MemTracker's peak exact {tracker_exact}/{done}")
+
+
+def _diff(value, measured):
+    return "failed" if value is None else f"{value - measured:+,} B"
 
 
 if __name__ == "__main__":

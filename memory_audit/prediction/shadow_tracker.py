@@ -102,6 +102,7 @@ class Tracker:
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
         self.on_op = None  # called with each op before it runs (shadow_script's step boundaries), or None
+        self.stand_in = None  # the name of the op the next one stands in for (known_values: nonzero as nonzero_static)
 
     @property
     def op(self):
@@ -381,7 +382,8 @@ def dispatch_mode(tracker, device_type):
                 return _view_op(tracker, func, args, kwargs)
             tracker.before_op()
             tracker.last = (func, tracker.label)  # named if the step fails here
-            key = tracker.key(_short_name(func))
+            key = tracker.key(tracker.stand_in or _short_name(func))
+            tracker.stand_in = None
             if tracker.real_ints and shadow_dist.runs_real(func, args, kwargs):  # DDP's reducer reads these
                 from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():
@@ -395,6 +397,12 @@ def dispatch_mode(tracker, device_type):
             # autograd steals only a gradient with storage of its own: a DTensor's sum, run on
             # its shards, is out of place (measured under tp: the tied embedding's gradients)
             if func is torch.ops.aten.add.Tensor and not on_shards and (_summing(tracker) or tracker.adds_in_place):
+                _note_accumulate(tracker, args, out)
+            # indexing's backward, zeros.index_put_(indices, grad, accumulate=True) in a real run, is
+            # out of place for a tensor subclass (FunctionsManual's index_backward): the output
+            # takes the zeros' memory as they die (a routed MoE's weight[idx] in bf16: 400 B more
+            # live per expert; scripts/zoo_check.py seed 418482)
+            if func is torch.ops.aten.index_put.default and _summing(tracker) and len(args) > 3 and args[3]:
                 _note_accumulate(tracker, args, out)
             return out
 
@@ -509,15 +517,18 @@ def _cpu_op(tracker, func, args, kwargs, key):
     out = args[0] if func.namespace == "_c10d_functional" and _short_name(func) == "wait_tensor" else func(*args, **kwargs)
     probed = shadow_probe.wanted(_short_name(func), args) and _probed_op(tracker, func, args, kwargs, key, out)
     reduced = _reduced_loss_bytes(func, args, kwargs, out)
+    stats = _mixed_layer_norm_stats(func, args, out)
     for t in tree_leaves(out):
         if isinstance(t, torch.Tensor):
-            tracker.add(t.untyped_storage(), key, reduced if t is out else None)
+            tracker.add(t.untyped_storage(), key, reduced if t is out else t.numel() * 4 if any(t is u for u in stats) else None)
     # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse (the
     # kernel itself answers where it was probed: bf16/fp16 through oneDNN's brgemm)
     if not probed:
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
     if func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
+    if _short_name(func) in _SOFTMAXES and not args[0].is_contiguous():  # the kernel runs on a contiguous copy of its input
+        held.insert(0, tracker.alloc(_buffer(key), args[0].numel() * args[0].element_size())[0])
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
         held[:0] = _mean_buffers(tracker, key, args[0], out)
     if getattr(func, "namespace", "") == "fsdp" and _short_name(func) == "chunk_cat":  # uneven shards padded
@@ -534,11 +545,34 @@ def _cpu_op(tracker, func, args, kwargs, key):
     return out, held, scalars
 
 
+# CPU softmax and log-softmax of a non-contiguous input (cross-entropy over logits.movedim(-1, 1),
+# a per-token loss): the output is made, then a contiguous copy of the input, freed as the kernel
+# returns (27,200 B for a 4 x 68 x 25 fp32 input, 13,600 in bf16, at any dim; an LSTM tagger's
+# loss, scripts/zoo_check.py seed 418482, where each plain per-token loop's step first parted
+# from its audit's)
+_SOFTMAXES = frozenset(("_softmax", "_log_softmax"))
+
+
 # CPU losses whose mean or sum is taken in place in the element-wise buffer: the 0-dim result's
 # storage is the whole buffer (F.mse_loss of 24 fp32 elements: 96 B, not 4; bf16: 48). Found by
 # an independent set of loops (a GRU and an autoencoder with MSE, 2026-11-27); l1, huber and BCE
 # with logits reduce into a new 0-dim tensor.
 _ELEMENTWISE_LOSSES = frozenset(("mse_loss", "smooth_l1_loss", "soft_margin_loss"))
+
+
+def _mixed_layer_norm_stats(func, args, out):
+    """The mean and rstd of a CPU layer norm whose input is bf16 (fp16) and its weight fp32 (the
+    mixed type a model's fp32 LayerNorm meets under autocast, which leaves layer_norm alone on
+    CPU): fp32, where the fake kernel makes them in the input's dtype (BERT's prediction head in bf16:
+    576 B short; scripts/zoo_check.py seeds 461854 and 418482). With a weight of the input's dtype,
+    or none, they are the input's dtype, as the fake kernel says."""
+    import torch
+    if func is not torch.ops.aten.native_layer_norm.default:
+        return ()
+    x, weight = args[0], args[2] if len(args) > 2 else None
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight is None or weight.dtype != torch.float32:
+        return ()
+    return out[1:]
 
 
 def _reduced_loss_bytes(func, args, kwargs, out):

@@ -11,6 +11,10 @@ carry the measurement's names:
 - `temporary/loop/loss`: the tensor backward starts from;
 - `inputs/loop/<op>.<attr>`: leaf tensors that need no gradient saved by the loss's own autograd
   nodes (those made after the model returned): the targets.
+- `activations/loop/leaf<i>` and `grads/loop/leaf<i>`: tensors the code made needing a gradient
+  that are no Parameter (T5 with its checkpointing makes its position bias so), found as the
+  loss's graph accumulates into them, and the gradient backward leaves in each; the previous
+  step's loss keeps both alive into the next step.
 
 Tensors are held by weak references: naming keeps nothing alive. `ident(tensor)` tells two
 tensors' memory apart (the Audit: the storage's data pointer; a shadow run's fake tensors have
@@ -34,6 +38,7 @@ class LoopNames:
         self.ident = ident
         self.loop = {}  # name -> weak reference: the model's last output and the loss, as the loop holds them
         self.inputs = {}  # name -> weak reference: what the step was fed (the model's arguments, the loss's targets)
+        self.leaves = []  # weak references: graph leaves that are no Parameter, in the loss's graph order
         self.returned_at = -1  # the autograd sequence number of the model output's node
         self.hook = None
 
@@ -68,14 +73,25 @@ class LoopNames:
             self.inputs = {k: r for k, r in self.inputs.items() if not k.startswith("inputs/loop/")}
             for name, t in loss_inputs(loss.grad_fn, self.returned_at):
                 self.inputs.setdefault(f"inputs/loop/{name}", weakref.ref(t))
+            self.leaves = [weakref.ref(t) for t in graph_leaves(loss.grad_fn)]
 
     def tensors(self, given=None):
         """{name: tensor}: `given` (the loop's own names) first, then the inputs found, each
         memory once."""
         out = dict(given or {})
         named = {self.ident(v) for v in out.values() if torch.is_tensor(v)}
-        for name, r in self.inputs.items():
+        leaves = {}
+        for i, r in enumerate(self.leaves):
             v = r()
+            if v is not None:
+                leaves[f"activations/loop/leaf{i}"] = v
+                if v.grad is not None:
+                    leaves[f"grads/loop/leaf{i}"] = v.grad
+        for name, v in ((k, r()) for k, r in self.inputs.items()):
+            if v is not None and self.ident(v) not in named:
+                named.add(self.ident(v))
+                out.setdefault(name, v)
+        for name, v in leaves.items():
             if v is not None and self.ident(v) not in named:
                 named.add(self.ident(v))
                 out.setdefault(name, v)
@@ -94,6 +110,22 @@ def arguments(module, args, kwargs):
     except (TypeError, ValueError):
         bound = {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
     return [(k, v) for k, v in bound.items() if torch.is_tensor(v)]
+
+
+def graph_leaves(root, limit=1 << 16):
+    """Tensors needing a gradient that are no Parameter, accumulated into by the graph from root
+    (its AccumulateGrad nodes; at most `limit` nodes walked), in the walk's order."""
+    out, seen, todo = [], set(), [root]
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        v = getattr(node, "variable", None)
+        if torch.is_tensor(v) and not isinstance(v, torch.nn.Parameter):
+            out.append(v)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return out
 
 
 def loss_inputs(root, returned_at, limit=64):

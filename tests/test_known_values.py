@@ -1,0 +1,204 @@
+"""What a shadow run knows without data (prediction/known_values.py): values made from constants
+alone steer the code as in a real run, and data-dependent shapes take the size the user assumed.
+Each loop is checked against an Audit of the same code on CPU: step 2's peak and every line of
+its three phases to the byte."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memory_audit
+from memory_audit import Audit
+from memory_audit.comparison.reconcile import first_divergence, measure, step_events
+from memory_audit.prediction.known_values import parse_assume
+from memory_audit.prediction.shadow import ShadowError
+
+
+class Packed(nn.Module):
+    """transformers' packed-sequence check, in small: position ids from `arange`, and a (B, T, T)
+    mask built only where a row holds several sequences, which a real run reads off the positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(40, 16), nn.Linear(16, 40)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+        seq = (torch.diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
+        if not (seq[:, -1] == 0).all():  # never, for these positions: the mask is not built
+            mask = (seq[:, :, None] == seq[:, None, :]).float()
+            x = mask @ x
+        return self.head(x)
+
+
+class Routed(nn.Module):
+    """Top-1 routing: each token goes to its expert through `nonzero` (a data-dependent shape)."""
+
+    def __init__(self, experts=3):
+        super().__init__()
+        self.embed, self.router = nn.Embedding(40, 16), nn.Linear(16, experts)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(experts))
+        self.head = nn.Linear(16, 40)
+
+    def forward(self, ids):
+        h = self.embed(ids).flatten(0, 1)
+        weight, choice = self.router(h).softmax(-1).max(-1)
+        y = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().squeeze(1)
+            y = y.index_add(0, idx, expert(h[idx]) * weight[idx, None])
+        return self.head(y.view(ids.shape[0], ids.shape[1], -1))
+
+
+def loop(model_cls, audit_dir=None, steps=3, reads=None):
+    """The usual loop; a per-token loss over logits.movedim(-1, 1) (classes on dim 1); reads
+    collects what the loop reads of the optimizer's step count."""
+    torch.manual_seed(0)
+    model = model_cls()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    audit = Audit(model, optimizer, out_dir=audit_dir, step=2) if audit_dir else None
+    for step in range(steps):
+        with audit.step(step) if audit is not None else _nothing():
+            ids = torch.randint(0, 40, (3, 10))
+            loss = F.cross_entropy(model(ids).movedim(-1, 1), ids)
+            if audit is not None:
+                audit.before_backward(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if reads is not None:
+                reads.append(float(optimizer.state[model.head.weight]["step"]))
+    if audit is not None:
+        audit.close()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _audited(tmp_path, model_cls):
+    loop(model_cls, str(tmp_path / "r"))
+    return measure(str(tmp_path / "r")), step_events(str(tmp_path / "r"))
+
+
+def _same(s, m):
+    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+    for phase, lines in s.summary["phase_lines"].items():
+        assert lines == m["phases"][phase]["attribution"]["lines"], phase
+    assert all(p["attribution"]["unattributed_bytes"] == 0 for p in m["phases"].values())
+
+
+def test_values_made_from_constants_steer_the_code_as_in_a_real_run(tmp_path):
+    """The positions' check is read from their known values (no placeholder), so the mask a real
+    run never builds is not built; the optimizer's step counts read back as 1.0 and 2.0; the
+    per-token loss's softmax runs on a contiguous copy of its input, as CPU's kernel does: step
+    2's events are the audit's, one by one."""
+    m, events = _audited(tmp_path, Packed)
+    reads = []
+    with memory_audit.shadow() as s:
+        loop(Packed, steps=100, reads=reads)
+    _same(s, m)
+    assert s.summary["placeholders"] == []
+    assert reads == [1.0, 2.0]  # step 2's read comes after its end: the loop is stopped before it
+    assert first_divergence(events, s.result["events"]) is None
+
+
+def test_a_routed_model_takes_the_sizes_assumed_for_nonzero(tmp_path):
+    """nonzero's row counts taken from the audited run's own kernel (as a user gives them with
+    --assume), in order within each step: the peak and every line are the audit's."""
+    m, events = _audited(tmp_path, Routed)
+    rows = [e[2] // 8 for e in events if e[0] == "alloc" and e[1] == "aten::nonzero"]
+    assert len(rows) == 3  # one per expert: idx is long, so h[idx] and the backward run no nonzero
+    with memory_audit.shadow(assume={"nonzero": rows}) as s:
+        loop(Routed, steps=100)
+    _same(s, m)
+    taken = [z["rows"] for z in s.summary["sizes"]]
+    assert taken == rows * 3 and all(z["where"].startswith("test_known_values.py:") for z in s.summary["sizes"])
+
+
+def test_a_data_dependent_shape_with_no_size_is_one_line_naming_the_line_and_the_flag():
+    with pytest.raises(ShadowError) as e:
+        with memory_audit.shadow():
+            loop(Routed, steps=100)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("the shadow run stopped at nonzero, test_known_values.py:")
+    assert "idx = (choice == e).nonzero().squeeze(1)" in text and "--assume test_known_values.py:" in text
+
+
+def test_a_fraction_or_a_line_sizes_a_boolean_mask_and_its_backward():
+    """x[mask] runs nonzero in its forward and again in index_put's backward, as CPU's kernels do."""
+    def run(assume):
+        with memory_audit.shadow(assume=assume) as s:
+            model = nn.Linear(8, 8)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                x = torch.randn(6, 8, requires_grad=True)
+                keep = x[x[:, 0] > 0]
+                model(keep).sum().backward()
+                optimizer.step()
+        return s.summary["sizes"]
+    assert [z["rows"] for z in run({"nonzero": 0.5})] == [3, 3] * 3
+    line = [z for z in run({"nonzero": 1})][0]["where"].split(": ")[0]
+    # the line before the op, a list taken in order each step; the backward's nonzero is at the
+    # line of `.backward()`, so the op's own assumption sizes it
+    sizes = run({line: [2, 5], "nonzero": 1})
+    assert [z["rows"] for z in sizes] == [2, 1] * 3
+    assert [z["rows"] for z in run({line: [2, 5], "nonzero": 0.5})] == [2, 3] * 3
+
+
+@pytest.mark.parametrize("item", ["nonzero", "nonzero=x", "=3", "a.py:3=1.5", "nonzero=-1"])
+def test_a_bad_assumption_is_one_line(item):
+    with pytest.raises(ValueError) as e:
+        parse_assume([item])
+    assert "\n" not in str(e.value) and "--assume" in str(e.value)
+
+
+class Head(nn.Module):
+    """BERT's prediction head in small: Linear, GELU, then an fp32 LayerNorm fed bf16 under autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.dense, self.norm, self.head = nn.Embedding(40, 16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 40)
+
+    def forward(self, ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.head(self.norm(F.gelu(self.dense(self.embed(ids)))))
+
+
+def test_layer_norm_of_a_bf16_input_keeps_fp32_statistics(tmp_path):
+    """A CPU layer norm of a bf16 input with an fp32 weight saves fp32 mean and rstd (the fake
+    kernel: bf16), event by event as the audit's."""
+    m, events = _audited(tmp_path, Head)
+    with memory_audit.shadow() as s:
+        loop(Head, steps=100)
+    _same(s, m)
+    assert first_divergence(events, s.result["events"]) is None
+
+
+class Gathered(nn.Module):
+    """Tokens taken in reverse order by long indices: indexing's backward (index_put_)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(40, 16), nn.Linear(16, 16), nn.Linear(16, 40)
+
+    def forward(self, ids):
+        h = self.embed(ids).flatten(0, 1)
+        idx = torch.arange(h.shape[0]).flip(0)
+        return self.head(self.mix(h[idx]).view(ids.shape[0], ids.shape[1], -1))
+
+
+def test_indexing_backward_adds_in_place_into_its_zeros(tmp_path):
+    """zeros.index_put_(indices, grad, accumulate=True), out of place for a fake tensor: the output
+    takes the zeros' memory, as in the real run, event by event."""
+    m, events = _audited(tmp_path, Gathered)
+    with memory_audit.shadow() as s:
+        loop(Gathered, steps=100)
+    _same(s, m)
+    assert first_divergence(events, s.result["events"]) is None
