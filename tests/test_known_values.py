@@ -132,7 +132,8 @@ def test_a_data_dependent_shape_with_no_size_is_one_line_naming_the_line_and_the
 
 
 def test_a_fraction_or_a_line_sizes_a_boolean_mask_and_its_backward():
-    """x[mask] runs nonzero in its forward and again in index_put's backward, as CPU's kernels do."""
+    """x[mask] runs nonzero in its forward and again in index_put's backward, as CPU's kernels do;
+    the backward's takes the forward's rows (the same mask), whatever the assumption says."""
     def run(assume):
         with memory_audit.shadow(assume=assume) as s:
             model = nn.Linear(8, 8)
@@ -143,13 +144,94 @@ def test_a_fraction_or_a_line_sizes_a_boolean_mask_and_its_backward():
                 model(keep).sum().backward()
                 optimizer.step()
         return s.summary["sizes"]
-    assert [z["rows"] for z in run({"nonzero": 0.5})] == [3, 3] * 3
-    line = [z for z in run({"nonzero": 1})][0]["where"].split(": ")[0]
-    # the line before the op, a list taken in order each step; the backward's nonzero is at the
-    # line of `.backward()`, so the op's own assumption sizes it
-    sizes = run({line: [2, 5], "nonzero": 1})
-    assert [z["rows"] for z in sizes] == [2, 1] * 3
-    assert [z["rows"] for z in run({line: [2, 5], "nonzero": 0.5})] == [2, 3] * 3
+    sizes = run({"nonzero": 0.5})
+    assert [z["rows"] for z in sizes] == [3, 3] * 3
+    assert [z["from"] for z in sizes[:2]] == ["--assume nonzero=0.5 of 6 elements", "the same mask's earlier call"]
+    assert sizes[0]["where"].split(": ", 1)[1] == "keep = x[x[:, 0] > 0]"
+    line = sizes[0]["where"].split(": ")[0]
+    sizes = run({line: [2, 5], "nonzero": 1})  # the line, before the op; a list taken in order each step
+    assert [z["rows"] for z in sizes] == [2, 2] * 3
+
+
+@pytest.mark.parametrize("assume", [{"nonzero": 7}, {"nonzero": []}, {"nonzero": "0.5"}, {"nonzero": 2.0}])
+def test_an_assumption_that_cannot_hold_is_one_line(assume):
+    with pytest.raises((ShadowError, ValueError)) as e:
+        with memory_audit.shadow(assume=assume):
+            model = nn.Linear(8, 8)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                x = torch.randn(6, 8)
+                model(x[x[:, 0] > 0]).sum().backward()
+                optimizer.step()
+    assert "\n" not in str(e.value) and "--assume" in str(e.value)
+
+
+def _known_after(body):
+    """What KnownValues knows of the tensor `body` returns, run on fake tensors under it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from memory_audit.prediction.known_values import KnownValues
+    known = KnownValues(assume={"nonzero": 2})
+    with FakeTensorMode(allow_non_fake_inputs=True), known.watching():
+        t = body()
+        v = known.value(t)
+        return None if v is None else v.tolist()
+
+
+def test_what_is_written_with_an_unknown_is_forgotten():
+    """In place, through a view, by a mask, through out=, by set_, by resize_: each leaves the
+    tensor unknown where anything unknown went in; with only known inputs, the real value."""
+    def masked():
+        k = torch.ones(4)
+        k[torch.randn(4) > 0] = 0
+        return k
+
+    def masked_known():
+        k = torch.ones(4)
+        k[torch.arange(4) > 1] = 5
+        return k
+
+    def view_written():
+        k = torch.arange(6.)
+        k[:3].add_(torch.randn(3))
+        return k
+
+    def out_written():
+        k = torch.zeros(3)
+        torch.add(torch.randn(3), 1, out=k)
+        return k
+
+    def set_written():
+        k = torch.zeros(4)
+        k.set_(torch.randn(4))
+        return k
+
+    def resized():
+        return torch.arange(2.).resize_(6)
+    assert _known_after(lambda: torch.arange(4) * 2) == [0, 2, 4, 6]
+    assert _known_after(masked_known) == [1, 1, 5, 5]
+    for body in (masked, view_written, out_written, set_written, resized, lambda: torch.randn(3), lambda: torch.empty(3)):
+        assert _known_after(body) is None, body.__name__
+
+
+def test_a_real_tensor_handed_in_is_never_written():
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from memory_audit.prediction.known_values import KnownValues
+    arr = np.zeros(3, dtype=np.float32)
+    with FakeTensorMode(allow_non_fake_inputs=True), KnownValues().watching():
+        torch.from_numpy(arr).add_(1)
+    assert arr.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_transformers_is_told_no_trace_only_while_the_shadow_runs():
+    import_utils = pytest.importorskip("transformers.utils.import_utils")
+    original = import_utils.is_fake_tensor
+    with pytest.raises(ShadowError):
+        with memory_audit.shadow():
+            nn.Linear(2, 2)(torch.randn(1, 2))
+            assert import_utils.is_fake_tensor is not original
+            raise RuntimeError("the code fails")
+    assert import_utils.is_fake_tensor is original
 
 
 @pytest.mark.parametrize("item", ["nonzero", "nonzero=x", "=3", "a.py:3=1.5", "nonzero=-1"])
@@ -202,3 +284,25 @@ def test_indexing_backward_adds_in_place_into_its_zeros(tmp_path):
         loop(Gathered, steps=100)
     _same(s, m)
     assert first_divergence(events, s.result["events"]) is None
+
+
+def test_predict_script_takes_assume_and_says_what_it_took():
+    """`predict-script --assume=nonzero=0.25 examples/train_moe.py`: every nonzero takes a quarter
+    of the 512 tokens, printed with the script's line; without it, one line and a non-zero exit."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "memory_audit", "predict-script", *args], cwd=root,
+                              capture_output=True, text=True, timeout=300)
+    p = cli("--json", "--assume=nonzero=0.25", "examples/train_moe.py", "--", "--experts=4", "--width=16")
+    assert p.returncode == 0, p.stderr[-800:]
+    sizes = json.loads(p.stdout[p.stdout.index("{"):])["sizes"]
+    assert len(sizes) == 4 * 3 and {z["rows"] for z in sizes} == {128}
+    assert {z["where"] for z in sizes} == {"train_moe.py:25: idx = (choice == e).nonzero().squeeze(1)"}
+    p = cli("examples/train_moe.py", "--", "--width=16")
+    assert p.returncode != 0 and p.stderr.count("\n") == 1
+    assert "--assume train_moe.py:25=ROWS" in p.stderr

@@ -11,16 +11,21 @@ KnownValues is a dispatch mode above the shadow's: it lets every op through, and
 input of a deterministic op has a known value (a real tensor handed in, or an output it knew),
 it runs the same op on the real values on the CPU, outside every mode, and keeps the result for
 outputs of at most LIMIT elements. A read of a known tensor (aten._local_scalar_dense: item,
-bool, int, float) is answered with the real value; anything else stays a placeholder. What it
-never knows: the results of random ops (nondeterministic_seeded), uninitialized memory (empty),
-and anything with an unknown input. A tensor written in place by an op with an unknown input is
-forgotten, with every known tensor sharing its storage.
+bool, int, float) is answered with the real value; anything else stays a placeholder. Only aten
+ops are followed (a collective or a library's own op could have effects, or answer otherwise
+across ranks). What it never knows: the results of random ops (nondeterministic_seeded),
+uninitialized memory (empty, resize_), and anything with an unknown input. A tensor an op
+writes (in place, through out=, set_) with anything unknown is forgotten, with every known
+tensor that shared its storage before the op; a value whose shape or dtype no longer matches
+its tensor's (`.data =` swapped it) is dropped when read. A real tensor handed in is read,
+never written: an op that writes one runs on a copy.
 
 Data-dependent shapes. `nonzero` (and what runs it: `torch.where(mask)`, `nonzero(as_tuple=True)`,
 indexing or index_put with a boolean mask) has an output whose size is the mask's count. A known
 mask gives its real count; any other takes the size the user assumed (`assume`: the user's line
 "file.py:205", else the op "nonzero"; a count of rows, a fraction of the mask's elements, or a
-list of counts taken in order within each step). The op then runs as nonzero_static at that size,
+list of counts taken in order within each step), once per mask: the same mask indexed again (in
+the forward, or by index_put in its backward) keeps its rows. The op then runs as nonzero_static at that size,
 named "nonzero" as the audit names it: one allocation of rows x mask dims x 8 B, as CPU's kernel
 makes for it (an index by a mask: the nonzero output made, the indexed output made, the nonzero
 output freed, as the real kernel does). Each size taken is listed in `sizes` with where and why.
@@ -36,7 +41,8 @@ LIMIT = 1 << 16  # elements: the index arithmetic of a sequence, not activations
 # ops whose output does not depend on their tensor inputs' values (only shapes and dtypes)
 VALUE_FREE = ("ones_like", "zeros_like", "full_like", "new_ones", "new_zeros", "new_full")
 # ops whose output is uninitialized memory
-UNDEFINED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
+UNDEFINED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
+             "resize_", "resize_as_")
 
 
 class DataDependentShape(Exception):
@@ -59,10 +65,20 @@ def parse_assume(items):
         except ValueError:
             raise ValueError(f"--assume {item!r}: give KEY=ROWS, KEY=FRACTION (0.25) or KEY=R1,R2,... with KEY "
                              "the line (file.py:205) or the op (nonzero)") from None
-    for key, v in out.items():
-        if any(n < 0 for n in (v if isinstance(v, list) else [v])) or (isinstance(v, float) and v > 1):
-            raise ValueError(f"--assume {key}: a count of rows is >= 0, a fraction within 0..1")
-    return out
+    return checked_assume(out)
+
+
+def checked_assume(assume):
+    """assume ({key: rows | fraction | [rows...]}) as given, or ValueError in one line."""
+    for key, v in (assume or {}).items():
+        rows = v if isinstance(v, list) else [v]
+        if (not isinstance(key, str) or not key or not rows
+                or any(isinstance(n, bool) or not isinstance(n, (int, float)) for n in rows)
+                or any(n < 0 for n in rows) or (isinstance(v, list) and any(isinstance(n, float) for n in v))
+                or (isinstance(v, float) and v > 1)):
+            raise ValueError(f"--assume {key}={v!r}: a count of rows (an int >= 0), a fraction within 0..1, "
+                             "or a non-empty list of counts")
+    return dict(assume or {})
 
 
 class KnownValues:
@@ -70,20 +86,29 @@ class KnownValues:
 
     def __init__(self, limit=LIMIT, tracker=None, assume=None, where=None):
         import torch
+        from torch._subclasses.fake_tensor import FakeTensor
         from torch.utils.weak import WeakIdKeyDictionary
-        self.tracker, self.assume, self.where = tracker, dict(assume or {}), where or (lambda: None)
+        self.tracker, self.assume, self.where = tracker, checked_assume(assume), where or (lambda: None)
         self.sizes, self._taken = [], {}  # the data-dependent sizes taken; key -> how many this step
+        self.rows = WeakIdKeyDictionary()  # mask -> (its version, the rows its nonzero took)
         self.limit, self.values = limit, WeakIdKeyDictionary()  # fake tensor -> real CPU tensor
-        self.storages = {}  # storage id -> [weakref(fake)] of the known tensors on it
+        self.storages = {}  # storage id -> weakref.WeakSet of the known tensors on it
         self._kinds = {}  # op -> _kind(op)
-        self._torch = torch
+        self._torch, self._fake = torch, FakeTensor
+        aten = torch.ops.aten
+        self._indexing = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                          aten._index_put_impl_.default)
+        self._nonzero_op, self._read_op = aten.nonzero.default, aten._local_scalar_dense.default
 
     def value(self, t):
         """t's real value, or None where it is not known."""
-        from torch._subclasses.fake_tensor import FakeTensor
-        if not isinstance(t, FakeTensor):
+        if not isinstance(t, self._fake):
             return None if t.device.type == "meta" else t
-        return self.values.get(t)
+        v = self.values.get(t)
+        if v is not None and (v.shape != t.shape or v.dtype != t.dtype):  # swapped by `.data =`
+            self.values.pop(t, None)
+            return None
+        return v
 
     @contextlib.contextmanager
     def watching(self):
@@ -106,32 +131,35 @@ class KnownValues:
         self._taken = {}
 
     def dispatch(self, func, args, kwargs):
-        aten = self._torch.ops.aten
-        if func is aten.nonzero.default:
+        if func is self._nonzero_op:
             return self._nonzero(args[0])
-        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
-                    aten._index_put_impl_.default) and any(self._is_mask(i) for i in args[1]):
-            masks = [self._nonzero(i) if self._is_mask(i) else None for i in args[1]]
-            indices = []
-            for i, nz in zip(args[1], masks):  # a k-dim mask: k index columns of its nonzero
-                indices += [i] if nz is None else [nz.select(1, j) for j in range(i.dim())]
-            return func(args[0], indices, *args[2:], **kwargs)
-        if func is aten._local_scalar_dense.default:
+        if func is self._read_op:
             real = self.value(args[0])
             if real is not None:
                 from torch.utils._python_dispatch import _disable_current_modes
                 with _disable_current_modes():
                     return real.item()
-        out = func(*args, **kwargs)
-        if func.namespace == "prim":
-            return out
-        try:
-            self._follow(func, args, kwargs, out)
-        except Exception:  # a value it cannot follow is a value it does not know
-            for t in _tensors((out,), {}, self._torch.Tensor):
-                self._forget_storage(t)
-            self._forget_written(self._kind(func)[2], args)
+        written = self._written(func, args, kwargs)
+        before = [(t, t.untyped_storage()._cdata) for t in written] if self.storages else []
+        if func in self._indexing and any(self._is_mask(i) for i in args[1]):
+            out = self._by_mask(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if func.namespace != "aten" or not self._follow(func, args, kwargs, out, written):
+            self._forget(before)
         return out
+
+    def _by_mask(self, func, args, kwargs):
+        """An index (index_put) by boolean masks: each mask's nonzero made first, as CPU's kernel
+        makes it, its columns the long indices."""
+        indices = []
+        for i in args[1]:  # a k-dim mask: k index columns of its nonzero
+            if self._is_mask(i):
+                nz = self._nonzero(i)
+                indices += [nz.select(1, j) for j in range(i.dim())]
+            else:
+                indices.append(i)
+        return func(args[0], indices, *args[2:], **kwargs)
 
     def _is_mask(self, t):
         torch = self._torch
@@ -142,13 +170,16 @@ class KnownValues:
         torch = self._torch
         from torch.utils._python_dispatch import _disable_current_modes
         real = self.value(mask)
+        real_out = None
         if real is not None:
             with _disable_current_modes():
                 real_out = torch.nonzero(real)
             rows, why = real_out.shape[0], "its mask's known values"
+        elif self.rows.get(mask, (None,))[0] == mask._version:  # the same mask again (its backward)
+            rows, why = self.rows[mask][1], "the same mask's earlier call"
         else:
-            real_out = None
             rows, why = self._assumed(mask)
+            self.rows[mask] = (mask._version, rows)
         self.sizes.append({"op": "nonzero", "rows": rows, "of": mask.numel(), "where": self.where() or "torch",
                            "from": why})
         if self.tracker is not None:
@@ -168,25 +199,31 @@ class KnownValues:
             if isinstance(value, list):
                 n = self._taken.get(key, 0)
                 self._taken[key] = n + 1
-                return value[n % len(value)], f"--assume {key}, call {n + 1} of the step"
-            if isinstance(value, float):
-                return round(value * mask.numel()), f"--assume {key}={value} of {mask.numel()} elements"
-            return value, f"--assume {key}={value}"
+                rows, why = value[n % len(value)], f"--assume {key}, call {n + 1} of the step"
+            elif isinstance(value, float):
+                rows, why = round(value * mask.numel()), f"--assume {key}={value} of {mask.numel()} elements"
+            else:
+                rows, why = value, f"--assume {key}={value}"
+            if rows > mask.numel():
+                raise DataDependentShape(f"the shadow run stopped at nonzero, {here or 'in a library'}: --assume {key} "
+                                         f"gives {rows} rows to a mask of {mask.numel()} elements")
+            return rows, why
         raise DataDependentShape(
             f"the shadow run stopped at nonzero, {here or 'in a library'}: its output size depends on the data; "
-            f"give it with --assume {site or 'nonzero'}=ROWS (or =FRACTION of the mask's {mask.numel()} elements)")
+            f"give it with --assume {site or 'nonzero'}=ROWS or =FRACTION of the mask's {mask.numel()} elements "
+            f"(shadow(assume={{{(site or 'nonzero')!r}: ROWS}}))")
 
-    def _follow(self, func, args, kwargs, out):
+    def _follow(self, func, args, kwargs, out, written):
+        """Knows func's outputs (and updates what it wrote) where every input is known; False
+        where it does not know them (what func wrote is then forgotten)."""
         torch = self._torch
-        free, never, written = self._kind(func)
+        free, never = self._kind(func)
         tensors = _tensors(args, kwargs, torch.Tensor)
         if never or (not free and any(self.value(t) is None for t in tensors)):
-            self._forget_written(written, args)
-            return
+            return False
         outs = _tensors((out,), {}, torch.Tensor)
         if not (outs or written) or any(t.numel() > self.limit for t in outs + tensors):
-            self._forget_written(written, args)
-            return
+            return False
         from torch.utils._pytree import tree_map
         from torch.utils._python_dispatch import _disable_current_modes
         from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -194,47 +231,50 @@ class KnownValues:
         def real(x):
             if isinstance(x, torch.Tensor):
                 v = self.value(x)
-                return torch.empty(x.shape, dtype=x.dtype) if v is None else v  # VALUE_FREE's input
+                if v is None:  # VALUE_FREE's input: its shape and dtype only
+                    return torch.empty(x.shape, dtype=x.dtype)
+                return v.clone() if v is x else v  # a real tensor handed in is never written
             return torch.device("cpu") if isinstance(x, torch.device) else x
-        with _disable_current_modes(), unset_fake_temporarily():
-            done = func(*tree_map(real, args), **{k: real(v) for k, v in kwargs.items()})
+        try:
+            with _disable_current_modes(), unset_fake_temporarily():
+                done = func(*tree_map(real, args), **{k: real(v) for k, v in kwargs.items()})
+        except Exception:  # the real kernel refuses what the fake one took: not known
+            return False
         for fake, value in zip(outs, _tensors((done,), {}, torch.Tensor)):
             self._know(fake, value)
+        return True
 
     def _kind(self, func):
-        """(its output ignores its inputs' values, it is never known, the arguments it writes)."""
+        """(its output ignores its inputs' values, it is never known)."""
         kind = self._kinds.get(func)
         if kind is None:
             name = func.overloadpacket.__name__
             never = name in UNDEFINED or self._torch.Tag.nondeterministic_seeded in func.tags
-            written = tuple(i for i, a in enumerate(func._schema.arguments)
-                            if a.alias_info is not None and a.alias_info.is_write)
-            kind = self._kinds[func] = (name in VALUE_FREE, never, written)
-        return kind
+            writes = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                           if a.alias_info is not None and a.alias_info.is_write)
+            kind = self._kinds[func] = (name in VALUE_FREE, never, writes)
+        return kind[:2]
+
+    def _written(self, func, args, kwargs):
+        """The tensors func writes: in place, out=, set_ (positional or keyword; a foreach op's lists)."""
+        self._kind(func)
+        out = []
+        for i, name in self._kinds[func][2]:
+            a = args[i] if i < len(args) else kwargs.get(name)
+            out += _tensors((a,), {}, self._torch.Tensor)
+        return out
 
     def _know(self, fake, value):
-        from torch._subclasses.fake_tensor import FakeTensor
-        if isinstance(fake, FakeTensor) and fake not in self.values:
+        if isinstance(fake, self._fake) and fake not in self.values:
             self.values[fake] = value
-            self.storages.setdefault(fake.untyped_storage()._cdata, []).append(weakref.ref(fake))
+            self.storages.setdefault(fake.untyped_storage()._cdata, weakref.WeakSet()).add(fake)
 
-    def _forget_written(self, written, args):
-        """Every argument an op wrote with what it did not know: unknown, with what shares its storage."""
-        if not self.storages:
-            return
-        for i in written:  # a tensor, or a list of them (a foreach op's)
-            if i < len(args):
-                for t in _tensors((args[i],), {}, self._torch.Tensor):
-                    self._forget_storage(t)
-
-    def _forget_storage(self, t):
-        try:
-            sid = t.untyped_storage()._cdata
-        except Exception:
-            return
-        for ref in self.storages.pop(sid, []):
-            fake = ref()
-            if fake is not None:
+    def _forget(self, written):
+        """[(tensor, its storage id before the op)] written with something unknown: each tensor,
+        and every known tensor on that storage, unknown."""
+        for t, sid in written:
+            self.values.pop(t, None)
+            for fake in list(self.storages.pop(sid, ())):
                 self.values.pop(fake, None)
 
 

@@ -29,9 +29,10 @@ PROBED = frozenset((
     # group norm's mean and rstd: fp32 for a bf16 input on CPU, where the fake kernel says bf16
     # (a GroupNorm U-Net in bf16 autocast: 64 B each instead of 128; scripts/zoo_check.py seed 554003)
     "native_group_norm", "native_group_norm_backward",
-    # cumsum of a bool or integer input: the CPU kernel sums into a temporary of the output's size,
-    # made after the output and freed before it returns (transformers' packed-sequence check,
-    # (position_diff != 1).cumsum(-1): 648 B for 81 positions; scripts/zoo_check.py seed 418482)
+    # cumsum: every call asked; for a bool or integer input the CPU kernel sums into a temporary of
+    # the output's size, made after the output and freed before it returns (transformers'
+    # packed-sequence check, (position_diff != 1).cumsum(-1): 648 B for 81 positions;
+    # scripts/zoo_check.py seed 418482)
     "cumsum",
 ))
 # bf16 (fp16) matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported(),

@@ -20,10 +20,13 @@ op, else at that step's optimizer step (a zero_grad written above it starts the 
 (its before-backward moment at its last `.backward()`), and the loop is stopped as it ends: the
 `with` block is left there, the exception that stopped it swallowed.
 
-Data-dependent reads of fake tensors (`.item()`, `.tolist()`, `bool()`, `float()`, `int()`)
-answer with a placeholder (0, False) where fake tensors cannot: each is listed in
-`summary["placeholders"]` with the line of the user's code that read it. Any other failure ends
-in one ShadowError line naming the op, the line of the user's code and the reason.
+Reads of fake tensors (`.item()`, `.tolist()`, `bool()`, `float()`, `int()`) are answered with
+the real value where it is known without data (known_values: small tensors made from constants,
+an optimizer's step count), else with a placeholder (0, False), listed in
+`summary["placeholders"]` with the line of the user's code that read it. Data-dependent shapes
+(nonzero, a boolean mask's index) take a known or assumed size (`assume`), listed in
+`summary["sizes"]`. Any other failure ends in one ShadowError line naming the op, the line of
+the user's code and the reason.
 """
 
 import contextlib
@@ -34,7 +37,7 @@ import traceback
 import warnings
 
 from .shadow import (ShadowError, begin_step, end_step, held_names, name_grads, step_result)
-from .known_values import DataDependentShape, KnownValues
+from .known_values import DataDependentShape, KnownValues, checked_assume
 from .shadow_loop import LoopLedger, fake_ident, merged, loop_summary
 from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
 
@@ -79,15 +82,18 @@ def user_line(tb=None):
 class Shadow:
     """The context manager `memory_audit.shadow()` returns (see the module docstring).
     `result`: run()'s dict for the audited step; `summary`: loop_summary(result) plus
-    "placeholders" (the data-dependent reads answered without data) and "steps" (optimizer
-    steps seen)."""
+    "placeholders" (the data-dependent reads answered without data), "sizes" (the data-dependent
+    shapes' sizes taken, with where from) and "steps" (optimizer steps seen)."""
 
     def __init__(self, device="cpu", step=2, assume=None):
         if device != "cpu":
             raise ShadowError(f"shadow(device={device!r}): only the CPU shadow runs a user's own code so far")
         if not isinstance(step, int) or step < 1:
             raise ShadowError(f"shadow(step={step!r}): the audited step must be an int >= 1 (step 0 makes the optimizer's state)")
-        self.audited, self.assume = step, dict(assume or {})
+        try:
+            self.audited, self.assume = step, checked_assume(assume)
+        except ValueError as e:
+            raise ShadowError(str(e)) from None
         self.result = self.summary = None
         self.placeholders = []
 

@@ -548,8 +548,7 @@ def _cpu_op(tracker, func, args, kwargs, key):
 # CPU softmax and log-softmax of a non-contiguous input (cross-entropy over logits.movedim(-1, 1),
 # a per-token loss): the output is made, then a contiguous copy of the input, freed as the kernel
 # returns (27,200 B for a 4 x 68 x 25 fp32 input, 13,600 in bf16, at any dim; an LSTM tagger's
-# loss, scripts/zoo_check.py seed 418482, where each plain per-token loop's step first parted
-# from its audit's)
+# per-token loss, scripts/zoo_check.py seed 418482; tests/test_known_values.py holds it)
 _SOFTMAXES = frozenset(("_softmax", "_log_softmax"))
 
 
