@@ -505,6 +505,10 @@ def _cpu_op(tracker, func, args, kwargs, key):
         held.append(tracker.alloc(f"{key}/indices", args[1].numel() * args[1].element_size())[0])
     for t, nbytes in _mixed_dtype_casts(func, tensors):
         held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
+    at = _LAYER_NORMS.get(_short_name(func))
+    if at is not None and not args[at].is_contiguous():  # X.expect_contiguous()
+        x = args[at]
+        held.append(tracker.alloc(_buffer(key), x.numel() * x.element_size())[0])
     per_tensor = _foreach_scalars(func, args)
     for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
         ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)[:2]) if i is not None]
@@ -539,9 +543,12 @@ def _cpu_op(tracker, func, args, kwargs, key):
     if func is torch.ops.aten.embedding_dense_backward.default:  # indices.contiguous(), grad.contiguous()
         copies = [t for t in (args[1], args[0]) if not t.is_contiguous()]
         held[:0] = [tracker.alloc(_buffer(key), t.numel() * t.element_size())[0] for t in copies][::-1]
-    if func is torch.ops.aten.native_layer_norm_backward.default and any(args[-1][1:]):
-        x, n = args[1], math.prod(args[2])  # X, normalized_shape; output_mask: dgamma, dbeta
-        held.insert(0, tracker.alloc(_buffer(key), 2 * torch.get_num_threads() * n * x.element_size())[0])
+    if func is torch.ops.aten.native_layer_norm_backward.default:
+        x, n, dy = args[1], math.prod(args[2]), args[0]  # X, normalized_shape; output_mask: dgamma, dbeta
+        made = [] if dy.is_contiguous() else [tracker.alloc(_buffer(key), dy.numel() * dy.element_size())[0]]
+        if any(args[-1][1:]):
+            made.insert(0, tracker.alloc(_buffer(key), 2 * torch.get_num_threads() * n * x.element_size())[0])
+        held[:0] = made
     return out, held, scalars
 
 
@@ -554,9 +561,10 @@ _SOFTMAXES = frozenset(("_softmax", "_log_softmax"))
 
 # CPU losses whose mean or sum is taken in place in the element-wise buffer: the 0-dim result's
 # storage is the whole buffer (F.mse_loss of 24 fp32 elements: 96 B, not 4; bf16: 48). Found by
-# an independent set of loops (a GRU and an autoencoder with MSE, 2026-11-27); l1, huber and BCE
-# with logits reduce into a new 0-dim tensor.
-_ELEMENTWISE_LOSSES = frozenset(("mse_loss", "smooth_l1_loss", "soft_margin_loss"))
+# an independent set of loops (a GRU and an autoencoder with MSE; F.binary_cross_entropy after a
+# sigmoid: 37,632 B, not 4, in a second such set, 2026-11-27); l1, huber and BCE with logits reduce
+# into a new 0-dim tensor.
+_ELEMENTWISE_LOSSES = frozenset(("mse_loss", "smooth_l1_loss", "soft_margin_loss", "binary_cross_entropy"))
 
 
 def _mixed_layer_norm_stats(func, args, out):
@@ -574,13 +582,21 @@ def _mixed_layer_norm_stats(func, args, out):
     return out[1:]
 
 
+# CPU layer norm of a non-contiguous input (Whisper's encoder: conv, permute, + positions): the
+# kernel copies it contiguous before its outputs and frees the copy as it returns; its backward
+# copies X the same way, and a non-contiguous dY after its outputs (3,840 B each for a 2 x 30 x 16
+# fp32 input; found by loops written apart from the rules, 2026-11-27). {op: X's position}
+_LAYER_NORMS = {"native_layer_norm": 0, "native_layer_norm_backward": 1}
+
+
 def _reduced_loss_bytes(func, args, kwargs, out):
     """The bytes of a reduced loss's storage where the CPU kernel keeps its element-wise buffer
     (_ELEMENTWISE_LOSSES), else None."""
     import torch
     if _short_name(func) not in _ELEMENTWISE_LOSSES or not isinstance(out, torch.Tensor) or out.dim():
         return None
-    reduction = kwargs.get("reduction", args[2] if len(args) > 2 else 1)
+    at = [a.name for a in func._schema.arguments].index("reduction")  # binary_cross_entropy: after its weight
+    reduction = kwargs.get("reduction", args[at] if len(args) > at else 1)
     if reduction == 0:  # none: the element-wise tensor is the output already
         return None
     return math.prod(torch.broadcast_shapes(args[0].shape, args[1].shape)) * out.element_size()
