@@ -421,10 +421,10 @@ def cmd_predict_script(args):
     sizes = {}
     for z in summary["sizes"]:
         key = (z["op"], z["where"], z["from"].split(", call")[0])
-        sizes.setdefault(key, []).append(z["rows"])
+        sizes.setdefault(key, []).append(z["rows"] if "rows" in z else "x".join(map(str, z["shape"][0])))
     for (op, where, why), rows in sizes.items():
         print(f"data-dependent size: {op} took {', '.join(map(str, rows[:8]))}{' ...' if len(rows) > 8 else ''} "
-              f"row(s) from {why} at {where}")
+              f"{'row(s)' if op == 'nonzero' else '(its first output)'} from {why} at {where}")
     if args.trace:
         print(f"wrote the shadow run's {len(s.result['events']):,} events of step {args.step} to {args.trace}")
 

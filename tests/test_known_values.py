@@ -353,3 +353,19 @@ def test_layer_norm_of_a_non_contiguous_input_and_bce_keep_what_cpu_kernels_keep
     # are not modelled): the layer norm's copies are where the audit has them
     d = first_divergence(events, s.result["events"])
     assert d is not None and d["measured"][1] == "aten::mean", d
+
+
+def test_ctc_loss_takes_its_shapes_from_a_real_run_at_known_lengths():
+    """ctc_loss's shapes follow the targets' lengths, which fake tensors cannot give: with the
+    lengths known (torch.tensor of ints) the op runs at the shapes a real CPU run gives, listed."""
+    with memory_audit.shadow() as s:
+        model = nn.Linear(10, 10)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            logp = model(torch.randn(30, 3, 10)).log_softmax(-1)
+            loss = F.ctc_loss(logp, torch.randint(1, 10, (3, 8)), torch.tensor([30, 26, 20]), torch.tensor([8, 5, 6]))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    sizes = [z for z in s.summary["sizes"] if z["op"] == "_ctc_loss"]
+    assert len(sizes) == 3 and sizes[0]["shape"] == [[3], [3, 30, 17]]  # 2 x the longest target (8) + 1

@@ -28,7 +28,11 @@ list of counts taken in order within each step), once per mask: the same mask in
 the forward, or by index_put in its backward) keeps its rows. The op then runs as nonzero_static at that size,
 named "nonzero" as the audit names it: one allocation of rows x mask dims x 8 B, as CPU's kernel
 makes for it (an index by a mask: the nonzero output made, the indexed output made, the nonzero
-output freed, as the real kernel does). Each size taken is listed in `sizes` with where and why.
+output freed, as the real kernel does). Another op whose fake kernel cannot give its output
+shape (tagged dynamic_output_shape: ctc_loss, whose shapes follow the targets' lengths) takes the
+shapes a real run of it gives on the CPU at the step's shapes, the inputs it does not know
+zero, where every integer and bool tensor it reads is known (SHAPED_BY: only the arguments that
+decide its shapes). Each size taken is listed in `sizes` with where and why.
 A data-dependent shape with neither ends in DataDependentShape, one line naming the line and the
 way to give it.
 """
@@ -37,6 +41,10 @@ import contextlib
 import weakref
 
 LIMIT = 1 << 16  # elements: the index arithmetic of a sequence, not activations
+
+# ops tagged dynamic_output_shape whose shapes only these arguments decide (the rest may be
+# unknown, and run zero-filled): CTC's log_alpha is (batch, time, 2 x the longest target + 1)
+SHAPED_BY = {"_ctc_loss": ("input_lengths", "target_lengths")}
 
 # ops whose output does not depend on their tensor inputs' values (only shapes and dtypes)
 VALUE_FREE = ("ones_like", "zeros_like", "full_like", "new_ones", "new_zeros", "new_full")
@@ -99,6 +107,7 @@ class KnownValues:
         self._indexing = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
                           aten._index_put_impl_.default)
         self._nonzero_op, self._read_op = aten.nonzero.default, aten._local_scalar_dense.default
+        self._dynamic = torch.Tag.dynamic_output_shape
 
     def value(self, t):
         """t's real value, or None where it is not known."""
@@ -143,6 +152,8 @@ class KnownValues:
         before = [(t, t.untyped_storage()._cdata) for t in written] if self.storages else []
         if func in self._indexing and any(self._is_mask(i) for i in args[1]):
             out = self._by_mask(func, args, kwargs)
+        elif self._dynamic in func.tags:
+            out = self._dynamic_shape(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if func.namespace != "aten" or not self._follow(func, args, kwargs, out, written):
@@ -160,6 +171,52 @@ class KnownValues:
             else:
                 indices.append(i)
         return func(args[0], indices, *args[2:], **kwargs)
+
+    def _dynamic_shape(self, func, args, kwargs):
+        """An op whose output shape the fake kernel cannot give (ctc_loss: the targets' lengths):
+        where every integer and bool tensor it reads is known, its shapes are the ones a real run
+        of it at these shapes gives on the CPU (what it does not know zero), and its outputs are
+        made at them through the modes below; else the fake kernel's exception stands."""
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+        try:
+            return func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            torch = self._torch
+            tensors = _tensors(args, kwargs, torch.Tensor)
+            name = func.overloadpacket.__name__
+            shaping = SHAPED_BY.get(name)
+            if shaping is not None:  # only these arguments decide the shapes
+                named = [a.name for a in func._schema.arguments]
+                tensors_read = _tensors([args[named.index(n)] if named.index(n) < len(args) else kwargs.get(n)
+                                         for n in shaping], {}, torch.Tensor)
+            else:
+                tensors_read = [t for t in tensors if not t.dtype.is_floating_point]
+            if any(self.value(t) is None for t in tensors_read):
+                raise
+            from torch.utils._pytree import tree_map
+            from torch.utils._python_dispatch import _disable_current_modes
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            def real(x):
+                if isinstance(x, torch.Tensor):
+                    v = self.value(x)
+                    return torch.zeros(x.shape, dtype=x.dtype) if v is None else v.clone()
+                return torch.device("cpu") if isinstance(x, torch.device) else x
+            with _disable_current_modes(), unset_fake_temporarily():
+                done = func(*tree_map(real, args), **{k: real(v) for k, v in kwargs.items()})
+            device = tensors[0].device
+
+            def made(t):
+                if not isinstance(t, torch.Tensor):
+                    return t
+                if self.tracker is not None:
+                    self.tracker.stand_in = name  # named as the audit names the real op's outputs
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            out = tree_map(made, done)
+            self.sizes.append({"op": name, "shape": [list(t.shape) for t in _tensors((done,), {}, torch.Tensor)],
+                               "where": self.where() or "torch",
+                               "from": "a real run of the op at these shapes on the CPU (what is unknown zero)"})
+            return out
 
     def _is_mask(self, t):
         torch = self._torch
