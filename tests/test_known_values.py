@@ -52,9 +52,19 @@ class Routed(nn.Module):
         return self.head(y.view(ids.shape[0], ids.shape[1], -1))
 
 
-def loop(model_cls, audit_dir=None, steps=3, reads=None):
-    """The usual loop; a per-token loss over logits.movedim(-1, 1) (classes on dim 1); reads
-    collects what the loop reads of the optimizer's step count."""
+def per_token(model, ids):
+    """Cross-entropy per token over logits.movedim(-1, 1) (classes on dim 1)."""
+    return F.cross_entropy(model(ids).movedim(-1, 1), ids)
+
+
+def bce(model, ids):
+    """Binary cross-entropy of a sigmoid over random targets."""
+    return F.binary_cross_entropy(torch.sigmoid(model(ids)), torch.rand(3, 10, 40))
+
+
+def loop(model_cls, audit_dir=None, steps=3, reads=None, loss_of=per_token):
+    """The usual loop, Adam, the loss `loss_of` gives; reads collects what the loop reads of the
+    optimizer's step count."""
     torch.manual_seed(0)
     model = model_cls()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -62,7 +72,7 @@ def loop(model_cls, audit_dir=None, steps=3, reads=None):
     for step in range(steps):
         with audit.step(step) if audit is not None else _nothing():
             ids = torch.randint(0, 40, (3, 10))
-            loss = F.cross_entropy(model(ids).movedim(-1, 1), ids)
+            loss = loss_of(model, ids)
             if audit is not None:
                 audit.before_backward(loss)
             loss.backward()
@@ -322,31 +332,13 @@ class Permuted(nn.Module):
         return self.head(self.norm(x))
 
 
-def bce_loop(audit_dir=None, steps=3):
-    torch.manual_seed(0)
-    model = Permuted()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    audit = Audit(model, optimizer, out_dir=audit_dir, step=2) if audit_dir else None
-    for step in range(steps):
-        with audit.step(step) if audit is not None else _nothing():
-            ids = torch.randint(0, 40, (3, 10))
-            loss = F.binary_cross_entropy(torch.sigmoid(model(ids)), torch.rand(3, 10, 40))
-            if audit is not None:
-                audit.before_backward(loss)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    if audit is not None:
-        audit.close()
-
-
 def test_layer_norm_of_a_non_contiguous_input_and_bce_keep_what_cpu_kernels_keep(tmp_path):
     """LayerNorm copies a non-contiguous input contiguous (forward and backward); F.binary_cross_entropy's
     0-dim loss keeps its element-wise buffer: the peak and every line are the audit's."""
-    bce_loop(str(tmp_path / "r"))
+    loop(Permuted, str(tmp_path / "r"), loss_of=bce)
     m, events = measure(str(tmp_path / "r")), step_events(str(tmp_path / "r"))
     with memory_audit.shadow() as s:
-        bce_loop(steps=100)
+        loop(Permuted, steps=100, loss_of=bce)
     _same(s, m)
     assert s.summary["phase_lines"]["step2_start"]["temporary/loop/loss"] == 3 * 10 * 40 * 4
     # event by event up to the loss's own mean inside the BCE kernel (its 4, 8 and 4 B scratch
