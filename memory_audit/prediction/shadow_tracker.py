@@ -41,6 +41,16 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
   storage_resize      untyped_storage().resize_ (FSDP2's unsharded parameters: freed with
                       resize_(0), made again with resize_(n)) frees the storage's allocation and
                       makes one of the new size; no op the dispatcher sees
+  contiguous_copy     CPU softmax and log-softmax of a non-contiguous input copy it after the
+                      output; CPU layer norm copies a non-contiguous X before its outputs (its
+                      backward: X before, a non-contiguous dY after); each freed as it returns
+  layer_norm_stats    CPU layer norm of a bf16 (fp16) input with an fp32 weight makes fp32 mean
+                      and rstd, where the fake kernel says the input's dtype
+  reduced_loss        CPU mse, smooth_l1, soft_margin and binary cross-entropy losses reduce in
+                      their element-wise buffer, which stays the 0-dim result's storage
+  index_accumulate    indexing's backward (zeros.index_put_(indices, grad, accumulate=True)) is
+                      in place in a real run, out of place for a tensor subclass: folded as
+                      inplace_accumulate folds a gradient sum
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -52,7 +62,8 @@ import weakref
 from . import shadow_cuda, shadow_dist, shadow_probe
 
 RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers",
-         "safe_softmax", "mean_divide", "embedding_copies", "kernel_probe", "gloo_collectives", "storage_resize")
+         "safe_softmax", "mean_divide", "embedding_copies", "kernel_probe", "gloo_collectives", "storage_resize",
+         "contiguous_copy", "layer_norm_stats", "reduced_loss", "index_accumulate")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
