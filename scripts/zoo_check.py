@@ -13,6 +13,7 @@ installed are skipped (one line each).
 import argparse
 import contextlib
 import json
+import statistics
 import os
 import random
 import sys
@@ -95,6 +96,7 @@ def main():
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 20)
     print(f"seed {seed} (replay: --seed={seed}), torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     done = exact = lines_exact = tracker_exact = 0
+    rows = []
     out = open(args.out, "a") if args.out else None
     for i, spec in enumerate(zoo.specs(seed, args.n)):
         lib = zoo.missing(spec)
@@ -107,6 +109,7 @@ def main():
             row = {"error": f"{type(e).__name__}: {e}"[:400]}
             print(f"{i:3d} {zoo.describe(spec)}: {row['error']}", flush=True)
         else:
+            rows.append(row)
             done += 1
             exact += row["predicted"] == row["measured"]
             lines_exact += not row["differ"]
@@ -120,8 +123,10 @@ def main():
         if out:
             out.write(json.dumps(dict(row, spec=spec, seed=seed, index=i, torch=torch.__version__)) + "\n")
             out.flush()
+    errors = sorted(100 * (r["memtracker"] - r["measured"]) / r["measured"] for r in rows if r.get("memtracker") is not None)
+    median = statistics.median(errors) if errors else float("nan")
     print(f"seed {seed}: {done} loops run; peak exact {exact}/{done}, every line {lines_exact}/{done}; "
-          f"MemTracker's peak exact {tracker_exact}/{done}")
+          f"MemTracker's peak exact {tracker_exact}/{done}, its median error {median:+.1f}%")
 
 
 def _diff(value, measured):

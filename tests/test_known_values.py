@@ -235,12 +235,13 @@ def test_a_real_tensor_handed_in_is_never_written():
 
 def test_transformers_is_told_no_trace_only_while_the_shadow_runs():
     import_utils = pytest.importorskip("transformers.utils.import_utils")
-    original = import_utils.is_fake_tensor
-    with pytest.raises(ShadowError):
+    original, seen = import_utils.is_fake_tensor, []
+    with pytest.raises(ShadowError, match="RuntimeError: the code fails"):
         with memory_audit.shadow():
-            nn.Linear(2, 2)(torch.randn(1, 2))
-            assert import_utils.is_fake_tensor is not original
+            x = nn.Linear(2, 2)(torch.randn(1, 2))  # the first forward: transformers is imported
+            seen.append((import_utils.is_fake_tensor, import_utils.is_fake_tensor(x)))
             raise RuntimeError("the code fails")
+    assert seen[0][0] is not original and seen[0][1] is False
     assert import_utils.is_fake_tensor is original
 
 
@@ -333,8 +334,8 @@ class Permuted(nn.Module):
 
 
 def test_layer_norm_of_a_non_contiguous_input_and_bce_keep_what_cpu_kernels_keep(tmp_path):
-    """LayerNorm copies a non-contiguous input contiguous (forward and backward); F.binary_cross_entropy's
-    0-dim loss keeps its element-wise buffer: the peak and every line are the audit's."""
+    """F.binary_cross_entropy's 0-dim loss keeps its element-wise buffer, and LayerNorm copies a
+    non-contiguous input contiguous: the peak and every line are the audit's."""
     loop(Permuted, str(tmp_path / "r"), loss_of=bce)
     m, events = measure(str(tmp_path / "r")), step_events(str(tmp_path / "r"))
     with memory_audit.shadow() as s:
@@ -342,9 +343,19 @@ def test_layer_norm_of_a_non_contiguous_input_and_bce_keep_what_cpu_kernels_keep
     _same(s, m)
     assert s.summary["phase_lines"]["step2_start"]["temporary/loop/loss"] == 3 * 10 * 40 * 4
     # event by event up to the loss's own mean inside the BCE kernel (its 4, 8 and 4 B scratch
-    # are not modelled): the layer norm's copies are where the audit has them
+    # are not modelled): the forward's layer norm copy is where the audit has it
     d = first_divergence(events, s.result["events"])
     assert d is not None and d["measured"][1] == "aten::mean", d
+
+
+def test_layer_norm_copies_a_non_contiguous_input_in_forward_and_backward(tmp_path):
+    """The same permuted model under the per-token loss: every event of step 2, backward's
+    copies of X and dY included, as the audit has them."""
+    m, events = _audited(tmp_path, Permuted)
+    with memory_audit.shadow() as s:
+        loop(Permuted, steps=100)
+    _same(s, m)
+    assert first_divergence(events, s.result["events"]) is None
 
 
 def test_ctc_loss_takes_its_shapes_from_a_real_run_at_known_lengths():
@@ -361,3 +372,21 @@ def test_ctc_loss_takes_its_shapes_from_a_real_run_at_known_lengths():
             optimizer.zero_grad()
     sizes = [z for z in s.summary["sizes"] if z["op"] == "_ctc_loss"]
     assert len(sizes) == 3 and sizes[0]["shape"] == [[3], [3, 30, 17]]  # 2 x the longest target (8) + 1
+
+
+def test_unique_of_known_values_is_sized_and_of_data_stops_in_one_line():
+    def run(known):
+        with memory_audit.shadow() as s:
+            model = nn.Linear(4, 4)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                y = model(torch.randn(8, 4))
+                u = torch.unique(torch.arange(6) % 3) if known else torch.unique(y.detach())  # noqa: F841
+                y.sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return s.summary["sizes"]
+    assert [z["shape"][0] for z in run(True)] == [[3]] * 3
+    with pytest.raises(ShadowError) as e:
+        run(False)
+    assert "\n" not in str(e.value) and "_unique2" in str(e.value) and "test_known_values.py:" in str(e.value)

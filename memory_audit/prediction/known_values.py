@@ -30,9 +30,9 @@ named "nonzero" as the audit names it: one allocation of rows x mask dims x 8 B,
 makes for it (an index by a mask: the nonzero output made, the indexed output made, the nonzero
 output freed, as the real kernel does). Another op whose fake kernel cannot give its output
 shape (tagged dynamic_output_shape: ctc_loss, whose shapes follow the targets' lengths) takes the
-shapes a real run of it gives on the CPU at the step's shapes, the inputs it does not know
-zero, where every integer and bool tensor it reads is known (SHAPED_BY: only the arguments that
-decide its shapes). Each size taken is listed in `sizes` with where and why.
+shapes a real run of it gives on the CPU at the step's shapes where every input that decides
+them is known: SHAPED_BY's arguments (the others run zero-filled), else every input (unique of
+known values; of data it stops in one line). Each size taken is listed in `sizes` with where and why.
 A data-dependent shape with neither ends in DataDependentShape, one line naming the line and the
 way to give it.
 """
@@ -174,9 +174,10 @@ class KnownValues:
 
     def _dynamic_shape(self, func, args, kwargs):
         """An op whose output shape the fake kernel cannot give (ctc_loss: the targets' lengths):
-        where every integer and bool tensor it reads is known, its shapes are the ones a real run
-        of it at these shapes gives on the CPU (what it does not know zero), and its outputs are
-        made at them through the modes below; else the fake kernel's exception stands."""
+        where every input that decides its shapes is known (SHAPED_BY's arguments, else all of
+        them), its shapes are the ones a real run of it at these shapes gives on the CPU (what it
+        does not know zero), and its outputs are made at them through the modes below; else the
+        fake kernel's exception stands."""
         from torch._subclasses.fake_tensor import DynamicOutputShapeException
         try:
             return func(*args, **kwargs)
@@ -189,8 +190,8 @@ class KnownValues:
                 named = [a.name for a in func._schema.arguments]
                 tensors_read = _tensors([args[named.index(n)] if named.index(n) < len(args) else kwargs.get(n)
                                          for n in shaping], {}, torch.Tensor)
-            else:
-                tensors_read = [t for t in tensors if not t.dtype.is_floating_point]
+            else:  # unique, masked_select, repeat_interleave: any input may decide them
+                tensors_read = tensors
             if any(self.value(t) is None for t in tensors_read):
                 raise
             from torch.utils._pytree import tree_map

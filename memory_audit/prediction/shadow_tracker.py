@@ -573,7 +573,7 @@ _SOFTMAXES = frozenset(("_softmax", "_log_softmax"))
 # CPU losses whose mean or sum is taken in place in the element-wise buffer: the 0-dim result's
 # storage is the whole buffer (F.mse_loss of 24 fp32 elements: 96 B, not 4; bf16: 48). Found by
 # an independent set of loops (a GRU and an autoencoder with MSE; F.binary_cross_entropy after a
-# sigmoid: 37,632 B, not 4, in a second such set, 2026-11-27); l1, huber and BCE with logits reduce
+# sigmoid: 37,632 B, not 4, scripts/user_loops.py's conv_autoencoder); l1, huber and BCE with logits reduce
 # into a new 0-dim tensor.
 _ELEMENTWISE_LOSSES = frozenset(("mse_loss", "smooth_l1_loss", "soft_margin_loss", "binary_cross_entropy"))
 
@@ -596,7 +596,7 @@ def _mixed_layer_norm_stats(func, args, out):
 # CPU layer norm of a non-contiguous input (Whisper's encoder: conv, permute, + positions): the
 # kernel copies it contiguous before its outputs and frees the copy as it returns; its backward
 # copies X the same way, and a non-contiguous dY after its outputs (3,840 B each for a 2 x 30 x 16
-# fp32 input; found by loops written apart from the rules, 2026-11-27). {op: X's position}
+# fp32 input; scripts/user_loops.py's whisper; tests/test_known_values.py). {op: X's position}
 _LAYER_NORMS = {"native_layer_norm": 0, "native_layer_norm_backward": 1}
 
 
