@@ -264,16 +264,6 @@ class Head(nn.Module):
             return self.head(self.norm(F.gelu(self.dense(self.embed(ids)))))
 
 
-def test_layer_norm_of_a_bf16_input_keeps_fp32_statistics(tmp_path):
-    """A CPU layer norm of a bf16 input with an fp32 weight saves fp32 mean and rstd (the fake
-    kernel: bf16), event by event as the audit's."""
-    m, events = _audited(tmp_path, Head)
-    with memory_audit.shadow() as s:
-        loop(Head, steps=100)
-    _same(s, m)
-    assert first_divergence(events, s.result["events"]) is None
-
-
 class Gathered(nn.Module):
     """Tokens taken in reverse order by long indices: indexing's backward (index_put_)."""
 
@@ -285,16 +275,6 @@ class Gathered(nn.Module):
         h = self.embed(ids).flatten(0, 1)
         idx = torch.arange(h.shape[0]).flip(0)
         return self.head(self.mix(h[idx]).view(ids.shape[0], ids.shape[1], -1))
-
-
-def test_indexing_backward_adds_in_place_into_its_zeros(tmp_path):
-    """zeros.index_put_(indices, grad, accumulate=True), out of place for a fake tensor: the output
-    takes the zeros' memory, as in the real run, event by event."""
-    m, events = _audited(tmp_path, Gathered)
-    with memory_audit.shadow() as s:
-        loop(Gathered, steps=100)
-    _same(s, m)
-    assert first_divergence(events, s.result["events"]) is None
 
 
 def test_predict_script_takes_assume_and_says_what_it_took():
@@ -348,16 +328,6 @@ def test_layer_norm_of_a_non_contiguous_input_and_bce_keep_what_cpu_kernels_keep
     assert d is not None and d["measured"][1] == "aten::mean", d
 
 
-def test_layer_norm_copies_a_non_contiguous_input_in_forward_and_backward(tmp_path):
-    """The same permuted model under the per-token loss: every event of step 2, backward's
-    copies of X and dY included, as the audit has them."""
-    m, events = _audited(tmp_path, Permuted)
-    with memory_audit.shadow() as s:
-        loop(Permuted, steps=100)
-    _same(s, m)
-    assert first_divergence(events, s.result["events"]) is None
-
-
 def test_ctc_loss_takes_its_shapes_from_a_real_run_at_known_lengths():
     """ctc_loss's shapes follow the targets' lengths, which fake tensors cannot give: with the
     lengths known (torch.tensor of ints) the op runs at the shapes a real CPU run gives, listed."""
@@ -390,3 +360,18 @@ def test_unique_of_known_values_is_sized_and_of_data_stops_in_one_line():
     with pytest.raises(ShadowError) as e:
         run(False)
     assert "\n" not in str(e.value) and "_unique2" in str(e.value) and "test_known_values.py:" in str(e.value)
+
+
+@pytest.mark.parametrize("model_cls", ["Head", "Gathered", "Permuted"])
+def test_step_2_event_by_event(tmp_path, model_cls):
+    """Every event of step 2 as the audit has it: Head, a CPU layer norm of a bf16 input with an
+    fp32 weight (fp32 mean and rstd, where the fake kernel says bf16); Gathered, indexing's
+    backward, zeros.index_put_(indices, grad, accumulate=True), out of place for a fake tensor (the
+    output takes the zeros' memory); Permuted, layer norm's copies of a non-contiguous input in
+    forward and backward (X and dY)."""
+    model_cls = globals()[model_cls]
+    m, events = _audited(tmp_path, model_cls)
+    with memory_audit.shadow() as s:
+        loop(model_cls, steps=100)
+    _same(s, m)
+    assert first_divergence(events, s.result["events"]) is None
