@@ -195,16 +195,7 @@ class KnownValues:
             if any(self.value(t) is None for t in tensors_read):
                 raise
             from torch.utils._pytree import tree_map
-            from torch.utils._python_dispatch import _disable_current_modes
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            def real(x):
-                if isinstance(x, torch.Tensor):
-                    v = self.value(x)
-                    return torch.zeros(x.shape, dtype=x.dtype) if v is None else v.clone()
-                return torch.device("cpu") if isinstance(x, torch.device) else x
-            with _disable_current_modes(), unset_fake_temporarily():
-                done = func(*tree_map(real, args), **{k: real(v) for k, v in kwargs.items()})
+            done = self._real_run(func, args, kwargs)
             device = tensors[0].device
 
             def made(t):
@@ -275,13 +266,26 @@ class KnownValues:
         """Knows func's outputs (and updates what it wrote) where every input is known; False
         where it does not know them (what func wrote is then forgotten)."""
         torch = self._torch
-        free, never = self._kind(func)
+        free, never, _ = self._kind(func)
         tensors = _tensors(args, kwargs, torch.Tensor)
         if never or (not free and any(self.value(t) is None for t in tensors)):
             return False
         outs = _tensors((out,), {}, torch.Tensor)
         if not (outs or written) or any(t.numel() > self.limit for t in outs + tensors):
             return False
+        try:
+            done = self._real_run(func, args, kwargs)
+        except Exception:  # the real kernel refuses what the fake one took: not known
+            return False
+        for fake, value in zip(outs, _tensors((done,), {}, torch.Tensor)):
+            self._know(fake, value)
+        return True
+
+    def _real_run(self, func, args, kwargs):
+        """func run on real CPU values, outside every mode: known values as they are (a real tensor
+        handed in as a copy: it is never written), unknown ones zero (VALUE_FREE's input, or what
+        SHAPED_BY says does not decide the shapes)."""
+        torch = self._torch
         from torch.utils._pytree import tree_map
         from torch.utils._python_dispatch import _disable_current_modes
         from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -289,21 +293,15 @@ class KnownValues:
         def real(x):
             if isinstance(x, torch.Tensor):
                 v = self.value(x)
-                if v is None:  # VALUE_FREE's input: its shape and dtype only
-                    return torch.empty(x.shape, dtype=x.dtype)
-                return v.clone() if v is x else v  # a real tensor handed in is never written
+                if v is None:
+                    return torch.zeros(x.shape, dtype=x.dtype)
+                return v.clone() if v is x else v
             return torch.device("cpu") if isinstance(x, torch.device) else x
-        try:
-            with _disable_current_modes(), unset_fake_temporarily():
-                done = func(*tree_map(real, args), **{k: real(v) for k, v in kwargs.items()})
-        except Exception:  # the real kernel refuses what the fake one took: not known
-            return False
-        for fake, value in zip(outs, _tensors((done,), {}, torch.Tensor)):
-            self._know(fake, value)
-        return True
+        with _disable_current_modes(), unset_fake_temporarily():
+            return func(*tree_map(real, args), **{k: real(v) for k, v in kwargs.items()})
 
     def _kind(self, func):
-        """(its output ignores its inputs' values, it is never known)."""
+        """(its output ignores its inputs' values, it is never known, (position, name) of what it writes)."""
         kind = self._kinds.get(func)
         if kind is None:
             name = func.overloadpacket.__name__
@@ -311,13 +309,12 @@ class KnownValues:
             writes = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
                            if a.alias_info is not None and a.alias_info.is_write)
             kind = self._kinds[func] = (name in VALUE_FREE, never, writes)
-        return kind[:2]
+        return kind
 
     def _written(self, func, args, kwargs):
         """The tensors func writes: in place, out=, set_ (positional or keyword; a foreach op's lists)."""
-        self._kind(func)
         out = []
-        for i, name in self._kinds[func][2]:
+        for i, name in self._kind(func)[2]:
             a = args[i] if i < len(args) else kwargs.get(name)
             out += _tensors((a,), {}, self._torch.Tensor)
         return out

@@ -87,11 +87,7 @@ class LoopNames:
                 leaves[f"activations/loop/leaf{i}"] = v
                 if v.grad is not None:
                     leaves[f"grads/loop/leaf{i}"] = v.grad
-        for name, v in ((k, r()) for k, r in self.inputs.items()):
-            if v is not None and self.ident(v) not in named:
-                named.add(self.ident(v))
-                out.setdefault(name, v)
-        for name, v in leaves.items():
+        for name, v in [(k, r()) for k, r in self.inputs.items()] + list(leaves.items()):
             if v is not None and self.ident(v) not in named:
                 named.add(self.ident(v))
                 out.setdefault(name, v)
