@@ -100,9 +100,9 @@ class autocast:  # noqa: N801 (used as torch.autocast is)
                 elif name in _FP32:
                     args, kwargs = outer.cast_all(args, kwargs, torch.float32)
                 elif name in _SOFTMAX and kwargs.get("dtype") is None and len(args) < 4:
-                    return _softmax_fp32(name, args, kwargs)
+                    return softmax_fp32(name, args, kwargs)
                 elif name == "cross_entropy":
-                    return _cross_entropy(*args, **kwargs)
+                    return cross_entropy_cuda(*args, **kwargs)
                 return func(*args, **kwargs)
         self.mode = _Mode()
         self.mode.__enter__()
@@ -117,7 +117,7 @@ class autocast:  # noqa: N801 (used as torch.autocast is)
         return False
 
 
-def _softmax_fp32(name, args, kwargs):
+def softmax_fp32(name, args, kwargs):
     """F.softmax/F.log_softmax under CUDA autocast: computed in fp32. CUDA's kernel reads fp16
     and writes fp32 in one step; other dtypes are cast first (aten's softmax with dtype=float)."""
     import torch
@@ -129,7 +129,7 @@ def _softmax_fp32(name, args, kwargs):
     return op(x.to(torch.float32), dim, False)
 
 
-def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+def cross_entropy_cuda(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
     """cross_entropy as CUDA autocast runs it: log_softmax in the logits' dtype, nll_loss in fp32."""
     import torch
@@ -146,6 +146,10 @@ def before_outputs(func, args):
     if func is torch.ops.aten._foreach_norm.Scalar:  # per-chunk partial norms, one group
         chunks = max((-(-t.numel() // _FOREACH_CHUNK) for t in args[0]), default=0)
         return [4 * len(args[0]) * chunks]
+    if func is torch.ops.aten.embedding.default and not args[1].is_contiguous():
+        # non-contiguous indices (BERT's token type ids, expanded) copied before the output (zoo
+        # H100 traces, seed 408334: BERT)
+        return [args[1].numel() * args[1].element_size()]
     return []
 
 
@@ -235,6 +239,12 @@ def after_outputs(func, args):
     if func is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
         q, lse = args[1], args[5]  # grad_out, query, key, value, out, logsumexp, ...
         return [4 * q.numel() + lse.numel() * lse.element_size() + _CUDNN_ATTENTION_BUFFER]
+    if func in (torch.ops.aten.cumsum.default, torch.ops.aten.cumprod.default):
+        # the input cast to the output's dtype (a bool or int mask's cumsum in int64), made after
+        # the output (zoo H100 traces, seed 408334: transformers' find_packed_sequence_indices)
+        x, dtype = args[0], (args[2] if len(args) > 2 else None)
+        to = dtype or (torch.int64 if not x.is_floating_point() and not x.is_complex() else x.dtype)
+        return [x.numel() * to.itemsize] if to != x.dtype else []
     if func is torch.ops.aten._softmax_backward_data.default:
         grad, output = args[0], args[1]  # grad * output, in their promoted dtype
         return [grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize]
@@ -242,11 +252,12 @@ def after_outputs(func, args):
 
 
 @contextlib.contextmanager
-def kernels(sdpa_backend):
-    """CUDA's choices where they differ from the CPU's, for the meta tensors: clip_grad_norm_
-    takes its foreach path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, and SDPA
-    in fp16/bf16 runs the kernel the device picks (cuDNN's on an H100 with torch 2.11), and
-    dropout runs CUDA's fused kernel."""
+def device_kernels(sdpa_backend):
+    """CUDA's choices where they differ from the CPU's, for the meta tensors that stand for the
+    GPU's: clip_grad_norm_ takes its foreach
+    path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, SDPA in fp16/bf16 runs the
+    kernel the device picks (cuDNN's on an H100 with torch 2.11), and dropout runs CUDA's fused
+    kernel. Yields the torch-function mode (kernels() re-enters it around a recomputation)."""
     import torch
     from torch.nn.utils import clip_grad
     from torch.overrides import TorchFunctionMode
@@ -258,17 +269,28 @@ def kernels(sdpa_backend):
             if func is torch.nn.functional.dropout:
                 return _dropout(*args, **(kwargs or {}))
             return func(*args, **(kwargs or {}))
-    import model
     mode = _Mode()
-    saved = clip_grad._has_foreach_support, clip_grad._device_has_foreach_support, model.run_checkpointed
+    saved = clip_grad._has_foreach_support, clip_grad._device_has_foreach_support
     clip_grad._has_foreach_support = lambda tensors, device: True
     clip_grad._device_has_foreach_support = lambda device: True
-    model.run_checkpointed = _checkpointed(saved[2], mode)
     try:
         with mode:
-            yield
+            yield mode
     finally:
-        clip_grad._has_foreach_support, clip_grad._device_has_foreach_support, model.run_checkpointed = saved
+        clip_grad._has_foreach_support, clip_grad._device_has_foreach_support = saved
+
+
+@contextlib.contextmanager
+def kernels(sdpa_backend):
+    """device_kernels for train.py's step, with model.run_checkpointed recomputing under them."""
+    import model
+    saved = model.run_checkpointed
+    with device_kernels(sdpa_backend) as mode:
+        model.run_checkpointed = _checkpointed(saved, mode)
+        try:
+            yield
+        finally:
+            model.run_checkpointed = saved
 
 
 def _checkpointed(run_checkpointed, mode):
@@ -308,12 +330,16 @@ def _sdpa(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     measured trace yet: refused, not guessed."""
     import torch
     low = q.dtype in (torch.float16, torch.bfloat16)
-    if attn_mask is not None or enable_gqa or (low and backend != "cudnn"):
+    if attn_mask is not None or (enable_gqa and not low):  # the math path, op by op (zoo H100 traces,
+        # seed 408334: fp32 Qwen2 with grouped heads); fp16/bf16 with a mask: no trace has measured it
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                                 scale=scale, enable_gqa=enable_gqa)[0]
+    if low and backend != "cudnn":
         dt = str(q.dtype).replace("torch.", "")
         raise ValueError(f"the shadow's CUDA SDPA covers cuDNN's kernel (fp16/bf16) and efficient attention "
                          f"(fp32), without a mask; this call ({dt}, {backend}) takes a kernel no committed "
                          f"trace has measured")
-    if low:
+    if low:  # grouped k and v as they are (bf16 Qwen2 with grouped heads, seed 408334: no repeat)
         return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal, False,
                                                                  scale=scale)[0]
     return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,

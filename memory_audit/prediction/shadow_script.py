@@ -39,7 +39,10 @@ import warnings
 from .shadow import (ShadowError, begin_step, end_step, held_names, name_grads, step_result)
 from .known_values import DataDependentShape, KnownValues, checked_assume
 from .shadow_loop import LoopLedger, fake_ident, merged, loop_summary
+from .shadow_allocator import replay
+from .shadow_gpu import on_gpu
 from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
+from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memory_audit/
 _LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python", "<frozen", _HERE)
@@ -52,6 +55,16 @@ NOT_A_TRACE = (
      "transformers' is_tracing() skips, for a fake tensor, the reads that decide whether a causal or "
      "packed-sequence mask is built (masking_utils); a real run makes them (zoo-check seed 418482: "
      "Qwen2 and GPT-2 with checkpointing and SDPA, +6,561 to +43,350 B at the peak)"),
+)
+
+
+# Library functions that read a tensor's device type and, for "meta" (what a GPU shadow's device
+# tensors are), take another branch than for "cuda"; while a GPU shadow runs they are called with
+# "cuda". (module, function, why), replaced wherever a loaded module holds them.
+META_IS_CUDA = (
+    ("transformers.utils.generic", "maybe_autocast",
+     "transformers' maybe_autocast(device_type='meta') is a no-op, so rotary embeddings' fp32 region "
+     "(enabled=False) would stay under bf16 autocast (zoo H100 traces, seed 408334: Qwen2 bf16)"),
 )
 
 
@@ -85,13 +98,14 @@ class Shadow:
     "placeholders" (the data-dependent reads answered without data), "sizes" (the data-dependent
     shapes' sizes taken, with where from) and "steps" (optimizer steps seen)."""
 
-    def __init__(self, device="cpu", step=2, assume=None):
-        if device != "cpu":
-            raise ShadowError(f"shadow(device={device!r}): only the CPU shadow runs a user's own code so far")
+    def __init__(self, device="cpu", step=2, assume=None, gpu="H100"):
+        if device not in ("cpu", "cuda"):
+            raise ShadowError(f"shadow(device={device!r}): the shadow runs a user's code for 'cpu' or 'cuda'")
         if not isinstance(step, int) or step < 1:
             raise ShadowError(f"shadow(step={step!r}): the audited step must be an int >= 1 (step 0 makes the optimizer's state)")
         try:
             self.audited, self.assume = step, checked_assume(assume)
+            self.device = _device(device, gpu)
         except ValueError as e:
             raise ShadowError(str(e)) from None
         self.result = self.summary = None
@@ -118,8 +132,14 @@ class Shadow:
             stack.enter_context(stood_in())
             stack.enter_context(nosympy.stood_in())
             stack.enter_context(FakeTensorMode())
-            stack.enter_context(dispatch_mode(tracker, "cpu"))
-            stack.enter_context(cpu_rules(tracker))
+            if self.device["type"] == "cuda":  # every request from the first on: the allocator's model reads them all
+                stack.enter_context(on_gpu(self.device))
+                tracker.workspace_bytes = self.device["workspace_bytes"]
+                tracker.lt_workspace_bytes = CUBLASLT_WORKSPACE_SIZE
+                tracker.recording = True
+            stack.enter_context(dispatch_mode(tracker, self.device["type"]))
+            if self.device["type"] == "cpu":
+                stack.enter_context(cpu_rules(tracker))
             self.known = KnownValues(tracker=tracker, assume=self.assume, where=user_line)
             stack.enter_context(self.known.watching())
             stack.callback(self._unhook)
@@ -143,8 +163,11 @@ class Shadow:
         if stopped:
             self.result = step_result(self.tracker, self.pre, self.phases)
             self.summary = dict(loop_summary(self.result), steps=self.steps, placeholders=self.placeholders,
-                                sizes=self.known.sizes,
+                                sizes=self.known.sizes, device=self.device,
                                 source="shadow(): the user's code on fake tensors")
+            if self.device["type"] == "cuda":  # as memory_allocated() and memory_reserved() count it
+                self.summary.update(allocator=replay(self.result, self.device["expandable_segments"]),
+                                    unmeasured=self.result["unmeasured"])
             return True
         if exc_type is None:
             raise ShadowError(f"the code ran {self.steps} optimizer step(s) and ended before step {self.audited} "
@@ -206,12 +229,24 @@ class Shadow:
         self.tracker.on_op = on_op
 
     def _not_a_trace(self):
-        """NOT_A_TRACE's functions, patched in the modules imported by now."""
+        """NOT_A_TRACE's functions, patched in the modules imported by now; on a GPU shadow,
+        META_IS_CUDA's too, in every loaded module that holds one."""
         for module, name, _why in NOT_A_TRACE:
             owner = sys.modules.get(module)
             if owner is not None and (owner, name) not in self._saved and hasattr(owner, name):
                 self._saved[(owner, name)] = getattr(owner, name)
                 setattr(owner, name, lambda *a, **k: False)
+        for module, name, _why in META_IS_CUDA if self.device["type"] == "cuda" else ():
+            original = getattr(sys.modules.get(module), name, None)
+            if original is None:
+                continue
+
+            def as_cuda(device_type, *a, _original=original, **k):
+                return _original("cuda" if device_type == "meta" else device_type, *a, **k)
+            for owner in list(sys.modules.values()):  # their own dicts: a lazy module's getattr imports
+                if getattr(owner, "__dict__", {}).get(name) is original and (owner, name) not in self._saved:
+                    self._saved[(owner, name)] = original
+                    setattr(owner, name, as_cuda)
 
     def _unhook(self):
         for h in self._handles:
@@ -302,12 +337,13 @@ class Shadow:
 
     def _backward(self, original, t, *args, **kwargs):
         tracker = self.tracker
-        if tracker.recording:
+        audited = self.pre is not None and not self.ended
+        if audited:
             tracker.before_op()
             self.phases["step2_before_backward"] = len(tracker.events)
         with tracker.unseeing():
             self.found.note_loss(t)
-        if tracker.recording:
+        if audited:
             self.made["ledger"].name(t, self._named({}), self._named(self.found.held()))
         tracker.phase = "backward"
         try:
@@ -316,6 +352,16 @@ class Shadow:
             tracker.phase = "optimizer"
             if self.model is not None:
                 name_grads(tracker, self.model)
+
+
+def _device(device, gpu):
+    """ledger.device_facts for the device the code is shadow-run for (the torch it will run under
+    is taken to be this one's)."""
+    import torch
+    from .ledger import device_facts
+    if device == "cpu":
+        return device_facts("cpu", torch_version=torch.__version__.split("+")[0])
+    return device_facts("cuda", gpu=gpu, torch_version=torch.__version__.split("+")[0])
 
 
 def _call_site():
@@ -335,23 +381,36 @@ def _fake_apply(original):
     converted one (swap_tensors), which fails on a fake tensor something holds a weak reference
     to; here a conversion that returns the tensor itself (`.to()` to where it is) keeps it, and
     one that makes a new tensor (`.to(dtype)`, `.half()`) is set as the parameter's (and its
-    gradient's) data, as torch does for plain tensors: the old storage goes, the Parameter stays."""
+    gradient's) data, as torch does for plain tensors: the old storage goes, the Parameter stays.
+    A move to another kind of tensor (host to the meta tensors of a GPU shadow, which `.data =`
+    refuses) makes a new Parameter, once per Parameter (a tied weight stays tied)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
-    def apply(module, fn, recurse=True):
+    def apply(module, fn, recurse=True, _moved=None):
         if not any(isinstance(t, FakeTensor) for t in module.parameters()):
             return original(module, fn, recurse)
+        moved = {} if _moved is None else _moved  # id(old Parameter) -> its new one
         if recurse:
             for child in module.children():
-                apply(child, fn)
-        for param in module._parameters.values():
-            for t in (param, None if param is None else param.grad):
-                if t is not None:
+                apply(child, fn, _moved=moved)
+        for key, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in moved:
+                module._parameters[key] = moved[id(param)]
+                continue
+            with torch.no_grad():
+                new = fn(param)
+            if new is param:
+                continue
+            if new.device == param.device:  # the same Parameter object: ties and an optimizer's references hold
+                param.data = new
+                if param.grad is not None:
                     with torch.no_grad():
-                        new = fn(t)
-                    if new is not t:  # the same Parameter object: ties and an optimizer's references hold
-                        t.data = new
+                        param.grad.data = fn(param.grad)
+                continue
+            moved[id(param)] = module._parameters[key] = torch.nn.Parameter(new, param.requires_grad)
         for key, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[key] = fn(buf)
@@ -378,8 +437,9 @@ def _filled(shape, value):
     return [_filled(shape[1:], value) for _ in range(shape[0])]
 
 
-def shadow(device="cpu", step=2, assume=None):
+def shadow(device="cpu", step=2, assume=None, gpu="H100"):
     """`with memory_audit.shadow() as s:` around a training script's own code (module docstring).
+    device: "cpu", or "cuda" for the code run on one `gpu` (shadow_gpu: no GPU needed).
     assume: {"file.py:205" or "nonzero": rows, a fraction of the mask, or [rows, ...] per step}, the
     sizes of data-dependent shapes (known_values)."""
-    return Shadow(device=device, step=step, assume=assume)
+    return Shadow(device=device, step=step, assume=assume, gpu=gpu)

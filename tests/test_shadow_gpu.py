@@ -1,0 +1,164 @@
+"""The user's own code shadow-run for a GPU this machine does not have (shadow(device="cuda"),
+memory_audit/prediction/shadow_gpu.py; issues #46, #49): torch.cuda as one GPU would answer,
+device and host memory told apart, CUDA autocast's policy, checkpointing's recomputation under
+the same kernels, and the committed H100 traces of library models predicted event by event."""
+
+import json
+import os
+import tarfile
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from conftest import ROOT
+
+import memory_audit
+
+MiB = 1 << 20
+V, D, B, T = 96, 32, 3, 16
+
+
+def _loop(steps, checkpointed=False):
+    """A user's loop as written for a GPU: the device from torch.cuda, the batch made on the host."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(V, D), nn.Linear(D, D), nn.GELU(), nn.LayerNorm(D), nn.Linear(D, V)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x = torch.randint(0, V, (B, T)).to(dev)
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            if checkpointed:  # a region with attention in it, recomputed in backward
+                h = model[0](x)
+                h = torch.utils.checkpoint.checkpoint(_attend, model[1:4], h, use_reentrant=checkpointed == "reentrant")
+                logits = model[4](h)
+            else:
+                logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _attend(block, h):
+    h = block(h)
+    q = h.view(B, T, 2, D // 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(B, T, D)
+
+
+def test_torch_cuda_answers_as_one_gpu_and_is_restored():
+    before = torch.cuda.is_available()
+    with memory_audit.shadow(device="cuda", gpu="H100") as s:
+        seen = (torch.cuda.is_available(), torch.cuda.device_count(), torch.cuda.get_device_name(),
+                torch.cuda.is_bf16_supported())
+        _loop(4)
+    assert seen == (True, 1, "NVIDIA H100", True)
+    assert torch.cuda.is_available() == before
+    assert s.summary["device"]["gpu"] == "H100" and s.summary["allocator"]["reserved"] > 0
+
+
+def test_device_memory_is_what_the_code_put_on_the_gpu():
+    """The weights, AdamW's two moments, the batch's device copy (int64) and the bf16 logits the
+    loop holds: the host batch and the model's host copy made before `.to("cuda")` are no device
+    memory. One cuBLAS workspace per
+    thread that ran a GEMM (the forward's and autograd's), and cuBLASLt's for the Linear's addmm."""
+    with memory_audit.shadow(device="cuda", gpu="H100") as s:
+        _loop(4)
+    weights = 4 * (V * D + D * D + D + 2 * D + D * V + V)  # fp32: embedding, linear, layer norm, linear
+    lines = s.summary["lines"]
+    assert sum(v for k, v in lines.items() if k.startswith("weights/")) == weights
+    assert sum(v for k, v in lines.items() if k.startswith("optimizer/")) == 2 * weights  # the step counts stay on the host
+    assert lines["inputs/model.input"] == B * T * 8  # step 1's batch on the device; its host copy no line
+    assert lines["temporary/loop/output"] == B * T * V * 2  # the logits, bf16 under CUDA autocast
+    assert lines["workspace/cublas"] == 2 * 32 * MiB
+    assert lines["workspace/cublaslt"] == 1 * MiB
+
+
+def test_cuda_autocast_policy_on_the_meta_tensors():
+    """lower precision for linear and matmul (a weight's cast cached), fp32 for exp and layer
+    norm, sum's output in fp32 (fp32_set_opt_dtype), an inner region with enabled=False turning
+    it off, and nothing outside a region."""
+    seen = {}
+    with memory_audit.shadow(device="cuda", gpu="H100") as s:
+        lin = nn.Linear(8, 8).cuda()
+        x = torch.ones(4, 8, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = lin(x)
+            seen["linear"], seen["matmul"] = y.dtype, (y @ y.t()).dtype
+            seen["exp"], seen["sum"] = torch.exp(y).dtype, y.sum().dtype
+            seen["layer_norm"] = F.layer_norm(y, (8,)).dtype
+            seen["enabled"] = torch.is_autocast_enabled("cuda")
+            with torch.autocast("cuda", enabled=False):
+                seen["inner"] = lin(x).dtype
+        seen["outside"] = lin(x).dtype
+        _loop(4)
+    assert seen == {"linear": torch.bfloat16, "matmul": torch.bfloat16, "exp": torch.float32, "sum": torch.float32,
+                    "layer_norm": torch.float32, "enabled": True, "inner": torch.float32, "outside": torch.float32}
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+def test_checkpointing_recomputes_under_the_same_kernels(how):
+    """torch.utils.checkpoint's recomputation runs with no torch-function mode on: the shadow's
+    modes and the forward's autocast region are entered again, so the recomputed Linear casts its
+    weight to bf16 again and makes a bf16 output, as its forward did (SDPA and dropout would
+    otherwise take the meta tensors' own kernels and save other tensors: CheckpointError)."""
+    with memory_audit.shadow(device="cuda", gpu="H100") as s:
+        _loop(4, checkpointed=how)
+    start = s.result["phases"]["step2_before_backward"]
+    again = [(e[1], e[2]) for e in s.result["events"][start:] if e[0] == "alloc" and e[1].startswith("temporary/backward/1/")]
+    assert again[:4] == [("temporary/backward/1/_to_copy", D * 2), ("temporary/backward/1/_to_copy", D * D * 2),
+                         ("temporary/backward/1/_to_copy", B * T * D * 2), ("temporary/backward/1/addmm", B * T * D * 2)]
+
+
+def test_kernel_temporaries_read_from_the_zoo_traces():
+    """CUDA's cumsum of a bool mask casts it to int64 after its output; embedding copies
+    non-contiguous indices before it (shadow_cuda.after_outputs / before_outputs)."""
+    from memory_audit.prediction import shadow_cuda
+    ops = torch.ops.aten
+    mask = torch.ones(5, 7, dtype=torch.bool)
+    assert shadow_cuda.after_outputs(ops.cumsum.default, (mask, -1)) == [5 * 7 * 8]
+    assert shadow_cuda.after_outputs(ops.cumsum.default, (torch.ones(5, 7), -1)) == []
+    ids = torch.zeros(1, 7, dtype=torch.long).expand(5, 7)
+    weight = torch.ones(3, 4)
+    assert shadow_cuda.before_outputs(ops.embedding.default, (weight, ids)) == [5 * 7 * 8]
+    assert shadow_cuda.before_outputs(ops.embedding.default, (weight, ids.contiguous())) == []
+
+
+# -- the committed H100 traces (transformers 5.17 on the GPU: another version writes other code)
+
+ZOO = os.path.join(ROOT, "snapshots", "results", "zoo")
+# the loops of seed 408334 whose step 2 the shadow gives event by event (scripts/zoo_cuda_check.py):
+# Llama, Mistral (eager, SDPA, checkpointed), Qwen2 (bf16, checkpointed), fp32 and bf16
+EQUAL = (22, 27, 28, 32, 44, 50, 57)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
+@pytest.mark.skipif(_transformers() != "5.17.0", reason="the committed traces ran transformers 5.17.0")
+@pytest.mark.parametrize("index", EQUAL)
+def test_committed_h100_traces_event_by_event(index, tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import zoo
+    from memory_audit.comparison.reconcile import first_divergence, step_events
+    with tarfile.open(os.path.join(ZOO, "h100-zoo-408334-runs.tgz")) as tar:
+        members = [m for m in tar.getmembers() if f"zoo-408334-{index:02d}/" in m.name]
+        tar.extractall(tmp_path, members=members, filter="data")
+    run = os.path.join(tmp_path, "zoo2", f"zoo-408334-{index:02d}")
+    row = next(json.loads(line) for line in open(os.path.join(ZOO, "h100-zoo-408334.jsonl"))
+               if json.loads(line)["index"] == index)
+    with memory_audit.shadow(device="cuda", gpu="H100") as s:
+        zoo.train(row["spec"], "cuda", steps=10)
+    assert first_divergence(step_events(run), s.result["events"]) is None
+    alloc = s.summary["allocator"]
+    assert alloc["peak"] == row["peak"]["bytes"]
+    assert alloc["steady_state"] == row["phases"]["step2_start"]["memory_allocated"]
+    assert alloc["end"] == row["phases"]["step2_end"]["memory_allocated"]
