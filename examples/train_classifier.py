@@ -1,7 +1,8 @@
 """A training script as users write them, nothing of memory_audit in it: a small pre-norm
 transformer classifier (torch's own nn.TransformerEncoder) with AdamW, the loss rebound and
-logged each step. `python -m memory_audit predict-script examples/train_classifier.py -- --batch=8`
-predicts its step 2 before it runs (README)."""
+logged each step, on the GPU where there is one. `python -m memory_audit predict-script
+examples/train_classifier.py -- --batch=8` predicts its step 2 before it runs, and with
+`--gpu=H100` on one H100 on a machine without a GPU (README)."""
 
 import argparse
 
@@ -31,11 +32,12 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = Classifier(1000, args.width, args.layers, 4, 10)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Classifier(1000, args.width, args.layers, 4, 10).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     for step in range(args.steps):
-        tokens = torch.randint(0, 1000, (args.batch, args.seq))
-        labels = torch.randint(0, 10, (args.batch,))
+        tokens = torch.randint(0, 1000, (args.batch, args.seq)).to(device)
+        labels = torch.randint(0, 10, (args.batch,)).to(device)
         loss = nn.functional.cross_entropy(model(tokens), labels)
         loss.backward()
         optimizer.step()

@@ -382,6 +382,7 @@ def cmd_predict_script(args):
     """Shadow-run a training script as written (prediction/shadow_script.py) and print step 2."""
     import runpy
     from .prediction.shadow import snapshot
+    from .prediction.shadow_allocator import snapshot as gpu_snapshot
     from .prediction.shadow_script import shadow
     from .prediction.known_values import parse_assume
     script = args.script
@@ -394,7 +395,7 @@ def cmd_predict_script(args):
     argv, path = sys.argv, list(sys.path)
     sys.argv, sys.path[:0] = [script, *rest], [os.path.dirname(os.path.abspath(script))]
     try:
-        with shadow(step=args.step, assume=assume) as s:
+        with shadow(device="cuda" if args.gpu else "cpu", gpu=args.gpu, step=args.step, assume=assume) as s:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         raise ValueError(f"{script} exited (code {e.code}) before its step {args.step} ended") from None
@@ -403,14 +404,26 @@ def cmd_predict_script(args):
     summary = s.summary
     if args.trace:
         with open(args.trace, "wb") as f:
-            pickle.dump(snapshot(s.result), f, protocol=4)
+            pickle.dump(gpu_snapshot(s.result) if args.gpu else snapshot(s.result), f, protocol=4)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items()}, indent=1, default=str))
         return
-    rows = [("steady state (step 2's start)", summary["steady_state"]), ("before backward", summary["before_backward"]),
-            ("peak", summary["peak"]), ("end", summary["end"])]
-    print(table((f"step {args.step} (CPU, fake tensors)", "bytes", "MiB"), [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows
-                                                                 if v is not None]))
+    counted = summary.get("allocator") or summary  # on a GPU: as memory_allocated() counts it
+    rows = [("steady state (step 2's start)", counted["steady_state"]), ("before backward", counted["before_backward"]),
+            ("peak", counted["peak"]), ("end", counted["end"])]
+    if args.gpu:
+        rows.append(("reserved (memory_reserved())", counted["reserved"]))
+    where = f"CUDA on one {args.gpu}" if args.gpu else "CPU"
+    print(table((f"step {args.step} ({where}, fake tensors)", "bytes", "MiB"),
+                [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows if v is not None]))
+    if args.gpu:
+        dev = summary["device"]
+        need = counted["reserved"] + dev["outside_pytorch"]
+        print(f"{args.gpu}: need {need / 2**30:.2f} GiB (memory_reserved() + {dev['outside_pytorch'] / 2**20:.0f} MiB "
+              f"outside PyTorch) of {dev['total_memory'] / 2**30:.2f} GiB: "
+              f"{'fits' if need <= dev['total_memory'] else 'does not fit'}")
+        for rule in summary["unmeasured"]:
+            print(f"not measured on a GPU: {rule}")
     print(table(("at the peak", "bytes"), [(k, f"{v:,}") for k, v in sorted(summary["peak_categories"].items(),
                                                                           key=lambda kv: -kv[1])]))
     reads = {}
@@ -505,11 +518,13 @@ def main(argv=None):
                    "more than ten share colours")
     v.add_argument("--window", default=None, metavar="START:END", help="write trace entries START to END "
                    "(with what was live at START) as a snapshot and its MemoryViz page, for any size of trace")
-    ps = sub.add_parser("predict-script", help="shadow-run a training script as written, on fake tensors (CPU): "
+    ps = sub.add_parser("predict-script", help="shadow-run a training script as written, on fake tensors (CPU, or --gpu): "
                         "step 2's peak and where it goes, before it runs")
     ps.add_argument("script", help="the training script (.py), run as `python SCRIPT ARGS` would run it")
     ps.add_argument("script_args", nargs=argparse.REMAINDER, help="-- then the script's own arguments")
     ps.add_argument("--step", type=int, default=2, help="the step recorded (counted by optimizer.step())")
+    ps.add_argument("--gpu", default=None, metavar="NAME", help="predict the script on one CUDA GPU (H100, A100, ...) "
+                    "with no GPU here: what it puts on 'cuda' is counted as the caching allocator counts it")
     ps.add_argument("--trace", default=None, metavar="FILE.pickle", help="write step 2 as a snapshot MemoryViz opens")
     ps.add_argument("--assume", action="append", default=[], metavar="KEY=SIZE",
                     help="the size of a data-dependent shape (nonzero, a boolean mask's index): KEY the line "

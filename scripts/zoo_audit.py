@@ -12,6 +12,7 @@ at $DEADLINE (seconds since the epoch) when set.
 """
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -29,6 +30,21 @@ import torch  # noqa: E402
 import zoo  # noqa: E402
 from memory_audit import Audit  # noqa: E402
 from memory_audit.comparison.reconcile import measure  # noqa: E402
+
+
+def _versions():
+    """The libraries' versions (a model's code, and so its memory, changes with them)."""
+    import importlib.metadata as md
+    out = {}
+    for name in ("transformers", "timm", "torchvision"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+VERSIONS = _versions()
 
 
 def row_of(spec, run_dir, losses, seconds):
@@ -87,6 +103,10 @@ def main():
                 continue
             run_dir = os.path.join(args.keep, f"zoo-{seed}-{i:02d}") if args.keep else tempfile.mkdtemp()
             t0 = time.time()
+            # what the process holds before this loop (earlier loops' segments and cuBLASLt
+            # workspaces): a prediction of this loop alone holds none of it
+            held = ({"allocated_before": torch.cuda.memory_allocated(), "reserved_before": torch.cuda.memory_reserved()}
+                    if args.device == "cuda" else {})
             try:
                 model, opt = zoo.build(spec, args.device)
                 audit = Audit(model, opt, out_dir=run_dir, step=2, config={"zoo": spec})
@@ -105,12 +125,15 @@ def main():
                 print(f"{i:3d} {zoo.describe(spec)}: peak {row['peak']['bytes']:,} B, reserved {s['reserved_bytes']:,} B, "
                       f"unattributed {max(p['unattributed_bytes'] for p in row['phases'].values()):,} B, "
                       f"{row['entries']} entries, {row['seconds']} s", flush=True)
-            f.write(json.dumps(dict(row, seed=seed, index=i, device=args.device, gpu=gpu, torch=torch.__version__)) + "\n")
+            f.write(json.dumps(dict(row, seed=seed, index=i, device=args.device, gpu=gpu, torch=torch.__version__,
+                                    versions=VERSIONS, **held)) + "\n")
             f.flush()
             if not args.keep:
                 shutil.rmtree(run_dir, ignore_errors=True)
             else:  # step2_end.pickle holds the whole trace; the other phases' files repeat it
                 _trim(run_dir)
+            model = opt = audit = None  # this loop's tensors go before the next loop starts
+            gc.collect()
             if args.device == "cuda":  # the next loop makes its own cuBLAS workspaces, as in a process of its own
                 getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
                 torch.cuda.empty_cache()

@@ -162,3 +162,29 @@ def test_committed_h100_traces_event_by_event(index, tmp_path):
     assert alloc["peak"] == row["peak"]["bytes"]
     assert alloc["steady_state"] == row["phases"]["step2_start"]["memory_allocated"]
     assert alloc["end"] == row["phases"]["step2_end"]["memory_allocated"]
+
+
+def test_predict_script_on_a_gpu_it_does_not_have():
+    """`predict-script --gpu=H100 SCRIPT -- ARGS`: the numbers are shadow(device="cuda")'s of the
+    same code, as memory_allocated() counts them; an unknown GPU is one line and exit 2."""
+    import subprocess
+    import sys
+    run = [sys.executable, "-m", "memory_audit", "predict-script"]
+    p = subprocess.run(run + ["--json", "--gpu=H100", "examples/train_classifier.py", "--", "--batch=4", "--seq=16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout[p.stdout.index("{"):])
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_classifier
+    argv = sys.argv
+    sys.argv = ["train_classifier.py", "--batch=4", "--seq=16"]
+    try:
+        with memory_audit.shadow(device="cuda", gpu="H100") as s:
+            train_classifier.main()
+    finally:
+        sys.argv = argv
+    assert out["allocator"] == s.summary["allocator"]
+    assert out["device"]["gpu"] == "H100" and out["allocator"]["peak"] > 64 * MiB  # two cuBLAS workspaces
+    bad = subprocess.run(run + ["--gpu=H1000", "examples/train_classifier.py"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "H1000" in bad.stderr

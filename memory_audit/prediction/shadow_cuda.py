@@ -239,6 +239,11 @@ def after_outputs(func, args):
     if func is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
         q, lse = args[1], args[5]  # grad_out, query, key, value, out, logsumexp, ...
         return [4 * q.numel() + lse.numel() * lse.element_size() + _CUDNN_ATTENTION_BUFFER]
+    if func is torch.ops.aten.native_group_norm.default:
+        # per-(sample, channel) scale and shift in fp32 after the outputs, where the kernel is not
+        # the 1-d or the affine-free one (zoo H100 traces, seed 408334: a U-Net's GroupNorm)
+        x, weight, bias, n, c, hxw = args[:6]
+        return [4 * n * c] * 2 if hxw != 1 and (weight is not None or bias is not None) else []
     if func in (torch.ops.aten.cumsum.default, torch.ops.aten.cumprod.default):
         # the input cast to the output's dtype (a bool or int mask's cumsum in int64), made after
         # the output (zoo H100 traces, seed 408334: transformers' find_packed_sequence_indices)

@@ -360,7 +360,7 @@ def recomputed(modes):
 def on_gpu(device):
     """Every piece above for `device` (ledger.device_facts' dict)."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(cuda_module(device["gpu"], device["total_memory"] or 80 * 2 ** 30, device["capability"]))
+        stack.enter_context(cuda_module(device["gpu"], device["total_memory"], device["capability"]))
         stack.enter_context(shadow_cuda.meta())
         stack.enter_context(optimizer_defaults())
         kernels = stack.enter_context(shadow_cuda.device_kernels(device["sdpa_backend"]))

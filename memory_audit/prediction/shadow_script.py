@@ -358,10 +358,12 @@ def _device(device, gpu):
     """ledger.device_facts for the device the code is shadow-run for (the torch it will run under
     is taken to be this one's)."""
     import torch
-    from .ledger import device_facts
+    from .ledger import GPUS, device_facts, gpu_name
     if device == "cpu":
         return device_facts("cpu", torch_version=torch.__version__.split("+")[0])
-    return device_facts("cuda", gpu=gpu, torch_version=torch.__version__.split("+")[0])
+    if gpu_name(gpu) is None:
+        raise ValueError(f"gpu={gpu!r}: not a GPU the shadow knows ({', '.join(GPUS)})")
+    return device_facts("cuda", gpu=gpu_name(gpu), torch_version=torch.__version__.split("+")[0])
 
 
 def _call_site():

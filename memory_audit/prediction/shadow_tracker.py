@@ -471,7 +471,7 @@ def _device_op(tracker, func, args, kwargs, key):
         tracker.add(t.untyped_storage(), key, nbytes, tag)
     _kernel_events(tracker, key, after, made)
     held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
-    if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS:
+    if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS and any(t.device.type != "cpu" for t, _ in outs):
         thread = "backward" if tracker.phase == "backward" else "main"
         tracker.hold(("cublas", thread), "workspace/cublas", tracker.workspace_bytes)  # one line, as audits name it
         if tracker.lt_workspace_bytes and _short_name(func) == "addmm":  # a bias epilogue: cuBLASLt's own
