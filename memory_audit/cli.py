@@ -420,7 +420,7 @@ def cmd_predict_script(args):
         dev = summary["device"]
         need = counted["reserved"] + dev["outside_pytorch"]
         print(f"{args.gpu}: need {need / 2**30:.2f} GiB (memory_reserved() + {dev['outside_pytorch'] / 2**20:.0f} MiB "
-              f"outside PyTorch) of {dev['total_memory'] / 2**30:.2f} GiB: "
+              f"outside PyTorch, an estimate) of {dev['total_memory'] / 2**30:.2f} GiB: "
               f"{'fits' if need <= dev['total_memory'] else 'does not fit'}")
         for rule in summary["unmeasured"]:
             print(f"not measured on a GPU: {rule}")
@@ -523,8 +523,9 @@ def main(argv=None):
     ps.add_argument("script", help="the training script (.py), run as `python SCRIPT ARGS` would run it")
     ps.add_argument("script_args", nargs=argparse.REMAINDER, help="-- then the script's own arguments")
     ps.add_argument("--step", type=int, default=2, help="the step recorded (counted by optimizer.step())")
-    ps.add_argument("--gpu", default=None, metavar="NAME", help="predict the script on one CUDA GPU (H100, A100, ...) "
-                    "with no GPU here: what it puts on 'cuda' is counted as the caching allocator counts it")
+    ps.add_argument("--gpu", default=None, metavar="NAME", help="predict the script on one CUDA GPU with no GPU here "
+                    "(its CUDA rules were read on H100s: other GPUs take them as they are): what it puts on 'cuda' "
+                    "is counted as the caching allocator counts it")
     ps.add_argument("--trace", default=None, metavar="FILE.pickle", help="write step 2 as a snapshot MemoryViz opens")
     ps.add_argument("--assume", action="append", default=[], metavar="KEY=SIZE",
                     help="the size of a data-dependent shape (nonzero, a boolean mask's index): KEY the line "

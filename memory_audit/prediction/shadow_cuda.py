@@ -134,9 +134,11 @@ def cross_entropy_cuda(input, target, weight=None, size_average=None, ignore_ind
     """cross_entropy as CUDA autocast runs it: log_softmax in the logits' dtype, nll_loss in fp32."""
     import torch
     import torch.nn.functional as F
-    if weight is not None or label_smoothing or size_average is not None or reduce is not None:
-        raise ValueError("the shadow's CUDA cross_entropy covers weight=None, label_smoothing=0 only")
-    lsm = torch.log_softmax(input, 1)
+    if (weight is not None or label_smoothing or size_average is not None or reduce is not None
+            or target.is_floating_point()):
+        raise ValueError("the shadow's CUDA autocast covers cross_entropy with class-index targets, weight=None and "
+                         "label_smoothing=0 only")
+    lsm = torch.log_softmax(input, 1 if input.dim() > 1 else 0)
     return F.nll_loss(lsm.to(torch.float32), target, ignore_index=ignore_index, reduction=reduction)
 
 
@@ -257,7 +259,7 @@ def after_outputs(func, args):
 
 
 @contextlib.contextmanager
-def device_kernels(sdpa_backend):
+def device_kernels(sdpa_backend, note=None):
     """CUDA's choices where they differ from the CPU's, for the meta tensors that stand for the
     GPU's: clip_grad_norm_ takes its foreach
     path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, SDPA in fp16/bf16 runs the
@@ -270,7 +272,7 @@ def device_kernels(sdpa_backend):
     class _Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func is torch.nn.functional.scaled_dot_product_attention:
-                return _sdpa(sdpa_backend, *args, **(kwargs or {}))
+                return _sdpa(sdpa_backend, note, *args, **(kwargs or {}))
             if func is torch.nn.functional.dropout:
                 return _dropout(*args, **(kwargs or {}))
             return func(*args, **(kwargs or {}))
@@ -329,22 +331,25 @@ def _dropout(input, p=0.5, training=True, inplace=False):
     return torch.native_dropout(input, p, True)[0]
 
 
-def _sdpa(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """The kernel CUDA's SDPA picks without a mask: cuDNN's for fp16/bf16 on an H100 (torch 2.11),
-    efficient attention for fp32 (the fused kernels take no fp32). Flash (older GPUs) has no
-    measured trace yet: refused, not guessed."""
+def _sdpa(backend, note, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The kernel CUDA's SDPA picks on an H100 (torch 2.11): without a mask, cuDNN's for fp16/bf16
+    (grouped k and v as they are: bf16 Qwen2, zoo H100 traces, seed 408334) and efficient
+    attention for fp32 (the fused kernels take no fp32); the math path op by op for fp32 with
+    grouped heads (fp32 Qwen2, the same traces). With a mask the math path too, which no trace has
+    measured (`note` is told: "not measured on a GPU"). Flash (older GPUs, fp16/bf16) has no
+    measured trace: refused."""
     import torch
     low = q.dtype in (torch.float16, torch.bfloat16)
-    if attn_mask is not None or (enable_gqa and not low):  # the math path, op by op (zoo H100 traces,
-        # seed 408334: fp32 Qwen2 with grouped heads); fp16/bf16 with a mask: no trace has measured it
+    dt = str(q.dtype).replace("torch.", "")
+    if attn_mask is not None or (enable_gqa and not low):
+        if attn_mask is not None and note is not None:
+            note(f"SDPA with a mask ({dt}) as its math path, op by op (no trace has measured the kernel CUDA picks)")
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
     if low and backend != "cudnn":
-        dt = str(q.dtype).replace("torch.", "")
         raise ValueError(f"the shadow's CUDA SDPA covers cuDNN's kernel (fp16/bf16) and efficient attention "
-                         f"(fp32), without a mask; this call ({dt}, {backend}) takes a kernel no committed "
-                         f"trace has measured")
-    if low:  # grouped k and v as they are (bf16 Qwen2 with grouped heads, seed 408334: no repeat)
+                         f"(fp32); this call ({dt}, {backend}) takes a kernel no committed trace has measured")
+    if low:
         return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal, False,
                                                                  scale=scale)[0]
     return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,

@@ -8,7 +8,7 @@ reason and its restore (`on_gpu` enters them all):
 
   devices        "cuda" (a string, a torch.device, an index) in a factory's or `.to()`'s
                  arguments, `Tensor.cuda()` and `Module.cuda()` mean "meta"; so a tensor made
-                 `device=x.device` follows x, as on the GPU
+                 `device=x.device` follows x, as on the GPU; pin_memory() is the host tensor
   cuda_module    torch.cuda answers as a machine with one `gpu` would: is_available, the device
                  count, name, capability and total memory, bf16 support; seeding, synchronising
                  and the cache calls do nothing
@@ -49,14 +49,21 @@ AUTOCAST = {
         "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
         "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist",
         "pdist", "cdist", "renorm", "logsumexp", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
-        "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d", "interpolate")),
+        "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d", "interpolate",
+        "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+        "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")),
+    # norm's policy is fp32_append_dtype (the fp32 output dtype appended): the same effect
     "fp32_set_opt_dtype": frozenset((
-        "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum")),
+        "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum",
+        "norm")),
     "promote": frozenset((
         "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "grid_sample",
         "index_put", "tensordot", "scatter_add")),
 }
 _POLICY = {name: policy for policy, names in AUTOCAST.items() for name in names}
+# ops CUDA autocast refuses (ATen's autocast_mode.cpp bans them: unsafe in low precision)
+_BANNED = {"binary_cross_entropy": "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to "
+                                   "autocast (CUDA autocast raises): use binary_cross_entropy_with_logits"}
 # Python-level functions whose aten ops underneath follow the policy op by op (a torch-function
 # mode sees the outer call only): cross_entropy is log_softmax in the logits' own dtype (it names
 # its dtype) then nll_loss in fp32 (shadow_cuda.cross_entropy_cuda)
@@ -79,9 +86,9 @@ class Autocast:
     embeddings do); the cache of fp32 weight casts lives until the outermost region ends."""
 
     def __init__(self, device_type="cuda", dtype=None, enabled=True, cache_enabled=None):
-        import torch
-        self.dtype = dtype if dtype is not None else torch.float16
+        self.dtype = dtype if dtype is not None else _state()[1]  # torch.get_autocast_dtype("cuda") now
         self.enabled = bool(enabled)
+        self.cache = cache_enabled is not False  # None: torch's default, on
         self.mode = None
 
     def __enter__(self):
@@ -121,10 +128,12 @@ class Autocast:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         policy = _POLICY.get(name)
+        if name in _BANNED and any(_eligible(a) for a in args[:1]):
+            raise RuntimeError(_BANNED[name])
         if name in _COMPOSITE:
             return shadow_cuda.cross_entropy_cuda(*args, **kwargs)
         if policy == "lower":
-            args, kwargs = _cast_all(args, kwargs, self.dtype)
+            args, kwargs = _cast_all(args, kwargs, self.dtype, self.cache)
         elif policy == "fp32":
             args, kwargs = _cast_all(args, kwargs, torch.float32)
         elif policy == "fp32_set_opt_dtype":
@@ -154,23 +163,26 @@ def _eligible(t):
             and t.device.type == "meta")
 
 
-def _cast(t, to):
+def _cast(t, to, cache=True):
+    """ATen's cached_cast: a fp32 leaf that needs a gradient (a weight), not a view, cast to the
+    low dtype once per outermost region."""
     import torch
     if isinstance(t, (list, tuple)):
-        return type(t)(_cast(x, to) for x in t)
+        return type(t)(_cast(x, to, cache) for x in t)
     if not _eligible(t) or t.dtype == to:
         return t
-    if to != torch.float32 and t.is_leaf and t.requires_grad and t.dtype == torch.float32:
+    if cache and to != torch.float32 and t.is_leaf and t.requires_grad and t.dtype == torch.float32 and not t._is_view():
         if id(t) not in _CACHE:
             _CACHE[id(t)] = (t, t.to(to))
         return _CACHE[id(t)][1]
     return t.to(to)
 
 
-def _cast_all(args, kwargs, to):
-    """Right to left, as the C++ wrapper's arguments are evaluated: kwargs, then args."""
-    kw = {k: _cast(v, to) for k, v in reversed(list(kwargs.items()))}
-    args = [_cast(a, to) for a in reversed(args)][::-1]
+def _cast_all(args, kwargs, to, cache=True):
+    """Right to left, as the C++ wrapper's arguments are evaluated: kwargs, then args (the order
+    the casts' allocations take in the committed bf16 traces: snapshots/examples/cuda-tiny-*)."""
+    kw = {k: _cast(v, to, cache) for k, v in reversed(list(kwargs.items()))}
+    args = [_cast(a, to, cache) for a in reversed(args)][::-1]
     return args, dict(reversed(list(kw.items())))
 
 
@@ -187,12 +199,14 @@ def _widest(args, kwargs, low):
 # -- the pieces on_gpu enters
 
 def _is_cuda(d):
+    """A device argument that names the GPU: "cuda", "cuda:N", torch.device("cuda", N), or an
+    index N (an int names an accelerator)."""
     import torch
     if isinstance(d, torch.device):
         return d.type == "cuda"
     if isinstance(d, str):
         return d == "cuda" or d.startswith("cuda:")
-    return False
+    return isinstance(d, int) and not isinstance(d, bool)
 
 
 def _meta(d):
@@ -206,34 +220,58 @@ def devices():
     import torch
     from torch.overrides import TorchFunctionMode
     to_methods = (torch.Tensor.to, torch.Tensor.cuda)
-    from_data = (torch.tensor, torch.as_tensor, torch.asarray)  # lifted from host data: a fake CPU tensor, copied
+    # lifted from host data: a fake CPU tensor, copied (FakeTensorMode lifts host data only)
+    from_data = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
 
     class _Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is torch.Tensor.cuda:
                 return args[0].to("meta", non_blocking=kwargs.get("non_blocking", False))
+            if func is torch.Tensor.pin_memory:  # page-locked host memory: no device memory
+                return args[0]
+            if func is torch.Tensor.is_pinned:
+                return True
             if "device" in kwargs and _is_cuda(kwargs["device"]) or (
                     func in from_data and str(kwargs.get("device")) == "meta"):
-                if func in from_data:  # FakeTensorMode lifts host data only: made there, then copied
-                    return func(*args, **dict(kwargs, device="cpu")).to("meta")
+                if func in from_data:  # made on the host, then copied: a leaf as torch.tensor makes it
+                    grad = kwargs.pop("requires_grad", False)
+                    with torch.no_grad():
+                        out = func(*args, **dict(kwargs, device="cpu")).to("meta")
+                    return out.requires_grad_(grad)
                 kwargs = dict(kwargs, device="meta")
             if func in to_methods:
                 args = [args[0]] + [_meta(a) for a in args[1:]]
             return func(*args, **kwargs)
-    saved = torch.nn.Module.cuda
+    saved = torch.nn.Module.cuda, torch.nn.Module.to
+    module_to = saved[1]
     torch.nn.Module.cuda = lambda module, device=None: module.to("meta")
+    # Module.to parses its arguments in C++ (no torch function a mode sees): an index means the GPU
+    torch.nn.Module.to = lambda module, *args, **kwargs: module_to(
+        module, *[_meta(a) for a in args], **{k: _meta(v) if k == "device" else v for k, v in kwargs.items()})
     try:
         with _Mode() as mode:
             yield mode
     finally:
-        torch.nn.Module.cuda = saved
+        torch.nn.Module.cuda, torch.nn.Module.to = saved
+
+
+class _Stream:
+    """The current stream, as far as code asks it without a GPU: no graph is being captured."""
+
+    def is_capturing(self):
+        return False
+
+    def synchronize(self):
+        return None
 
 
 @contextlib.contextmanager
 def cuda_module(gpu, total_memory, capability):
-    """torch.cuda answering as one `gpu` would (without CUDA, torch.cuda says there is none and
-    the code takes its CPU branch)."""
+    """torch.cuda (and torch.accelerator) answering as one `gpu` would (without CUDA, torch.cuda
+    says there is none and the code takes its CPU branch). What is left real: streams, events,
+    generators on "cuda", and memory_allocated() and the like (0 here: the prediction is the
+    shadow's result)."""
     import torch
     cap = tuple(capability)
     props = type("Properties", (), {"name": f"NVIDIA {gpu}", "total_memory": total_memory, "major": cap[0],
@@ -244,16 +282,25 @@ def cuda_module(gpu, total_memory, capability):
         "get_device_capability": lambda *a, **k: cap, "get_device_properties": lambda *a, **k: props,
         "synchronize": lambda *a, **k: None, "empty_cache": lambda: None, "manual_seed": lambda *a: None,
         "manual_seed_all": lambda *a: None, "set_device": lambda *a: None, "reset_peak_memory_stats": lambda *a: None,
-        "is_initialized": lambda: True,
+        "is_initialized": lambda: True, "current_stream": lambda *a, **k: _Stream(),
+        "is_current_stream_capturing": lambda: False,
     }
-    saved = {name: getattr(torch.cuda, name) for name in answers}
-    for name, fn in answers.items():
-        setattr(torch.cuda, name, fn)
+    accelerator = {  # torch.accelerator, the device-generic way code picks its device
+        "is_available": lambda *a, **k: True, "current_accelerator": lambda *a, **k: torch.device("cuda"),
+        "device_count": lambda: 1, "current_device_index": lambda: 0, "synchronize": lambda *a, **k: None,
+        "current_stream": lambda *a, **k: _Stream(),  # the optimizers ask whether a graph is being captured
+    }
+    owners = [(torch.cuda, answers)] + ([(torch.accelerator, accelerator)] if hasattr(torch, "accelerator") else [])
+    saved = [(owner, name, getattr(owner, name)) for owner, table in owners for name in table if hasattr(owner, name)]
+    for owner, table in owners:
+        for name, fn in table.items():
+            if hasattr(owner, name):
+                setattr(owner, name, fn)
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(torch.cuda, name, fn)
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 @contextlib.contextmanager
@@ -357,13 +404,14 @@ def recomputed(modes):
 
 
 @contextlib.contextmanager
-def on_gpu(device):
-    """Every piece above for `device` (ledger.device_facts' dict)."""
+def on_gpu(device, note=None):
+    """Every piece above for `device` (ledger.device_facts' dict); `note` is told each rule a
+    call takes that no GPU trace has measured."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_module(device["gpu"], device["total_memory"], device["capability"]))
         stack.enter_context(shadow_cuda.meta())
         stack.enter_context(optimizer_defaults())
-        kernels = stack.enter_context(shadow_cuda.device_kernels(device["sdpa_backend"]))
+        kernels = stack.enter_context(shadow_cuda.device_kernels(device["sdpa_backend"], note))
         stack.enter_context(autocast())
         on_device = stack.enter_context(devices())
         stack.enter_context(recomputed((kernels, on_device)))

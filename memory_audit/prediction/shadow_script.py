@@ -39,6 +39,7 @@ import warnings
 from .shadow import (ShadowError, begin_step, end_step, held_names, name_grads, step_result)
 from .known_values import DataDependentShape, KnownValues, checked_assume
 from .shadow_loop import LoopLedger, fake_ident, merged, loop_summary
+from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
 from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
@@ -133,7 +134,7 @@ class Shadow:
             stack.enter_context(nosympy.stood_in())
             stack.enter_context(FakeTensorMode())
             if self.device["type"] == "cuda":  # every request from the first on: the allocator's model reads them all
-                stack.enter_context(on_gpu(self.device))
+                stack.enter_context(on_gpu(self.device, note=tracker.unmeasured.add))
                 tracker.workspace_bytes = self.device["workspace_bytes"]
                 tracker.lt_workspace_bytes = CUBLASLT_WORKSPACE_SIZE
                 tracker.recording = True
@@ -155,19 +156,22 @@ class Shadow:
         # stopped: also when the code's own `finally:` or bare `except:` replaced the stop
         stopped = self.ended and (exc_type is None or issubclass(exc_type, _Stopped) or not
                                   isinstance(exc, (KeyboardInterrupt, SystemExit)))
-        try:
-            self._stack.close()
-        finally:
+        try:  # last opened, first closed: the ledger's checkpoint patch sits on the shadow's
             if "ledger" in self.made:
                 self.made["ledger"].close()
+        finally:
+            self._stack.close()
         if stopped:
             self.result = step_result(self.tracker, self.pre, self.phases)
             self.summary = dict(loop_summary(self.result), steps=self.steps, placeholders=self.placeholders,
                                 sizes=self.known.sizes, device=self.device,
                                 source="shadow(): the user's code on fake tensors")
             if self.device["type"] == "cuda":  # as memory_allocated() and memory_reserved() count it
-                self.summary.update(allocator=replay(self.result, self.device["expandable_segments"]),
-                                    unmeasured=self.result["unmeasured"])
+                if not self.result["history"] and not self.result["events"]:
+                    raise ShadowError("the code put nothing on the GPU (no tensor on 'cuda'): it would train on "
+                                      "the CPU there too; nothing to predict for the GPU")
+                expandable = expandable_from_env(dict(os.environ))  # the code may set it itself
+                self.summary.update(allocator=replay(self.result, expandable), unmeasured=self.result["unmeasured"])
             return True
         if exc_type is None:
             raise ShadowError(f"the code ran {self.steps} optimizer step(s) and ended before step {self.audited} "
@@ -205,7 +209,7 @@ class Shadow:
         self._handles += [module_mod.register_module_forward_pre_hook(pre),
                           module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True),
                           optim_mod.register_optimizer_step_post_hook(self._stepped)]
-        self._saved = {}
+        self._saved, self._as_cuda = {}, {}
 
         def patch(owner, name, new):
             self._saved[(owner, name)] = getattr(owner, name)
@@ -237,14 +241,14 @@ class Shadow:
                 self._saved[(owner, name)] = getattr(owner, name)
                 setattr(owner, name, lambda *a, **k: False)
         for module, name, _why in META_IS_CUDA if self.device["type"] == "cuda" else ():
-            original = getattr(sys.modules.get(module), name, None)
+            home = sys.modules.get(module)
+            original = self._saved.get((home, name), getattr(home, name, None))
             if original is None:
                 continue
-
-            def as_cuda(device_type, *a, _original=original, **k):
-                return _original("cuda" if device_type == "meta" else device_type, *a, **k)
+            as_cuda = self._as_cuda.setdefault((module, name), _as_cuda(original))
             for owner in list(sys.modules.values()):  # their own dicts: a lazy module's getattr imports
-                if getattr(owner, "__dict__", {}).get(name) is original and (owner, name) not in self._saved:
+                held = getattr(owner, "__dict__", {}).get(name)
+                if held is original and (owner, name) not in self._saved:
                     self._saved[(owner, name)] = original
                     setattr(owner, name, as_cuda)
 
@@ -354,6 +358,13 @@ class Shadow:
                 name_grads(tracker, self.model)
 
 
+def _as_cuda(original):
+    """`original(device_type, ...)` called with "cuda" where the code passes "meta"."""
+    def call(device_type, *args, **kwargs):
+        return original("cuda" if device_type == "meta" else device_type, *args, **kwargs)
+    return call
+
+
 def _device(device, gpu):
     """ledger.device_facts for the device the code is shadow-run for (the torch it will run under
     is taken to be this one's)."""
@@ -363,7 +374,7 @@ def _device(device, gpu):
         return device_facts("cpu", torch_version=torch.__version__.split("+")[0])
     if gpu_name(gpu) is None:
         raise ValueError(f"gpu={gpu!r}: not a GPU the shadow knows ({', '.join(GPUS)})")
-    return device_facts("cuda", gpu=gpu_name(gpu), torch_version=torch.__version__.split("+")[0])
+    return device_facts("cuda", gpu=gpu_name(gpu), torch_version=torch.__version__.split("+")[0], env=dict(os.environ))
 
 
 def _call_site():
