@@ -248,10 +248,12 @@ def after_outputs(func, args):
         return [4 * n * c] * 2 if hxw != 1 and (weight is not None or bias is not None) else []
     if func in (torch.ops.aten.cumsum.default, torch.ops.aten.cumprod.default):
         # the input cast to the output's dtype (a bool or int mask's cumsum in int64), made after
-        # the output (zoo H100 traces, seed 408334: transformers' find_packed_sequence_indices)
+        # the output (zoo H100 traces, seed 408334: transformers' find_packed_sequence_indices;
+        # ATen's impl_func_cum_ops casts `self.to(result dtype)` for cumsum and cumprod alike,
+        # but for a 0-dim or empty input; cumprod and a float cast are not measured)
         x, dtype = args[0], (args[2] if len(args) > 2 else None)
         to = dtype or (torch.int64 if not x.is_floating_point() and not x.is_complex() else x.dtype)
-        return [x.numel() * to.itemsize] if to != x.dtype else []
+        return [x.numel() * to.itemsize] if to != x.dtype and x.dim() and x.numel() else []
     if func is torch.ops.aten._softmax_backward_data.default:
         grad, output = args[0], args[1]  # grad * output, in their promoted dtype
         return [grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize]
