@@ -198,6 +198,19 @@ def _widest(args, kwargs, low):
 
 # -- the pieces on_gpu enters
 
+@contextlib.contextmanager
+def _patched(triples):
+    """Each (owner, name, new) set for the block; the originals put back on every exit."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in triples]
+    for owner, name, new in triples:
+        setattr(owner, name, new)
+    try:
+        yield
+    finally:
+        for owner, name, old in reversed(saved):
+            setattr(owner, name, old)
+
+
 def _is_cuda(d):
     """A device argument that names the GPU: "cuda", "cuda:N", torch.device("cuda", N), or an
     index N (an int names an accelerator)."""
@@ -291,16 +304,8 @@ def cuda_module(gpu, total_memory, capability):
         "current_stream": lambda *a, **k: _Stream(),  # the optimizers ask whether a graph is being captured
     }
     owners = [(torch.cuda, answers)] + ([(torch.accelerator, accelerator)] if hasattr(torch, "accelerator") else [])
-    saved = [(owner, name, getattr(owner, name)) for owner, table in owners for name in table if hasattr(owner, name)]
-    for owner, table in owners:
-        for name, fn in table.items():
-            if hasattr(owner, name):
-                setattr(owner, name, fn)
-    try:
+    with _patched([(owner, name, fn) for owner, table in owners for name, fn in table.items() if hasattr(owner, name)]):
         yield
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
 
 
 @contextlib.contextmanager
@@ -338,14 +343,10 @@ def autocast():
               (torch, "get_autocast_dtype", dtype_of),
               (torch.amp, "is_autocast_available", lambda t: t in ("cuda", "meta") or available(t)),
               (amp_mode, "is_autocast_available", lambda t: t in ("cuda", "meta") or available(t))]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in owners]
-    for owner, name, new in owners:
-        setattr(owner, name, new)
     try:
-        yield
+        with _patched(owners):
+            yield
     finally:
-        for owner, name, old in saved:
-            setattr(owner, name, old)
         _REGIONS.clear()
         _CACHE.clear()
 
