@@ -182,6 +182,10 @@ def test_kernel_temporaries_read_from_the_zoo_traces():
     mask = torch.ones(5, 7, dtype=torch.bool)
     assert shadow_cuda.after_outputs(ops.cumsum.default, (mask, -1)) == [5 * 7 * 8]
     assert shadow_cuda.after_outputs(ops.cumsum.default, (torch.ones(5, 7), -1)) == []
+    assert shadow_cuda.outside_sample(ops.cumsum.default, (mask, -1)) is None  # the case measured
+    unmeasured = shadow_cuda.outside_sample(ops.cumsum.default, (torch.ones(5, 7), -1, torch.float64))
+    assert unmeasured == ("a cumulative op's cast of its input at cumsum of float32 "
+                          "(measured: cumsum of a bool mask to int64 (H100, zoo seed 408334))")
     ids = torch.zeros(1, 7, dtype=torch.long).expand(5, 7)
     weight = torch.ones(3, 4)
     assert shadow_cuda.before_outputs(ops.embedding.default, (weight, ids)) == [5 * 7 * 8]

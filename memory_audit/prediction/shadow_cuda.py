@@ -204,10 +204,12 @@ def kernel_events(func, args):
 EFFICIENT_BACKWARD = "efficient attention's backward temporaries"
 EMBEDDING_SORT = "the embedding backward's sort storage"
 CUDNN_BUFFERS = "cuDNN attention's buffers"
+CUMULATIVE_CAST = "a cumulative op's cast of its input"
 SAMPLES = {
     EFFICIENT_BACKWARD: "head size 16 or 32, T up to 256 (fp32 SDPA, H200)",
     EMBEDDING_SORT: "N = B x T of 4,096, 8,192, 10,240 or 12,288 over 50,304 rows (H200)",
     CUDNN_BUFFERS: "head size 16 or 32 with T up to 256, or 64 at T 1,024 (H100, H200)",
+    CUMULATIVE_CAST: "cumsum of a bool mask to int64 (H100, zoo seed 408334)",
 }
 
 
@@ -230,6 +232,9 @@ def outside_sample(func, args):
         _, _, T, head = q.shape
         if not ((head in (16, 32) and T <= 256) or (head == 64 and T == 1024)):
             rule, shape = CUDNN_BUFFERS, f"head size {head}, T {T}"
+    elif func in (ops.cumsum.default, ops.cumprod.default) and after_outputs(func, args):
+        if func is ops.cumprod.default or args[0].is_floating_point():
+            rule, shape = CUMULATIVE_CAST, f"{func.__name__.split('.')[0]} of {str(args[0].dtype).replace('torch.', '')}"
     return None if rule is None else f"{rule} at {shape} (measured: {SAMPLES[rule]})"
 
 
