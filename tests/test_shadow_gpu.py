@@ -79,8 +79,8 @@ def test_torch_cuda_answers_as_one_gpu_and_everything_is_restored():
 
 def test_what_users_write_to_reach_the_gpu():
     """An index as the device, pin_memory() then a non-blocking copy, torch.tensor(..., device=
-    "cuda", requires_grad=True) a leaf an optimizer takes; a script that puts nothing on the GPU
-    is one line."""
+    "cuda", requires_grad=True) a leaf an optimizer takes; an optimizer made before the move, and
+    a script that puts nothing on the GPU, each one line."""
     with memory_audit.shadow(device="cuda", gpu="H100") as s:
         w = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device="cuda", requires_grad=True)
         lin = nn.Linear(2, 2).to(0)
@@ -95,6 +95,14 @@ def test_what_users_write_to_reach_the_gpu():
     assert lines["activations/_to_copy"] == 3 * 2 * 4  # x's device copy: its host and pinned copies no memory
     assert lines["weights/weight"] == 2 * 2 * 4 and lines["weights/bias"] == 2 * 4
     from memory_audit.prediction.shadow import ShadowError
+    with pytest.raises(ShadowError, match="made before model.to"):  # a known limit, said in one line
+        with memory_audit.shadow(device="cuda", gpu="H100"):
+            lin = nn.Linear(2, 2)
+            opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+            lin.cuda()
+            for _ in range(4):
+                lin(torch.ones(3, 2, device="cuda")).sum().backward()
+                opt.step()
     with pytest.raises(ShadowError, match="put nothing on the GPU"):
         with memory_audit.shadow(device="cuda", gpu="H100"):
             lin = nn.Linear(2, 2)

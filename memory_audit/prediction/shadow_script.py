@@ -330,8 +330,10 @@ class Shadow:
         count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)  # ties: the last called
         self._tops = {}
         if not count:
+            moved = (" (on a GPU shadow, an optimizer made before model.to('cuda') holds the host Parameters: "
+                     "the move makes new ones; make it after the move)") if self.device["type"] == "cuda" else ""
             raise ShadowError("the optimizer stepped, but no module holding its parameters ran a forward before it: "
-                              "shadow() follows a model's forward, loss, backward and optimizer step")
+                              "shadow() follows a model's forward, loss, backward and optimizer step" + moved)
         self.model = top
         self.made["labels"] = module_labels(top, self.tracker, root=type(top).__name__.lower())
         self.found.watch(top)
