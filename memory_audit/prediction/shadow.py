@@ -19,7 +19,7 @@ counts them as the device would; snapshot() writes a CPU step in the snapshot sc
 import contextlib
 import gc
 
-from . import shadow_cuda, shadow_dist, shadow_probe, shadow_repeat
+from . import shadow_cuda, shadow_dist, shadow_gpu, shadow_probe, shadow_repeat
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from ..schema import PHASES_KEY, PREDICTED_FRAME
 from .. import nosympy
@@ -87,7 +87,7 @@ def _setup(cfg, device_type, fake=True):
     if dtype == torch.float32:
         autocast = contextlib.nullcontext()
     elif device_type == "cuda":  # torch.autocast("cuda") is off without a GPU: its policy, applied here
-        autocast = shadow_cuda.autocast(dtype)
+        autocast = shadow_gpu.Autocast(dtype=dtype)
     else:
         autocast = torch.autocast(device_type, dtype=dtype)
     # CPU or meta tensors whatever device they stand for: the CPU scaler drives them as train.py's
@@ -170,10 +170,18 @@ def one_line(tracker, fn, *args):
         raise ShadowError(f"the shadow run stopped at {tracker.op}: {type(e).__name__}: {reason}") from None
 
 
+@contextlib.contextmanager
+def _cuda_kernels(sdpa_backend):
+    """CUDA's kernel choices (shadow_cuda.device_kernels), checkpointing's recomputation under
+    them and the forward's autocast region (shadow_gpu.recomputed)."""
+    with shadow_cuda.device_kernels(sdpa_backend) as mode, shadow_gpu.recomputed((mode,)):
+        yield
+
+
 def _run(cfg, device_type, fake, tracker, sdpa_backend):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from train_step import run_step  # beside model.py: the step train.py runs
-    cuda = shadow_cuda.kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
+    cuda = _cuda_kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
     if not fake:
         base = contextlib.nullcontext()
     else:  # meta tensors for a CUDA step: C++ kernels, several times faster than FakeTensorMode

@@ -6,14 +6,12 @@ and storage sizes, C++ kernels, no memory): on the CPU build autograd's engine c
 CUDA tensor's backward, and torch.autocast("cuda") turns itself off without a GPU. So what CUDA
 does differently is added here, each rule read from the committed tiny CUDA audits
 (snapshots/examples/cuda-tiny-*, H100, torch 2.11) event by event:
-  autocast_casts     linear/matmul/bmm/mm/addmm/baddbmm/SDPA run in the low dtype, their
-                     floating inputs cast right to left (C++ evaluates the wrapper's cast
-                     arguments that way); an fp32 leaf parameter's cast is cached until the
-                     autocast region ends. layer_norm and nll_loss run in fp32 (their inputs
-                     cast); F.softmax/F.log_softmax called by the model compute in fp32 (fp16 in:
-                     one fp32 output, CUDA's half-to-float kernel; bf16 in: a cast first);
-                     cross_entropy's own log_softmax stays in the logits' dtype (measured:
-                     log_softmax.result fp16, nll_loss.self fp32)
+  autocast_casts     CUDA autocast's policy (shadow_gpu.Autocast: ATen's op lists), its fp32
+                     leaf casts cached until the region ends, F.softmax/F.log_softmax called by
+                     the model in fp32 (fp16 in: one fp32 output, CUDA's half-to-float kernel;
+                     bf16 in: a cast first: softmax_fp32); cross_entropy's own log_softmax in
+                     the logits' dtype (measured: log_softmax.result fp16, nll_loss.self fp32:
+                     cross_entropy_cuda)
   kernel_choices     clip_grad_norm_'s foreach path; SDPA through cuDNN's attention (fp16/bf16 on
                      an H100: philox seed and offset, 8 B each, made before its output) or
                      efficient attention (fp32: logsumexp padded to 32, seed and offset on the
@@ -36,7 +34,7 @@ The inputs: train.py makes the batch on the host and copies it to the GPU; only 
 then y) are device memory. Wrapped scalars, RNG states and the foreach/for AdamW's `step` are
 host tensors on a CUDA run: no device memory (any CPU tensor an op of the step returns is
 left out: shadow_tracker). Checkpointing's recomputation runs under the same
-rules (_checkpointed). Plain Python until a shadow run starts: torch is imported inside.
+rules (shadow_gpu.recomputed). Plain Python until a shadow run starts: torch is imported inside.
 """
 
 import contextlib
@@ -44,11 +42,7 @@ import contextlib
 
 RULES = ("autocast_casts", "kernel_choices", "foreach_norm_buffer", "softmax_backward_buffer",
          "cudnn_attention_buffers", "cublas_workspace")
-_LOW = ("linear", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "baddbmm",
-        "scaled_dot_product_attention")
-_FP32 = ("layer_norm", "nll_loss")
 GEMMS = frozenset(("mm", "addmm", "bmm", "baddbmm"))  # the aten ops that reach cuBLAS
-_SOFTMAX = ("softmax", "log_softmax")
 _FOREACH_CHUNK = 65536  # elements per chunk of multi_tensor_apply's kernels
 # made and freed by cuDNN's attention kernels after their outputs, one H100 config measured (B 4,
 # 2 heads, T 64, head 32, bf16): 256 B in forward; 67,840 B in backward, read as an fp32 copy of
@@ -56,65 +50,6 @@ _FOREACH_CHUNK = 65536  # elements per chunk of multi_tensor_apply's kernels
 _CUDNN_ATTENTION_BUFFER = 256
 _EMBEDDING_DIRECT = 3072  # indices up to which CUDA's embedding backward needs no sort
 _CUB_SCAN = 1279  # cub's scan storage in the embedding backward (the same at N 4,096-12,288)
-
-
-_ACTIVE = []  # the autocast emulations entered and not left (a checkpoint's forward reads it)
-
-
-class autocast:  # noqa: N801 (used as torch.autocast is)
-    """CUDA autocast's policy for the ops model.py calls, applied to the meta tensors that stand
-    for the GPU's; a context manager entered once per forward, as train.py enters torch.autocast."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-        self.cache = {}  # id(fp32 leaf parameter) -> (parameter, its low-precision copy)
-        self.mode = None
-
-    def cast(self, t, to):
-        import torch
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == to:
-            return t
-        if to != torch.float32 and t.is_leaf and t.requires_grad and t.dtype == torch.float32:
-            if id(t) not in self.cache:
-                self.cache[id(t)] = (t, t.to(to))
-            return self.cache[id(t)][1]
-        return t.to(to)
-
-    def cast_all(self, args, kwargs, to):
-        """Right to left, as the C++ wrapper's arguments are evaluated: kwargs, then args."""
-        kw = {k: self.cast(v, to) for k, v in reversed(list(kwargs.items()))}
-        args = [self.cast(a, to) for a in reversed(args)][::-1]
-        return args, dict(reversed(list(kw.items())))
-
-    def __enter__(self):
-        import torch
-        from torch.overrides import TorchFunctionMode
-        outer = self
-
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                name = getattr(func, "__name__", "")
-                if name in _LOW:
-                    args, kwargs = outer.cast_all(args, kwargs, outer.dtype)
-                elif name in _FP32:
-                    args, kwargs = outer.cast_all(args, kwargs, torch.float32)
-                elif name in _SOFTMAX and kwargs.get("dtype") is None and len(args) < 4:
-                    return softmax_fp32(name, args, kwargs)
-                elif name == "cross_entropy":
-                    return cross_entropy_cuda(*args, **kwargs)
-                return func(*args, **kwargs)
-        self.mode = _Mode()
-        self.mode.__enter__()
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        _ACTIVE.remove(self)
-        self.mode.__exit__(*exc)
-        self.mode = None
-        self.cache.clear()  # the region ends: its weight casts go
-        return False
 
 
 def softmax_fp32(name, args, kwargs):
@@ -271,7 +206,8 @@ def device_kernels(sdpa_backend, note=None):
     GPU's: clip_grad_norm_ takes its foreach
     path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, SDPA in fp16/bf16 runs the
     kernel the device picks (cuDNN's on an H100 with torch 2.11), and dropout runs CUDA's fused
-    kernel. Yields the torch-function mode (kernels() re-enters it around a recomputation)."""
+    kernel. Yields the torch-function mode (shadow_gpu.recomputed enters it again around a
+    recomputation)."""
     import torch
     from torch.nn.utils import clip_grad
     from torch.overrides import TorchFunctionMode
@@ -292,41 +228,6 @@ def device_kernels(sdpa_backend, note=None):
             yield mode
     finally:
         clip_grad._has_foreach_support, clip_grad._device_has_foreach_support = saved
-
-
-@contextlib.contextmanager
-def kernels(sdpa_backend):
-    """device_kernels for train.py's step, with model.run_checkpointed recomputing under them."""
-    import model
-    saved = model.run_checkpointed
-    with device_kernels(sdpa_backend) as mode:
-        model.run_checkpointed = _checkpointed(saved, mode)
-        try:
-            yield
-        finally:
-            model.run_checkpointed = saved
-
-
-def _checkpointed(run_checkpointed, mode):
-    """model.run_checkpointed whose recomputation runs under the same emulations as its forward:
-    torch.utils.checkpoint recomputes with no torch-function mode active (where CUDA autocast
-    itself would be restored), so the kernels mode and, if the forward was under autocast, a
-    new region of it are entered around the recomputed function."""
-    def run(module, fn, *args):
-        cast = _ACTIVE[-1] if _ACTIVE else None
-
-        def again(*a):
-            if mode in _function_modes():  # the forward itself: the modes are on
-                return fn(*a)
-            with mode, cast if cast is not None else contextlib.nullcontext():
-                return fn(*a)
-        return run_checkpointed(module, again, *args)
-    return run
-
-
-def _function_modes():
-    from torch.overrides import _get_current_function_mode_stack
-    return _get_current_function_mode_stack()
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
