@@ -163,8 +163,8 @@ def cmd_predict(args, extra):
     from .prediction.predict import traced
     cfg = _overrides(extra)
     dev = _device(args)
-    # a CPU trace names its allocations as an audit does (a GPU's deep step is repeated: no names)
-    pred, replay = traced(cfg, dev, names=bool(args.trace) and dev["type"] != "cuda")
+    # a trace names its allocations as an audit does (on a GPU, every block run: a repeated step has no names)
+    pred, replay = traced(cfg, dev, names=bool(args.trace))
     if args.trace:
         if replay is None:
             raise ValueError(f"--trace: no shadow run for this config: {pred['totals']['from']}")

@@ -186,6 +186,30 @@ def test_random_h200_audit_is_the_shadow_run(name):
 
 
 @pytest.mark.parametrize("name", H100)
+def test_predicted_cuda_trace_is_categorized_as_the_audit(name):
+    """`predict --trace` (and an audit's predicted.pickle) on a GPU: step 2's allocations, counted
+    by (category, bytes), are the audit's as `viz` categorizes it (gradients as grads,
+    checkpointing's recomputation as recomputed, what a forward lets go as temporary)."""
+    import collections
+
+    from memory_audit.comparison.reconcile import device_from_meta
+    from memory_audit.prediction.predict import predicted_snapshot, traced
+    from memory_audit.reading.loader import load_meta
+    from memory_audit.reading.viz import categorized
+    from memory_audit.schema import PHASES_KEY
+
+    def step(snap, start):
+        return collections.Counter((e["category"], e["size"]) for e in snap["device_traces"][0][start:]
+                                   if e["action"] == "alloc")
+    run = os.path.join(EXAMPLES, "shadow-cuda", name)
+    meta = load_meta(run)
+    dev = device_from_meta(meta)
+    ours = predicted_snapshot(traced(meta["config"], dev, names=True)[1], dev)
+    theirs = categorized(os.path.join(run, "step2_end.pickle"), meta)
+    assert step(ours, ours[PHASES_KEY]["step2_start"]) == step(theirs, meta["phases"]["step2_start"]["trace_entries"])
+
+
+@pytest.mark.parametrize("name", H100)
 def test_h100_audit_names_every_byte(name):
     """Every byte of step 2's end named, the cuBLAS workspaces too where selective checkpointing's
     policy mode stands between the Linear and the GEMM (torch 2.11 on an H100: its frames are

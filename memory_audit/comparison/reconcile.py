@@ -77,8 +77,8 @@ def store_prediction(run_dir):
     if meta is None or "n_layer" not in (meta.get("config") or {}):
         return None  # another model: Audit(predicted=...) is its prediction
     dev = device_from_meta(meta)
-    # a CPU step named as its audit names it (a GPU's deep step is repeated: no names)
-    meta["prediction"], shadow_replay = traced(meta["config"], dev, names=dev["type"] != "cuda")
+    # the step named as its audit names it (on a GPU, every block run: a repeated step has no names)
+    meta["prediction"], shadow_replay = traced(meta["config"], dev, names=True)
     snap_path = os.path.join(run_dir, PREDICTED_FILE)
     if shadow_replay is not None:
         with open(snap_path + ".tmp", "wb") as f:
