@@ -11,6 +11,7 @@ setup(
     name="nanogpt-memory-audit",
     version="0.2.0",
     packages=["memory_audit", "memory_audit.reading", "memory_audit.recording", "memory_audit.prediction",
+              "memory_audit.prediction.rules",
               "memory_audit.comparison"],
     ext_modules=[Extension("memory_audit._fastcore", ["memory_audit/_fastcore.c"],
                            extra_compile_args=["-O2"], optional=True)],

@@ -274,7 +274,7 @@ def test_gpt2_sized_h200_process_is_the_shadow_run_event_by_event(name):
 
 
 def test_rules_outside_their_measured_shapes_are_named():
-    """shadow_cuda.SAMPLES: every committed CUDA trace (the 2 tiny H100 audits, the 15 kept H200
+    """rules/cuda.py's SAMPLES: every committed CUDA trace (the 2 tiny H100 audits, the 15 kept H200
     runs, the 11 GPT-2-sized H200 runs) is inside the samples of the rules it applies, so its
     shadow names none; GPT-2 at batch 6 in fp32 SDPA applies efficient attention's backward at
     head size 64 and the embedding sort at N 6,144, neither measured, and `predict` says so."""

@@ -6,7 +6,8 @@ shapes, dtypes and storage sizes but no memory (FakeTensorMode for a CPU step, m
 a CUDA one), under shadow_tracker's dispatch mode, which records each new storage and its free.
 The order and the lifetimes are PyTorch's own; nothing here knows which op saves what. What the
 dispatcher cannot see is added by rules: shadow_tracker.RULES (measured on CPU audits) and, for
-a GPU, shadow_cuda.RULES (read from the tiny CUDA audits); a CUDA step's whole process is then
+a GPU, shadow_cuda's (autocast, kernel choices) and rules/cuda.py's, one per op, each naming
+the CUDA traces it was read from; a CUDA step's whole process is then
 played through the caching allocator's model (shadow_allocator). Eager: one process, or on CPU
 one rank of a torchrun strategy (shadow_dist); torch.compile is not in it. shadow_loop.py
 shadow-runs any model's loop the same way (CPU).
@@ -365,7 +366,7 @@ def step_result(tracker, pre, phases):
     (a CUDA shadow records from model.to(device) on; empty on CPU), "pre": [(id, key, bytes)]
     live when it starts, "start_bytes", "phases": {phase: position in events}, "peak", "probed"
     and "unprobed": the ops whose kernels a probe asked, and those it could not (shadow_probe),
-    "unmeasured": the CUDA rules applied outside the shapes a trace measured (shadow_cuda.SAMPLES)}."""
+    "unmeasured": the CUDA rules applied outside the shapes a trace measured (rules/cuda.py's SAMPLES)}."""
     events, cut, blocks, micros = [], {}, [], []
     for i, (action, aid) in enumerate(tracker.events):
         for phase, at in phases.items():

@@ -105,7 +105,7 @@ class Tracker:
         self.event_micro = []  # parallel to events: the micro-step a free happened in (or None)
         self.real_shapes = {}  # storage id -> (shape, stride, dtype) a kernel probe found (shadow_probe)
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
-        self.unmeasured = set()  # CUDA rules applied outside the shapes a trace measured (shadow_cuda.SAMPLES)
+        self.unmeasured = set()  # CUDA rules applied outside the shapes a trace measured (rules/cuda.py's SAMPLES)
         self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
         self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow._naming)

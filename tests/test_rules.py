@@ -1,0 +1,37 @@
+"""Rules as data (issue #45): each CUDA rule is one registry entry per op and part, registered
+beside its definition in memory_audit/prediction/rules/cuda.py, its docstring naming the GPU
+traces it was read from; the shadow's tracker finds it by the op it runs."""
+
+import pytest
+import torch
+
+from memory_audit.prediction import shadow_cuda
+from memory_audit.prediction.rules import REGISTRY, parts, rule
+
+
+def test_every_cuda_rule_is_found_by_its_op_and_names_its_trace():
+    ops = torch.ops.aten
+    assert len(REGISTRY["cuda"]) >= 12
+    for name, found in REGISTRY["cuda"].items():
+        packet, op, overload = name.split(".")
+        func = getattr(getattr(getattr(torch.ops, packet), op), overload)
+        assert parts("cuda", func) == found, name  # the tracker's lookup reaches it
+        for part, fn in found.items():
+            if part != "outside":
+                assert any(g in (fn.__doc__ or "") for g in ("H100", "H200")), (name, part)
+    assert parts("cuda", ops.mm.default) == {}  # no rule: the dispatcher's view alone
+
+
+def test_a_rule_registers_each_part_once():
+    with pytest.raises(ValueError, match="two 'after' parts"):
+        rule("cuda", "aten.cumsum.default", "after")(lambda args: [])
+    with pytest.raises(ValueError, match="part is one of"):
+        rule("cuda", "aten.cumsum.default", "during")(lambda args: [])
+
+
+def test_a_rule_outside_its_sample_is_said_in_words():
+    q = torch.empty(1, 2, 512, 64, device="meta")
+    assert shadow_cuda.outside_sample(torch.ops.aten._scaled_dot_product_cudnn_attention.default, (q, q, q)) == \
+        "cuDNN attention's buffers at head size 64, T 512 (measured: head size 16 or 32 with T up to 256, or 64 at T 1,024 (H100, H200))"
+    q = torch.empty(1, 2, 1024, 64, device="meta")
+    assert shadow_cuda.outside_sample(torch.ops.aten._scaled_dot_product_cudnn_attention.default, (q, q, q)) is None
