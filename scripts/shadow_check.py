@@ -25,7 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def check(cfg, tmp, device="cpu", keep=None):
+def check(cfg, tmp, device="cpu", keep=None, compare=None):
+    """Audit cfg with train.py on cpu-tiny and compare the run (compare(run, cfg); default the
+    shadow run beside it)."""
     args = [f"--{k}={v}" for k, v in cfg.items()]
     shutil.rmtree(os.path.join(tmp, "r"), ignore_errors=True)  # what a failed config left
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--audit", f"--device={device}", "--preset=cpu-tiny",
@@ -39,12 +41,12 @@ def check(cfg, tmp, device="cpu", keep=None):
         tag = hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:8]  # names cut short can collide
         dest = os.path.join(keep, f"{name[:120]}-{tag}")
         shutil.copytree(run, dest, ignore=shutil.ignore_patterns("step2_start*", "step2_before*"))
-    row = compare(run, cfg)
+    row = (compare or shadow_compare)(run, cfg)
     shutil.rmtree(run, ignore_errors=True)
     return row
 
 
-def compare(run, cfg=None):
+def shadow_compare(run, cfg=None):
     """One audited run (its report.json, meta.json and step2_end snapshot with the whole trace)
     against the shadow run of its config: peaks, steady state, lines, the first divergent event."""
     from memory_audit.prediction import shadow
@@ -77,12 +79,31 @@ def compare(run, cfg=None):
     return row
 
 
+def checked(n, seed, draw, out=None, device="cpu", keep=None, compare=None):
+    """Yield (i, row) for n configs drawn by draw(random.Random(seed)), each audited and compared
+    (check()); each row appended to `out` (JSON lines, with the seed) as it comes, so a run
+    stopped at a time limit keeps what it measured. A timeout or a broken snapshot is a row with
+    "error"; the next config still runs."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(n):
+            cfg = draw(rng)
+            try:
+                row = check(cfg, tmp, device, keep, compare)
+            except Exception as e:  # noqa: BLE001 -- say so, go on
+                row = {"config": cfg, "error": f"{type(e).__name__}: {e}"}
+            if out:
+                with open(out, "a") as f:
+                    f.write(json.dumps(dict(row, seed=seed)) + "\n")
+            yield i, row
+
+
 def kept_runs(dirs):
     """Audits kept earlier (--keep; snapshots/examples/shadow-cuda): each against the shadow run
     of this checkout, without auditing again (a CUDA run's rules checked on a machine without one)."""
     rows = []
     for run in dirs:
-        row = compare(run)
+        row = shadow_compare(run)
         rows.append(row)
         c = row["config"]
         label = f"{c.get('dtype')} {c.get('attention')} {c.get('activation_checkpointing')} {c.get('optimizer_impl')} " \
@@ -150,32 +171,19 @@ def main():
         return kept_runs(args.runs)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)
     print(f"seed {seed} (replay: --seed={seed})", flush=True)
-    rng = random.Random(seed)
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("attention", args.attention)) if v}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.n):
-            cfg = random_config(rng)
-            if args.dtype:
-                cfg["dtype"] = args.dtype
-            if args.attention:
-                cfg["attention"] = args.attention
-            try:
-                row = check(cfg, tmp, args.device, args.keep)
-            except Exception as e:  # noqa: BLE001 -- a timeout or a broken snapshot: say so, go on
-                row = {"config": cfg, "error": f"{type(e).__name__}: {e}"}
-            rows.append(row)
-            if args.out:  # row by row: a run stopped at a time limit keeps what it measured
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(dict(row, seed=seed)) + "\n")
-            if "error" in row:
-                print(f"{i}: error {row['error']}", flush=True)
-                continue
-            d = lambda v: "-" if v is None else f"{v - row['measured']:+,}"  # noqa: E731
-            print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  report {d(row['predictor'])}"
-                  + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
-                  + (f"  lines off {row['lines_off'][:4]}" if row.get("lines_off") else "")
-                  + (f"  shadow's lines off {row['shadow_lines_off'][:4]}" if row.get("shadow_lines_off") else "")
-                  + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
+    for i, row in checked(args.n, seed, lambda rng: dict(random_config(rng), **overrides), args.out, args.device, args.keep):
+        rows.append(row)
+        if "error" in row:
+            print(f"{i}: error {row['error']}", flush=True)
+            continue
+        d = lambda v: "-" if v is None else f"{v - row['measured']:+,}"  # noqa: E731
+        print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  report {d(row['predictor'])}"
+              + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
+              + (f"  lines off {row['lines_off'][:4]}" if row.get("lines_off") else "")
+              + (f"  shadow's lines off {row['shadow_lines_off'][:4]}" if row.get("shadow_lines_off") else "")
+              + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
     ok = [r for r in rows if "error" not in r]
     print(f"peak exact: shadow {sum(r['shadow'] == r['measured'] for r in ok if r['shadow'] is not None)}/{len(ok)}, "
           f"train.py --audit's report {sum(r['predictor'] == r['measured'] for r in ok)}/{len(ok)}; step 2 event by event: shadow "

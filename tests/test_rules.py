@@ -2,11 +2,18 @@
 beside its definition in memory_audit/prediction/rules/cuda.py, its docstring naming the GPU
 traces it was read from; the shadow's tracker finds it by the op it runs."""
 
+import glob
+import os
+import re
+
 import pytest
 import torch
 
+from conftest import ROOT
 from memory_audit.prediction import shadow_cuda
-from memory_audit.prediction.rules import REGISTRY, parts, rule
+from memory_audit.prediction.rules import REGISTRY, cuda, parts, rule
+
+SOURCES = ("tiny H100 audit", "random H200 audits", "random H100 audits", "GPT-2-sized H200 runs", "zoo H100 traces")
 
 
 def test_every_cuda_rule_is_found_by_its_op_and_names_its_trace():
@@ -17,8 +24,12 @@ def test_every_cuda_rule_is_found_by_its_op_and_names_its_trace():
         func = getattr(getattr(getattr(torch.ops, packet), op), overload)
         assert parts("cuda", func) == found, name  # the tracker's lookup reaches it
         for part, fn in found.items():
-            if part != "outside":
-                assert any(g in (fn.__doc__ or "") for g in ("H100", "H200")), (name, part)
+            if part != "outside":  # a source the module's docstring lists with its committed paths
+                assert any(src in " ".join((fn.__doc__ or "").split()) for src in SOURCES), (name, part)
+    listed = re.findall(r"snapshots/[\w/.*-]+", cuda.__doc__)
+    assert len(listed) >= 6
+    for path in listed:  # every committed trace the rules name is in the repository
+        assert glob.glob(os.path.join(ROOT, path.rstrip(",."))), path
     assert parts("cuda", ops.mm.default) == {}  # no rule: the dispatcher's view alone
 
 

@@ -85,7 +85,7 @@ FLASH_BF16 = dict(n_layer=3, n_head=2, n_embd=32, vocab_size=97, batch_size=1, b
 def test_bf16_flash_attention_is_asked_of_its_kernel(tmp_path):
     """bf16 SDPA on CPU as this CPU runs it: the shadow's step 2 is the audit's event by event and
     its peak the measured one (on a CPU with oneDNN bf16 the flash kernels are probed; elsewhere
-    _flash_cpu_buffers' rule answers)."""
+    flash_cpu_buffers' rule answers)."""
     from memory_audit.prediction import shadow
     p = run_train("--audit", "--device=cpu", "--preset=cpu-tiny", f"--audit_dir={tmp_path}", "--run_name=r",
                   *[f"--{k}={v}" for k, v in FLASH_BF16.items()], timeout=600)

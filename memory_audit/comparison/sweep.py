@@ -124,6 +124,19 @@ def random_config(rng):
     return cfg
 
 
+BUDGETS = tuple(i / 10 for i in range(11))  # torch.compile's activation memory budget, 0 to 1
+
+
+def random_compiled_config(rng):
+    """One compiled (torch.compile) single-process CPU config drawn with `rng`: random_config's
+    space without activation checkpointing (compiled runs do not combine with it), fp32 or bf16,
+    an activation memory budget from BUDGETS."""
+    cfg = random_config(rng)
+    for k in ("activation_checkpointing", "ac_every", "sac_save_ops"):
+        cfg.pop(k, None)
+    return dict(cfg, compile=True, activation_memory_budget=rng.choice(BUDGETS))
+
+
 def _args(cfg):
     return [f"--{k}={v}" for k, v in cfg.items() if k != "nproc"]
 

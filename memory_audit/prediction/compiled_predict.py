@@ -11,13 +11,18 @@ wrappers' code, stopping before any kernel is compiled (seconds, no step, no GPU
                  activations/<module>/<FX node> as the audit names them, its bytes the
                  storage inductor allocated for it (inductor_plan.replay of the forward); the
                  loop's own tensors as in eager (CPU's wrapped divisor, held logits)
-  peak           the larger of the forward's end and the backward's busiest line: the
-                 backward wrapper replayed from the before-backward ledger, with the tangents
-                 autograd hands it (the logits' gradient is materialized as zeros even though
-                 the loss does not use it), its buffers, and the saved storages it frees
+  peak           the largest of the forward's busiest line, the backward's (the backward
+                 wrapper replayed from the before-backward ledger, with the tangents autograd
+                 hands it: the logits' gradient is materialized as zeros even though the loss
+                 does not use it; its buffers, and the saved storages it frees) and, on CPU, the
+                 eager stretch after backward (clipping, the optimizer's step: after_backward_lines)
+On CPU the kernels a wrapper calls are asked for their own buffers as the eager shadow asks
+them (shadow_probe.extern_kernel: oneDNN's bf16 matmul scratch, CPU flash attention's buffers).
 
 Needs torch and model.py (it builds the model); the eager predictor stays torch-free.
 """
+
+import contextlib
 
 from .backward import backward_begun, delta
 from ..reading.inductor_plan import replay
@@ -63,20 +68,21 @@ def _primals(plan):
     return {f"primals_{i + 1}": (f"primal:{i + 1}", p["nbytes"]) for i, p in enumerate(plan["inputs"])}
 
 
-def _forward(plan):
+def _forward(plan, kernel=None):
     """Replay the forward: every input is the caller's (weights, the batch)."""
     inputs = _primals(plan)
     fw = replay(plan["forward"], inputs, held=frozenset(sid for sid, _ in inputs.values()), tag="forward",
-                layouts=plan.get("forward_layouts"))
+                layouts=plan.get("forward_layouts"), kernel=kernel)
     n_user = len(fw["outputs"]) - len(plan["saved"])
     if n_user < 1:
         raise ValueError("the forward returns fewer values than the partition saved")
     return fw, fw["outputs"][:n_user], fw["outputs"][n_user:]
 
 
-def compiled_activation_lines(s, cfg, plan, short=short_module):
-    """(activation lines, {storage id: key} of what the forward saved, the forward's replay)."""
-    fw, user, saved = _forward(plan)
+def compiled_activation_lines(s, cfg, plan, short=short_module, kernel=None):
+    """(activation lines, {storage id: key} of what the forward saved, the forward's replay).
+    kernel: what the extern kernels the wrappers call allocate inside themselves (replay's)."""
+    fw, user, saved = _forward(plan, kernel)
     lines, keys = [], {}
     for v, (sid, nbytes) in zip(plan["saved"], saved):
         if sid is None or sid.startswith("primal:") or sid in keys:
@@ -93,7 +99,7 @@ def compiled_activation_lines(s, cfg, plan, short=short_module):
     return lines, keys, (fw, user)
 
 
-def compiled_peak_lines(s, cfg, plan, keys, fw_user):
+def compiled_peak_lines(s, cfg, plan, keys, fw_user, kernel=None):
     """(the backward's busiest line as changes from the before-backward ledger, the backward's
     replay)."""
     fw, user = fw_user
@@ -106,7 +112,9 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user):
         held.add(user[0][0])
     for j, (_, nbytes) in enumerate(user):
         inputs[f"tangents_{j + 1}"] = (f"tangent:{j + 1}", nbytes)
-    bw = replay(plan["backward"], inputs, frozenset(held), tag="backward", layouts=plan.get("backward_layouts"))
+    # the saved values' dtypes (an input's assert line gives its size and stride)
+    layouts = dict({v["node"]: [v["shape"], [], v["dtype"]] for v in plan["saved"]}, **(plan.get("backward_layouts") or {}))
+    bw = replay(plan["backward"], inputs, frozenset(held), tag="backward", layouts=layouts, kernel=kernel)
     batch = [f"primal:{i + 1}" for i, p in enumerate(plan["inputs"]) if not p["param"]]
     names = dict(keys, **dict(zip(batch, ("inputs/x", "inputs/y"))))
     tangents = [t for t in bw["inputs"] if t.startswith("tangents_") and inputs[t][0] not in bw["freed_at_peak"]]
@@ -134,16 +142,82 @@ def forward_peak_lines(s, fw, acts):
     return lines + [delta(s, f"temporary/compiled_forward/{b}", n, "inductor buffer") for b, n in fw["peak_live"].items()]
 
 
-def peak_candidates(s, cfg, plan, acts, keys, fw_user):
-    """(the peak's lines, a summary): the larger of the backward's and the forward's busiest lines."""
-    back, bw = compiled_peak_lines(s, cfg, plan, keys, fw_user)
+def after_backward_lines(s, cfg, ledger):
+    """The busiest moment of what runs eagerly after the compiled backward (gradient clipping,
+    the optimizer's step, zero_grad: the foreach AdamW's temporaries), as changes from the
+    before-backward ledger: the eager shadow run of the same config (CPU) gives that stretch of
+    the step event by event, and what the compiled step holds there differs from the eager one's
+    by what both hold at the step's end (the ledger's step2_end lines). [] where the shadow shows
+    no such stretch; a reason (str) where the eager step cannot be shadow-run."""
+    from . import shadow
+    from .ledger import resolved
+    try:
+        r = shadow.run(resolved({k: v for k, v in cfg.items() if k not in ("compile", "activation_memory_budget")}),
+                       names=True)
+    except shadow.ShadowError as e:
+        return f"the eager step after backward not shadow-run: {e}"
+    events = r["events"]
+    start = next((i for i, (a, k, _, _) in enumerate(events) if a == "alloc" and k.startswith("temporary/optimizer/")), None)
+    if start is None:
+        return []
+    levels = shadow.step_levels(r)
+    at_top, at_end = _live_at(r, max(range(start + 1, len(levels)), key=lambda i: levels[i]))
+    out = {}  # held at the busiest moment and not at the end, and the other way round
+    for aid in set(at_top) ^ set(at_end):
+        key, n = at_top[aid] if aid in at_top else (f"released/{at_end[aid][0]}", -at_end[aid][1])
+        out[key] = out.get(key, 0) + n
+    before = {}
+    end = {}
+    for l in ledger:
+        for phase, into in (("step2_before_backward", before), ("step2_end", end)):
+            if phase in l["phases"]:
+                into[l["key"]] = into.get(l["key"], 0) + l["bytes"]
+    lines = [delta(s, k, end.get(k, 0) - before.get(k, 0), "held at the step's end less before backward")
+             for k in sorted(set(before) | set(end)) if end.get(k, 0) != before.get(k, 0)]
+    return lines + [delta(s, k, n, "the eager shadow run after backward") for k, n in sorted(out.items()) if n]
+
+
+def _live_at(result, moment):
+    """({allocation id: (key, bytes)} live after event moment - 1 of a shadow run's step, the same at
+    its end)."""
+    live = {aid: (key, n) for aid, key, n in result["pre"]}
+    at = None
+    for i, (action, key, n, aid) in enumerate(result["events"]):
+        if i == moment:
+            at = dict(live)
+        if action == "alloc":
+            live[aid] = (key, n)
+        else:
+            live.pop(aid, None)
+    return (live if at is None else at), live
+
+
+def peak_candidates(s, cfg, plan, acts, keys, fw_user, kernel=None, ledger=None):
+    """(the peak's lines, a summary): the largest of the backward's, the forward's and (on CPU,
+    given the ledger's steady and activation lines) the eager stretch after backward's busiest
+    lines."""
+    back, bw = compiled_peak_lines(s, cfg, plan, keys, fw_user, kernel)
     candidates = [("compiled backward", back), ("compiled forward", forward_peak_lines(s, fw_user[0], acts))]
+    notes = [f"{op} at backward line {i}: {why}" for i, op, why in bw["unasked"]]
+    if ledger is not None:
+        after = after_backward_lines(s, cfg, ledger)
+        if isinstance(after, str):
+            notes.append(after)
+        else:
+            candidates.append(("after backward (eager)", after))
 
     def total(lines):
         return sum(l["allocated"] for l in lines)
     best = max(candidates, key=lambda c: total(c[1]))
-    return best[1], {"peak_at": best[0], "backward_peak_line": bw["peak_line"],
+    return best[1], {"peak_at": best[0], "backward_peak_line": bw["peak_line"], "notes": notes,
                      "candidates": [{"at": name, "delta_bytes": total(lines)} for name, lines in candidates]}
+
+
+def _on_cpu(dev, cfg):
+    if dev["type"] != "cpu":
+        return contextlib.nullcontext()
+    from . import shadow_probe
+    return shadow_probe.on_cpu(dev.get("cpu"), cfg["dtype"])
 
 
 def predict_compiled(config=None, device=None, plan=None):
@@ -164,9 +238,17 @@ def predict_compiled(config=None, device=None, plan=None):
                              "(fake CUDA tensors cannot be made without one); --gpu=cpu predicts the CPU plan")
     plan = plan or plan_for(cfg, dev["type"])
     params = param_shapes(cfg)
-    acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: short_module(m, "", "gpt"))
-    peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user)
-    ledger = [plain(l) for l in steady_lines(s, cfg, dev, params) + acts + peak]
+    kernel = None
+    if dev["type"] == "cpu":  # the extern kernels asked as the eager shadow asks them, as on the audited CPU
+        from . import shadow_probe
+        kernel = shadow_probe.extern_kernel
+    with _on_cpu(dev, cfg):
+        acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: short_module(m, "", "gpt"), kernel)
+        steady = [plain(l) for l in steady_lines(s, cfg, dev, params) + acts]
+        peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user, kernel,
+                                         steady if dev["type"] == "cpu" else None)
+    backward["notes"] = [f"{op} at forward line {i}: {why}" for i, op, why in fw_user[0]["unasked"]] + backward["notes"]
+    ledger = steady + [plain(l) for l in peak]
     totals = totals_of(ledger, params, dev, None, cfg)
     totals["saved_bytes"] = sum(l["bytes"] for l in acts)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]

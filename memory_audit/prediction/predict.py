@@ -100,7 +100,8 @@ def traced(config=None, device=None, plan=None, names=False):
     if (config or {}).get("compile"):
         from .compiled_predict import predict_compiled
         pred = predict_compiled(config, dev, plan=plan)
-        pred["totals"]["from"] = "inductor's plan (compile=True)"
+        notes = pred["backward"].get("notes") or []
+        pred["totals"]["from"] = "inductor's plan (compile=True)" + (f" ({'; '.join(notes)})" if notes else "")
         return pred, None
     cfg = resolved(config or {})
     reason = uncovered(cfg, dev)

@@ -24,7 +24,7 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       2 x threads x N elements of X's dtype, made after its outputs and freed
                       before it returns (torch.get_num_threads() of the predicting process: the
                       audit's own when both run on one machine)
-  flash_cpu_buffers   CPU flash attention's per-thread work buffers (_flash_cpu_buffers), made
+  flash_cpu_buffers   CPU flash attention's per-thread work buffers (shadow_probe.flash_cpu_buffers), made
                       after its outputs and freed in reverse before it returns
   safe_softmax        CPU _safe_softmax (math SDPA) decomposes on real tensors: after the softmax,
                       isneginf, all and a 0-dim zero, freed in reverse before it returns
@@ -305,28 +305,6 @@ def _mixed_dtype_casts(func, tensors):
     return [(t, t.numel() * common.itemsize) for t in (a, b) if t.dtype != common]
 
 
-def _flash_cpu_buffers(func, args):
-    """[bytes] CPU flash attention allocates after its outputs, in order (FlashAttentionKernel.cpp,
-    no mask): per thread, forward an accumulate-type buffer of qS*kvS + 2*qS + qS*head and, for
-    bf16/fp16, qS*kvS of the input's type; backward 2*qS*kvS of each, then the calling thread's
-    row sums (qS; the other threads' are made where the CPU profiler does not see them). qS is
-    32, 64 from T=192, 256 from T=768; kvS is min(T, 512)."""
-    import torch
-    ops = torch.ops.aten
-    forward = func is ops._scaled_dot_product_flash_attention_for_cpu.default
-    if not forward and func is not ops._scaled_dot_product_flash_attention_for_cpu_backward.default:
-        return []
-    q = args[0] if forward else args[1]
-    T, head = q.shape[2], q.shape[3]
-    qs = min(T, 256 if T >= 768 else 64 if T >= 192 else 32)
-    kvs, threads, low = min(T, 512), torch.get_num_threads(), q.dtype in (torch.bfloat16, torch.float16)
-    if forward:
-        out = [4 * threads * (qs * kvs + 2 * qs + qs * head)]
-        return out + ([threads * qs * kvs * q.element_size()] if low else [])
-    out = [4 * threads * 2 * qs * kvs] + ([threads * 2 * qs * kvs * q.element_size()] if low else [])
-    return out + [4 * qs]
-
-
 def _safe_softmax_buffers(x, out):
     """[bytes] of what CPU's _safe_softmax makes after its softmax output, in order (freed in
     reverse before it returns; measured on CPU audits of math SDPA): x.isneginf() (a bool per
@@ -539,7 +517,7 @@ def _cpu_op(tracker, func, args, kwargs, key):
     # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse (the
     # kernel itself answers where it was probed: bf16/fp16 through oneDNN's brgemm)
     if not probed:
-        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _flash_cpu_buffers(func, args)][::-1]
+        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in shadow_probe.flash_cpu_buffers(func, args)][::-1]
     if func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
     if _short_name(func) in _SOFTMAXES and not args[0].is_contiguous():  # the kernel runs on a contiguous copy of its input

@@ -23,6 +23,11 @@ _ALIAS = re.compile(r"^(\w+) = (\w+)$")
 _ASSIGN = re.compile(r"^(\w+) = (.+)$")
 _REINTERPRET = re.compile(r"reinterpret_tensor\((\w+),")
 _ITEM = re.compile(r"^(\w+) = (\w+)\[(\d+)\]$")
+_ASSERT = re.compile(r"^assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
+_EXTERN = re.compile(r"^extern_kernels\.(\w+)\((.*)\)$")
+_FALLBACK = re.compile(r"^\w+ = torch\.ops\.(aten\.\w+\.\w+)\((.*)\)$")
+_LITERAL = {"True": True, "False": False, "None": None}
+_REINTERPRET_ARG = re.compile(r"^reinterpret_tensor\((\w+), \(([^)]*)\), \(([^)]*)\), [^)]*\)$")
 
 
 class PlanError(ValueError):
@@ -66,7 +71,7 @@ def call_body(code):
     return body
 
 
-def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
+def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None):
     """Replay a wrapper's memory plan.
 
     inputs: {input name: (storage id, bytes)}; names that share a storage id are one storage.
@@ -74,11 +79,19 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
     storage ids of the buffers this graph makes ("<tag>:<name>@<line>"), unique per graph.
     layouts: {buffer name: [size, stride, dtype]} (compiled.buffer_layouts), which sizes what a
     fallback kernel returns (`buf7 = torch.ops.aten.<op>(...)`, `buf8 = buf7[0]`).
+    kernel(op, args, kwargs): what an extern kernel (`extern_kernels.mm(a, b, out=buf4)`) or a
+    fallback kernel (`buf7 = torch.ops.aten.<op>.<overload>(...)`, op "aten.<op>.<overload>")
+    allocates inside itself, outputs included: [("alloc", output index or None, bytes) | ("free",
+    index of the alloc entry, bytes)]; None where it is not asked; a reason (str) where it would
+    be asked but cannot be (listed in "unasked"). Its tensors are given as (size, stride, dtype).
+    What it holds at its busiest counts at that line (_Kernels.held), its own buffers named
+    "unplanned" in peak_live as the audit names allocations inside a compiled kernel. layouts
+    also give the inputs' dtypes.
     Returns {"inputs": [names], "peak": bytes above the start, "peak_line": index,
     "end": bytes above the start once it has returned (its locals gone), "outputs": [(storage id, bytes) per output],
     "peak_live": {name: bytes of buffers made by the graph, live at the peak},
     "freed_at_peak": [storage ids of inputs already freed at the peak], "allocations": [[name,
-    bytes] of each buffer made, in order]}.
+    bytes] of each buffer made, in order], "unasked": [(line, op, reason)] (kernel's)}.
     """
     body = call_body(code)
     names, storages, size = {}, {}, {}  # name -> storage; storage -> names; storage -> bytes
@@ -96,6 +109,7 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
     sizing = {"layouts": layouts or {}, "tuples": {m.group(2) for m in map(_ITEM.match, body) if m}}
     live, peak, peak_line, peak_live, freed_at_peak = 0, 0, -1, {}, []
     made, freed = {}, []  # storages the graph allocated -> first name; inputs it freed
+    kernels = _Kernels(kernel, layouts or {}, order, sizing["tuples"]) if kernel else None
     allocations = []  # [name, bytes] of every buffer it makes, in order (what the trace shows)
 
     def drop(name):
@@ -111,6 +125,7 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
                 freed.append(sid)
 
     for i, stmt in enumerate(body):
+        inside = kernels.held(i, stmt, body) if kernels else {}  # what a kernel holds inside the line
         if stmt.startswith("del "):
             for n in stmt[4:].split(","):
                 drop(n.strip())
@@ -125,7 +140,9 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
             end = live - sum(size[s] for s in made if s not in returned)  # the call's locals die
             return {"inputs": order, "peak": peak, "peak_line": peak_line, "end": end, "outputs": outputs,
                     "peak_live": peak_live, "freed_at_peak": freed_at_peak, "allocations": allocations,
-                    "output_buffers": output_buffers}
+                    "output_buffers": output_buffers, "unasked": kernels.unasked if kernels else []}
+        elif _EXTERN.match(stmt):
+            pass
         elif stmt.endswith("= args") or stmt == "args.clear()" or not _ASSIGN.match(stmt):
             continue
         else:
@@ -136,11 +153,116 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None):
             if grew:
                 allocations.append([target, grew])
             live += grew
-        if live > peak:
-            peak, peak_line = live, i
-            peak_live = {made[s]: size[s] for s in made}
+        if live + sum(inside.values()) > peak:
+            peak, peak_line = live + sum(inside.values()), i
+            peak_live = dict({made[s]: size[s] for s in made if size[s]}, **inside)  # a tuple holds nothing
             freed_at_peak = list(freed)
     raise PlanError("the wrapper's call(args) has no return")
+
+
+class _Kernels:
+    """What the kernels a wrapper calls hold inside themselves, line by line (replay's `kernel`):
+    the layout each name has (an allocation, a view, an alias, an input's assert line, its dtype
+    from `layouts` where the line does not say), each extern or fallback call's tensors read from
+    them, and the calls that would be asked but could not be (`unasked`: [(line, op, reason)])."""
+
+    def __init__(self, kernel, layouts, inputs, tuples):
+        self.kernel, self.layouts, self.tuples, self.unasked = kernel, layouts, tuples, []
+        self.shape_of = {n: list(layouts[n]) for n in inputs if n in layouts}  # name -> [size, stride, dtype]
+
+    def held(self, i, stmt, body):
+        """{name: bytes} the call on this line holds at its busiest beyond what the line's own
+        assignment sizes: its buffers as "unplanned", and a tuple result's outputs (sized later, at
+        their `bufN = bufM[k]` lines) by those lines' names."""
+        self._note(stmt)
+        m = _EXTERN.match(stmt) or _FALLBACK.match(stmt)
+        if m is None:
+            return {}
+        call = _call_layouts(m, self.shape_of)
+        answer = self.kernel(*call) if call else "a tensor's layout is not in the wrapper"
+        if isinstance(answer, str):
+            self.unasked.append((i, m.group(1), answer))
+            return {}
+        target = stmt.split("=", 1)[0].strip() if _FALLBACK.match(stmt) else None
+        items = {int(k.group(3)): k.group(1) for k in map(_ITEM.match, body[i + 1:i + 64])
+                 if k and k.group(2) == target} if target in self.tuples else {}
+        return _busiest(answer or (), items)
+
+    def _note(self, stmt):
+        shape_of = self.shape_of
+        m = _ALLOC.match(stmt)
+        if m:
+            shape_of[m.group(1)] = [_ints(m.group(2)), _ints(m.group(3)), m.group(4)]
+            return
+        m = _ASSERT.match(stmt)
+        if m:
+            shape_of[m.group(1)] = [_ints(m.group(2)), _ints(m.group(3)), (shape_of.get(m.group(1)) or [0, 0, None])[2]]
+            return
+        m = _VIEW.match(stmt)
+        view = m and _REINTERPRET_ARG.match(stmt.split("=", 1)[1].strip())
+        if view:
+            shape_of[m.group(1)] = [_ints(view.group(2)), _ints(view.group(3)), (shape_of.get(m.group(2)) or [0, 0, None])[2]]
+            return
+        m = _ALIAS.match(stmt)
+        name = stmt.split("=", 1)[0].strip()
+        if m and m.group(2) in shape_of:
+            shape_of[m.group(1)] = shape_of[m.group(2)]
+        elif m is None and _ASSIGN.match(stmt) and name in self.layouts:
+            shape_of[name] = self.layouts[name]
+
+
+def _call_layouts(m, shape_of):
+    """(op, args, kwargs) of a kernel call (an _EXTERN or _FALLBACK match), each tensor as (size,
+    stride, dtype), or None where a tensor's layout is not in the wrapper. A tensor whose dtype
+    the wrapper does not say (an input) takes the out= buffer's: the matmuls inductor calls take
+    one dtype."""
+    args, kwargs = [], {}
+    for item in _split_top(m.group(2)):
+        key, value = item.split("=", 1) if re.match(r"^\w+=", item) else (None, item)
+        view = _REINTERPRET_ARG.match(value)
+        if view:
+            v = [_ints(view.group(2)), _ints(view.group(3)), (shape_of.get(view.group(1)) or [0, 0, None])[2]]
+        elif value in shape_of:
+            v = list(shape_of[value])
+        elif re.match(r"^-?[\d.]+(e-?\d+)?$", value):
+            v = float(value) if any(c in value for c in ".e") else int(value)
+        elif value in _LITERAL:
+            v = _LITERAL[value]
+        else:
+            return None
+        if key:
+            kwargs[key] = v
+        else:
+            args.append(v)
+    out = kwargs.get("out")
+    dtype = out[2] if isinstance(out, list) else None
+
+    def fixed(v):
+        return (tuple(v[0]), tuple(v[1]), v[2] or dtype) if isinstance(v, list) else v
+    args, kwargs = [fixed(a) for a in args], {k: fixed(v) for k, v in kwargs.items()}
+    if any(isinstance(v, tuple) and (v[2] is None or len(v[0]) != len(v[1])) for v in args + list(kwargs.values())):
+        return None
+    return m.group(1), args, kwargs
+
+
+def _busiest(entries, items):
+    """{name: bytes} at the busiest moment of a kernel's entries: its own buffers as "unplanned",
+    its outputs under `items`' names ({output index: name}; outputs not listed are the line's own
+    buffer, already counted)."""
+    live, best, top = {}, {}, 0
+    for j, (action, out, nbytes) in enumerate(entries):
+        if action == "alloc":
+            live[j] = (out, nbytes)
+        elif action == "free":
+            live.pop(out, None)
+        counted = {}
+        for o, n in live.values():
+            name = "unplanned" if o is None else items.get(o)
+            if name is not None:
+                counted[name] = counted.get(name, 0) + n
+        if sum(counted.values()) > top:
+            top, best = sum(counted.values()), counted
+    return best
 
 
 def _assign(stmt, names, storages, size, made, sid_format, sizing):

@@ -28,7 +28,7 @@ def rule(device, ops, part):
 
     def register(fn):
         for op in (ops,) if isinstance(ops, str) else ops:
-            if part in REGISTRY[device].setdefault(op, {}):
+            if part in REGISTRY.setdefault(device, {}).setdefault(op, {}):
                 raise ValueError(f"{device} rule for {op} has two {part!r} parts")
             REGISTRY[device][op][part] = fn
         return fn
@@ -40,5 +40,5 @@ def parts(device, func):
     key = (device, func)
     found = _BY_FUNC.get(key)
     if found is None:  # (a rules module registers its rules when imported: shadow_cuda imports rules.cuda)
-        found = _BY_FUNC[key] = REGISTRY[device].get(str(func), {})
+        found = _BY_FUNC[key] = REGISTRY.get(device, {}).get(str(func), {})
     return found

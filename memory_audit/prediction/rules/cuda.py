@@ -1,10 +1,15 @@
 """What CUDA kernels allocate that a shadow run on meta tensors cannot see, one rule per op.
 
 Each rule was read from committed CUDA traces, event by event, and is held by the tests that
-replay them: the tiny H100 audits (snapshots/examples/cuda-tiny-*), the random H200 and H100
-audits (snapshots/examples/shadow-cuda: tests/test_shadow_cuda.py), the GPT-2-sized H200 runs
-(snapshots/results/reserved-traces) and the zoo's H100 traces (snapshots/results/zoo, seed
-408334: scripts/zoo_cuda_check.py); torch 2.11 throughout. A shape-dependent rule says where a
+replay them; torch 2.11 throughout. The sources, as the rules' docstrings name them:
+  the tiny H100 audits           snapshots/examples/cuda-tiny-fp16-manual, cuda-tiny-bf16-sdpa
+  the random H200 audits         91 rows in snapshots/results/random/h200-shadow-cuda-*.jsonl (their
+                                 peaks), 15 of them kept whole in snapshots/examples/shadow-cuda/h200-*
+  the random H100 audits         51 rows in snapshots/results/random/h100-shadow-cuda-*.jsonl, 22
+                                 kept whole in snapshots/examples/shadow-cuda/h100-*
+  the GPT-2-sized H200 runs      snapshots/results/reserved-traces
+  the zoo's H100 traces          snapshots/results/zoo/h100-zoo-408334-runs.tgz (seed 408334; seed
+                                 691115's rows out of sample: scripts/zoo_cuda_check.py) A shape-dependent rule says where a
 call lies outside the shapes it was measured at (its "outside" part, SAMPLES), and the
 prediction lists it as not measured on a GPU. The parts are described in rules/__init__.py.
 Plain Python until a rule is called: torch is imported inside.
@@ -60,7 +65,7 @@ def embedding_index_copy(args):
 
 @rule("cuda", EFFICIENT_ATTENTION_BACKWARD, "events")
 def efficient_attention_backward(args):
-    """fp32 SDPA's backward (91 random tiny H200 audits, head size 16 and 32, T 16-256): after
+    """fp32 SDPA's backward (the random H200 audits, head size 16 and 32, T 16-256): after
     its outputs a buffer of q's size and an fp32 row buffer (B x heads x T), a second row buffer
     made and freed at once with several heads, then a workspace of
     B x heads x ceil(T/64) x (64 x 64 fp32 + 16 B)."""
@@ -113,7 +118,7 @@ def embedding_backward_sample(args):
 @rule("cuda", CUDNN_ATTENTION, "outputs")
 def cudnn_attention_outputs(out):
     """cuDNN's attention (fp16/bf16 SDPA on an H100) makes its philox seed and offset (8 B each)
-    first, then the output and the logsumexp (the tiny bf16 SDPA H100 audit)."""
+    first, then the output and the logsumexp (the tiny H100 audit in bf16 SDPA)."""
     return [(out[6], 8), (out[7], 8), (out[0], None), (out[1], None)]
 
 
