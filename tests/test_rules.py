@@ -46,3 +46,18 @@ def test_a_rule_outside_its_sample_is_said_in_words():
         "cuDNN attention's buffers at head size 64, T 512 (measured: head size 16 or 32 with T up to 256, or 64 at T 1,024 (H100, H200))"
     q = torch.empty(1, 2, 1024, 64, device="meta")
     assert shadow_cuda.outside_sample(torch.ops.aten._scaled_dot_product_cudnn_attention.default, (q, q, q)) is None
+
+
+def test_every_cpu_rule_is_found_by_its_op_and_names_where_it_was_read():
+    """rules/cpu.py: each op's rule reached by the tracker's lookup, its docstring naming the
+    audits it was read from by a file in the repository (a test, a script or a results file)."""
+    from memory_audit.prediction.rules import cpu  # noqa: F401 -- registers
+    assert len(REGISTRY["cpu"]) >= 9
+    for name, found in REGISTRY["cpu"].items():
+        packet, op, overload = name.split(".")
+        assert parts("cpu", getattr(getattr(getattr(torch.ops, packet), op), overload)) == found, name
+        for part, fn in found.items():
+            named = re.findall(r"(?:tests|scripts|snapshots)/[\w/.*-]+\.(?:py|txt|jsonl)", " ".join((fn.__doc__ or "").split()))
+            assert named, (name, part)
+            for path in named:
+                assert glob.glob(os.path.join(ROOT, path)), (name, part, path)

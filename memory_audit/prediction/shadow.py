@@ -5,7 +5,7 @@ GradScaler, the gradient clipping and the AdamW step run at the target config on
 shapes, dtypes and storage sizes but no memory (FakeTensorMode for a CPU step, meta tensors for
 a CUDA one), under shadow_tracker's dispatch mode, which records each new storage and its free.
 The order and the lifetimes are PyTorch's own; nothing here knows which op saves what. What the
-dispatcher cannot see is added by rules: shadow_tracker.RULES (measured on CPU audits) and, for
+dispatcher cannot see is added by rules: shadow_tracker's and rules/cpu.py's (measured on CPU audits) and, for
 a GPU, shadow_cuda's (autocast, kernel choices) and rules/cuda.py's, one per op, each naming
 the CUDA traces it was read from; a CUDA step's whole process is then
 played through the caching allocator's model (shadow_allocator). Eager: one process, or on CPU

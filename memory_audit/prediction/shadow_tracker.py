@@ -2,7 +2,10 @@
 
 Each op's outputs whose storage it has not seen are an allocation of storage.nbytes() bytes; a
 weakref on that storage gives the moment it is freed. The rules below add what the dispatcher
-cannot see, each measured on CPU audits (shadow.py runs the step; RULES names them):
+cannot see, each measured on CPU audits (shadow.py runs the step). What one op's kernel makes
+before and after its outputs is a rule of its own in rules/cpu.py (layer norm's buffers and
+copies, CPU flash attention's work buffers, _safe_softmax's temporaries, softmax's and
+embedding's copies of non-contiguous inputs); the tracker's own rules, over many ops:
   inplace_accumulate  autograd's gradient sum (an add during backward whose first operand, not a
                       view and contiguous, dies with it) reuses that operand's memory; autograd
                       decides so only for a tensor Python has never seen, so watching prevents it;
@@ -20,20 +23,9 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
                       the other-dtype operand to the common dtype while the output is made
   rng_state           torch.get_rng_state() (checkpointing, per region with dropout) is a real
                       tensor the generator makes: counted when made, freed when let go
-  layer_norm_buffer   CPU LayerNorm's backward reduces dgamma/dbeta through a buffer of
-                      2 x threads x N elements of X's dtype, made after its outputs and freed
-                      before it returns (torch.get_num_threads() of the predicting process: the
-                      audit's own when both run on one machine)
-  flash_cpu_buffers   CPU flash attention's per-thread work buffers (shadow_probe.flash_cpu_buffers), made
-                      after its outputs and freed in reverse before it returns
-  safe_softmax        CPU _safe_softmax (math SDPA) decomposes on real tensors: after the softmax,
-                      isneginf, all and a 0-dim zero, freed in reverse before it returns
   mean_divide         CPU mean is a sum divided in place by the element count, a wrapped int64
                       scalar and its cast, made after the output, freed in reverse; in bf16/fp16
                       the sum runs in fp32 (an fp32 result, the input cast to fp32) first
-  embedding_copies    CPU embedding copies non-contiguous indices before its output, and its
-                      backward non-contiguous indices, then a non-contiguous gradient, after
-                      its output; each freed before it returns
   kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
                       CPUs with native bf16): their own buffers asked of the kernel (shadow_probe)
   gloo_collectives    under torchrun on CPU, gloo's buffers in the collectives and CPU _chunk_cat's
@@ -41,9 +33,6 @@ cannot see, each measured on CPU audits (shadow.py runs the step; RULES names th
   storage_resize      untyped_storage().resize_ (FSDP2's unsharded parameters: freed with
                       resize_(0), made again with resize_(n)) frees the storage's allocation and
                       makes one of the new size; no op the dispatcher sees
-  contiguous_copy     CPU softmax and log-softmax of a non-contiguous input copy it after the
-                      output; CPU layer norm copies a non-contiguous X before its outputs (its
-                      backward: X before, a non-contiguous dY after); each freed as it returns
   layer_norm_stats    CPU layer norm of a bf16 (fp16) input with an fp32 weight makes fp32 mean
                       and rstd, where the fake kernel says the input's dtype
   reduced_loss        CPU mse, smooth_l1, soft_margin and binary cross-entropy losses reduce in
@@ -59,11 +48,9 @@ import math
 import re
 import weakref
 
-from . import shadow_cuda, shadow_dist, shadow_probe
+from . import rules, shadow_cuda, shadow_dist, shadow_probe
+from .rules import cpu as cpu_rules  # noqa: F401 -- its rules register themselves
 
-RULES = ("inplace_accumulate", "wrapped_scalar", "dtype_cast", "rng_state", "layer_norm_buffer", "flash_cpu_buffers",
-         "safe_softmax", "mean_divide", "embedding_copies", "kernel_probe", "gloo_collectives", "storage_resize",
-         "contiguous_copy", "layer_norm_stats", "reduced_loss", "index_accumulate")
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
@@ -305,14 +292,6 @@ def _mixed_dtype_casts(func, tensors):
     return [(t, t.numel() * common.itemsize) for t in (a, b) if t.dtype != common]
 
 
-def _safe_softmax_buffers(x, out):
-    """[bytes] of what CPU's _safe_softmax makes after its softmax output, in order (freed in
-    reverse before it returns; measured on CPU audits of math SDPA): x.isneginf() (a bool per
-    element), its all() over the last dim (a bool per row) and the 0-dim zero it writes into
-    fully masked rows (out's dtype)."""
-    return [x.numel(), x.numel() // max(x.shape[-1], 1), out.element_size()]
-
-
 def _foreach_scalars(func, args):
     """[(value, tensor)] for each tensor of a _foreach_ op's Scalar or ScalarList overload whose
     per-tensor op wraps its scalar: on CPU the foreach ops run that op tensor by tensor."""
@@ -467,7 +446,7 @@ def _kernel_events(tracker, key, events, made):
 
 
 def _cpu_op(tracker, func, args, kwargs, key):
-    """An op of a CPU step's shadow under RULES (module docstring): wrapped scalars and their
+    """An op of a CPU step's shadow under the rules (module docstring, rules/cpu.py): wrapped scalars and their
     casts, mixed-dtype copies, a foreach op's per-tensor scalars, the outputs, then the kernels'
     own buffers. Returns (out, [ids freed as it returns], the scalars its node may keep)."""
     import torch
@@ -490,14 +469,11 @@ def _cpu_op(tracker, func, args, kwargs, key):
             held.insert(0 if _short_name(func) in _COMPARISONS else len(held), scalar)
     if local:
         scalars = []  # nothing for the output's autograd node to keep
-    if func is torch.ops.aten.embedding.default and not args[1].is_contiguous():  # indices.reshape(-1): a copy
-        held.append(tracker.alloc(f"{key}/indices", args[1].numel() * args[1].element_size())[0])
     for t, nbytes in _mixed_dtype_casts(func, tensors):
         held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
-    at = _LAYER_NORMS.get(_short_name(func))
-    if at is not None and not args[at].is_contiguous():  # X.expect_contiguous()
-        x = args[at]
-        held.append(tracker.alloc(_buffer(key), x.numel() * x.element_size())[0])
+    rule = rules.parts("cpu", func)  # rules/cpu.py: what the kernel makes before and after its outputs
+    for name, nbytes in rule["before"](args) if "before" in rule else ():
+        held.append(tracker.alloc(f"{key}/{name}" if name else _buffer(key), nbytes)[0])
     per_tensor = _foreach_scalars(func, args)
     for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
         ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)[:2]) if i is not None]
@@ -514,14 +490,8 @@ def _cpu_op(tracker, func, args, kwargs, key):
     for t in tree_leaves(out):
         if isinstance(t, torch.Tensor):
             tracker.add(t.untyped_storage(), key, reduced if t is out else t.numel() * 4 if any(t is u for u in stats) else None)
-    # CPU flash attention's per-thread buffers, made after its outputs, freed in reverse (the
-    # kernel itself answers where it was probed: bf16/fp16 through oneDNN's brgemm)
-    if not probed:
-        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in shadow_probe.flash_cpu_buffers(func, args)][::-1]
-    if func is torch.ops.aten._safe_softmax.default:  # its CPU decomposition's temporaries
-        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in _safe_softmax_buffers(args[0], out)][::-1]
-    if _short_name(func) in _SOFTMAXES and not args[0].is_contiguous():  # the kernel runs on a contiguous copy of its input
-        held.insert(0, tracker.alloc(_buffer(key), args[0].numel() * args[0].element_size())[0])
+    if "after" in rule and not probed:  # made after the outputs, freed in reverse (a probed kernel answered itself)
+        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in rule["after"](args, out)][::-1]
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
         held[:0] = _mean_buffers(tracker, key, args[0], out)
     if getattr(func, "namespace", "") == "fsdp" and _short_name(func) == "chunk_cat":  # uneven shards padded
@@ -529,23 +499,7 @@ def _cpu_op(tracker, func, args, kwargs, key):
     for group in shadow_dist.gloo_buffers(func, args):  # each group made in order, let go in reverse
         for aid in [tracker.alloc(_buffer(key), n)[0] for n in group][::-1]:
             tracker.free(aid)
-    if func is torch.ops.aten.embedding_dense_backward.default:  # indices.contiguous(), grad.contiguous()
-        copies = [t for t in (args[1], args[0]) if not t.is_contiguous()]
-        held[:0] = [tracker.alloc(_buffer(key), t.numel() * t.element_size())[0] for t in copies][::-1]
-    if func is torch.ops.aten.native_layer_norm_backward.default:
-        x, n, dy = args[1], math.prod(args[2]), args[0]  # X, normalized_shape; output_mask: dgamma, dbeta
-        made = [] if dy.is_contiguous() else [tracker.alloc(_buffer(key), dy.numel() * dy.element_size())[0]]
-        if any(args[-1][1:]):
-            made.insert(0, tracker.alloc(_buffer(key), 2 * torch.get_num_threads() * n * x.element_size())[0])
-        held[:0] = made
     return out, held, scalars
-
-
-# CPU softmax and log-softmax of a non-contiguous input (cross-entropy over logits.movedim(-1, 1),
-# a per-token loss): the output is made, then a contiguous copy of the input, freed as the kernel
-# returns (27,200 B for a 4 x 68 x 25 fp32 input, 13,600 in bf16, at any dim; an LSTM tagger's
-# per-token loss, scripts/zoo_check.py seed 418482; tests/test_known_values.py holds it)
-_SOFTMAXES = frozenset(("_softmax", "_log_softmax"))
 
 
 # CPU losses whose mean or sum is taken in place in the element-wise buffer: the 0-dim result's
@@ -569,13 +523,6 @@ def _mixed_layer_norm_stats(func, args, out):
     if x.dtype not in (torch.bfloat16, torch.float16) or weight is None or weight.dtype != torch.float32:
         return ()
     return out[1:]
-
-
-# CPU layer norm of a non-contiguous input (Whisper's encoder: conv, permute, + positions): the
-# kernel copies it contiguous before its outputs and frees the copy as it returns; its backward
-# copies X the same way, and a non-contiguous dY after its outputs (3,840 B each for a 2 x 30 x 16
-# fp32 input; scripts/user_loops.py's whisper; tests/test_known_values.py). {op: X's position}
-_LAYER_NORMS = {"native_layer_norm": 0, "native_layer_norm_backward": 1}
 
 
 def _reduced_loss_bytes(func, args, kwargs, out):

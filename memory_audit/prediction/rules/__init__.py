@@ -3,19 +3,19 @@
 A rule is registered beside its definition (`@rule("cuda", "aten.cumsum.default", "after")`),
 as torch's flop counter registers its formulas, and each rule's docstring names the committed
 trace it was read from and the check it passed. A rule has parts, each a function of the op's
-arguments (or, for "outputs", of its result):
-  before    [bytes] the kernel allocates before its outputs and frees before it returns
-  after     [bytes] it allocates after its outputs and frees (first) before it returns
+arguments; their signatures are the device's (rules/cuda.py, rules/cpu.py say them):
+  before    what the kernel allocates before its outputs and frees before it returns
+  after     what it allocates after its outputs and frees before it returns
   events    (before, after): temporaries that interleave with the outputs, as ("alloc", bytes) |
-            ("free", k) (k: the k-th alloc of both lists together)
-  outputs   [(tensor, bytes or None)] of the result in the order the device allocates them
+            ("free", k) (k: the k-th alloc of both lists together) (CUDA)
+  outputs   [(tensor, bytes or None)] of the result in the order the device allocates them (CUDA)
   outside   where the call lies outside the shapes the rule was measured at: (the rule's name
-            in SAMPLES, the call's shape in words), else None
+            in SAMPLES, the call's shape in words), else None (CUDA)
 The shadow's tracker asks `parts(device, func)` for each op (a dict lookup after an overload's
 first). Plain Python: no torch imported here.
 """
 
-REGISTRY = {"cuda": {}}  # device -> {"aten.<op>.<overload>": {part: function}}
+REGISTRY = {}  # device -> {"aten.<op>.<overload>": {part: function}}
 _PARTS = ("before", "after", "events", "outputs", "outside")
 _BY_FUNC = {}  # (device, op overload) -> its parts: the registry read once per overload
 
@@ -39,6 +39,7 @@ def parts(device, func):
     """{part: function} of `func`'s rule on `device` ({} where none is registered)."""
     key = (device, func)
     found = _BY_FUNC.get(key)
-    if found is None:  # (a rules module registers its rules when imported: shadow_cuda imports rules.cuda)
+    if found is None:  # (a rules module registers its rules when imported: shadow_cuda imports
+        # rules.cuda, shadow_tracker rules.cpu)
         found = _BY_FUNC[key] = REGISTRY.get(device, {}).get(str(func), {})
     return found
