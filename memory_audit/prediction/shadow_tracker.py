@@ -5,7 +5,8 @@ weakref on that storage gives the moment it is freed. The rules below add what t
 cannot see, each measured on CPU audits (shadow.py runs the step). What one op's kernel makes
 before and after its outputs is a rule of its own in rules/cpu.py (layer norm's buffers and
 copies, CPU flash attention's work buffers, _safe_softmax's temporaries, softmax's and
-embedding's copies of non-contiguous inputs); the tracker's own rules, over many ops:
+embedding's copies of non-contiguous inputs); the rules over many ops (shadow_cpu.py applies
+the CPU ones, with rules/cpu.py's and the kernel probes, to each op of a CPU step):
   inplace_accumulate  autograd's gradient sum (an add during backward whose first operand, not a
                       view and contiguous, dies with it) reuses that operand's memory; autograd
                       decides so only for a tensor Python has never seen, so watching prevents it;
@@ -48,15 +49,8 @@ import math
 import re
 import weakref
 
-from . import rules, shadow_cuda, shadow_dist, shadow_probe
-from .rules import cpu as cpu_rules  # noqa: F401 -- its rules register themselves
-
-# elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
-_MIXED = frozenset(("add", "sub", "mul", "div"))
-# ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
-_COMPARISONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge"))
-_WRAPS_SCALAR = _COMPARISONS | frozenset(("add", "sub", "mul", "div", "rsub"))
-
+from . import shadow_cpu, shadow_cuda, shadow_dist
+from .shadow_cpu import short_name
 
 class Tracker:
     """Allocations and frees of the storages ops return, in order (see module docstring).
@@ -212,7 +206,7 @@ class Tracker:
         self._settle_saved()
         if self.pending:
             from torch.multiprocessing.reductions import StorageWeakRef
-            saved = _saved_scalars(self.pending_out())
+            saved = shadow_cpu.saved_scalars(self.pending_out())
             for aid in self.pending:
                 if saved:  # a real tensor's storage: watched through a C++ weak reference
                     self.saved.append((StorageWeakRef(saved.pop(0).untyped_storage()), aid))
@@ -245,82 +239,6 @@ class Tracker:
         return sum(self.allocs[aid][1] for aid, _ in self.live.values())
 
 
-def _scalar_bytes(value):
-    return 1 if isinstance(value, bool) else 8
-
-
-def _scalar_allocs(tracker, key, value, like, exists=False, again=False):
-    """A wrapped scalar (8 B; 1 B for a bool) and, where the op computes in another dtype than
-    the scalar's (double, int64, bool), its cast to `like`'s dtype: (scalar id, cast id or None,
-    second wrap id or None). exists: the scalar is a tensor already (a backward formula reading
-    the wrapped scalar its node saved, measured for div): only the cast is new (scalar id None).
-    again: a Python dispatch mode (SAC's) re-dispatched the op, whose argument parser wraps the
-    number a second time, after the first and before the cast (measured on CPU audits)."""
-    import torch
-    scalar = None if exists else tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0]
-    second = tracker.alloc(f"{key}/scalar", _scalar_bytes(value))[0] if again else None
-    own = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
-    if like is None or like.dtype == own:
-        return scalar, None, second
-    return scalar, tracker.alloc(f"{key}/scalar_cast", like.element_size())[0], second
-
-
-def _under_python_mode():
-    """Whether the op reached the tracker through SAC's dispatch mode (torch.utils.checkpoint's
-    __torch_dispatch__ on the Python stack): its arguments were re-parsed there."""
-    import sys
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "__torch_dispatch__" and code.co_filename.endswith(("utils/checkpoint.py", "utils\\checkpoint.py")):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _mixed_dtype_casts(func, tensors):
-    """[(operand, bytes)] of the copies a CPU elementwise op makes of the operands whose dtype is
-    not the common one (fp32 + bf16 under autocast: the bf16 side cast to fp32) before it runs."""
-    import torch
-    name = func.__name__.split(".")[0].rstrip("_")
-    if name not in _MIXED or func._overloadname != "Tensor" or len(tensors) != 2:
-        return []
-    a, b = tensors
-    if a.dtype == b.dtype or a.dim() == 0 or b.dim() == 0:
-        return []
-    common = torch.result_type(a, b)
-    return [(t, t.numel() * common.itemsize) for t in (a, b) if t.dtype != common]
-
-
-def _foreach_scalars(func, args):
-    """[(value, tensor)] for each tensor of a _foreach_ op's Scalar or ScalarList overload whose
-    per-tensor op wraps its scalar: on CPU the foreach ops run that op tensor by tensor."""
-    name = func.__name__.split(".")[0]
-    if not name.startswith("_foreach_") or func._overloadname not in ("Scalar", "ScalarList"):
-        return []
-    if name[len("_foreach_"):].rstrip("_") not in _WRAPS_SCALAR or len(args) < 2:
-        return []
-    tensors, values = args[0], args[1]
-    values = values if isinstance(values, (list, tuple)) else [values] * len(tensors)
-    return [(v, t) for v, t in zip(values, tensors) if isinstance(v, (bool, int, float))]
-
-
-def _wrapped_scalars(func, args):
-    """([values], local): the Python numbers the op gets for Tensor arguments (CPU wraps each in
-    a 0-dim tensor that the op's autograd node may keep), or, local=True, the Scalar operand of
-    a Scalar overload, which the op wraps itself and lets go as it returns (measured on CPU:
-    `mask == 0` frees the scalar before its cast, dropout's `div_` after)."""
-    out = []
-    schema = func._schema.arguments
-    for i, a in enumerate(args[:len(schema)]):
-        if isinstance(a, (bool, int, float)) and str(schema[i].type) == "Tensor":
-            out.append(a)
-    name, overload = func.__name__.split(".")[0].rstrip("_"), func._overloadname
-    if not out and overload == "Scalar" and name in _WRAPS_SCALAR:
-        return [a for a in args[1:2] if isinstance(a, (bool, int, float))], True
-    return out, False
-
-
 def dispatch_mode(tracker, device_type):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -350,14 +268,14 @@ def dispatch_mode(tracker, device_type):
                 return _view_op(tracker, func, args, kwargs)
             tracker.before_op()
             tracker.last = (func, tracker.label)  # named if the step fails here
-            key = tracker.key(tracker.stand_in or _short_name(func))
+            key = tracker.key(tracker.stand_in or short_name(func))
             tracker.stand_in = None
             if tracker.real_ints and shadow_dist.runs_real(func, args, kwargs):  # DDP's reducer reads these
                 from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():
-                    out, held, scalars = _cpu_op(tracker, func, args, kwargs, key)
+                    out, held, scalars = shadow_cpu.cpu_op(tracker, func, args, kwargs, key)
             else:
-                out, held, scalars = (_cpu_op if cpu else _device_op)(tracker, func, args, kwargs, key)
+                out, held, scalars = (shadow_cpu.cpu_op if cpu else _device_op)(tracker, func, args, kwargs, key)
             for aid in held:
                 tracker.free(aid)
             if scalars and isinstance(out, torch.Tensor):
@@ -381,16 +299,6 @@ def dispatch_mode(tracker, device_type):
 
 
 _PLAIN = ()  # the tensor types the tracker records ops on (dispatch_mode sets them)
-_SHORT = {}  # op -> its name without the overload ("mm" for aten.mm.default)
-
-
-def _short_name(func):
-    name = _SHORT.get(func)
-    if name is None:
-        name = _SHORT[func] = func.__name__.split(".")[0]
-    return name
-
-
 def _view_op(tracker, func, args, kwargs):
     """A view op on meta tensors with nothing pending: its kernel, and a storage first seen here
     (made where no op showed it) registered."""
@@ -401,7 +309,7 @@ def _view_op(tracker, func, args, kwargs):
         if t.device.type == "cpu":  # host memory (torch.tensor(1.0, device="cpu") lifted): see _device_op
             tracker.forget(t.untyped_storage())
         elif t.untyped_storage()._cdata not in tracker.live:
-            tracker.add(t.untyped_storage(), tracker.key(_short_name(func)), nbytes)
+            tracker.add(t.untyped_storage(), tracker.key(short_name(func)), nbytes)
     return out
 
 
@@ -428,10 +336,10 @@ def _device_op(tracker, func, args, kwargs, key):
         tracker.add(t.untyped_storage(), key, nbytes, tag)
     _kernel_events(tracker, key, after, made)
     held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
-    if tracker.workspace_bytes and _short_name(func) in shadow_cuda.GEMMS and any(t.device.type != "cpu" for t, _ in outs):
+    if tracker.workspace_bytes and short_name(func) in shadow_cuda.GEMMS and any(t.device.type != "cpu" for t, _ in outs):
         thread = "backward" if tracker.phase == "backward" else "main"
         tracker.hold(("cublas", thread), "workspace/cublas", tracker.workspace_bytes)  # one line, as audits name it
-        if tracker.lt_workspace_bytes and _short_name(func) == "addmm":  # a bias epilogue: cuBLASLt's own
+        if tracker.lt_workspace_bytes and short_name(func) == "addmm":  # a bias epilogue: cuBLASLt's own
             tracker.hold(("cublaslt", thread), "workspace/cublaslt", tracker.lt_workspace_bytes)
     return out, held, []
 
@@ -443,154 +351,6 @@ def _kernel_events(tracker, key, events, made):
             made.append(tracker.alloc(f"{key}/kernel_temporary", n)[0])
         else:
             tracker.free(made[n])
-
-
-def _cpu_op(tracker, func, args, kwargs, key):
-    """An op of a CPU step's shadow under the rules (module docstring, rules/cpu.py): wrapped scalars and their
-    casts, mixed-dtype copies, a foreach op's per-tensor scalars, the outputs, then the kernels'
-    own buffers. Returns (out, [ids freed as it returns], the scalars its node may keep)."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-    scalars, local = _wrapped_scalars(func, args)
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    held = []  # freed once the outputs are made: casts, and a foreach op's last scalar
-    # a backward formula (grad mode off: not a checkpoint's recomputation) reads the
-    # wrapped scalar its node saved: a 0-dim tensor already
-    saved_scalar = tracker.phase == "backward" and not torch.is_grad_enabled() and not local
-    # no autograd node will be made: the wrapped scalar goes as the op returns, after its cast
-    graphless = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-    for value in scalars:
-        again = not local and not saved_scalar and _under_python_mode()
-        scalar, cast, second = _scalar_allocs(tracker, key, value, tensors[0] if tensors else None, saved_scalar, again)
-        held += [i for i in (cast, second) if i is not None]  # the second wrap goes after the cast
-        if scalar is not None and not local:
-            (held if graphless else tracker.pending).append(scalar)
-        if local:  # comparisons let the scalar go before its cast, arithmetic after
-            held.insert(0 if _short_name(func) in _COMPARISONS else len(held), scalar)
-    if local:
-        scalars = []  # nothing for the output's autograd node to keep
-    for t, nbytes in _mixed_dtype_casts(func, tensors):
-        held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
-    rule = rules.parts("cpu", func)  # rules/cpu.py: what the kernel makes before and after its outputs
-    for name, nbytes in rule["before"](args) if "before" in rule else ():
-        held.append(tracker.alloc(f"{key}/{name}" if name else _buffer(key), nbytes)[0])
-    per_tensor = _foreach_scalars(func, args)
-    for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
-        ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)[:2]) if i is not None]
-        if j < len(per_tensor) - 1:
-            for aid in ids:
-                tracker.free(aid)
-        else:
-            held += ids
-    # a functional collective's wait returns the tensor it waited on (the fake kernel, a new one)
-    out = args[0] if func.namespace == "_c10d_functional" and _short_name(func) == "wait_tensor" else func(*args, **kwargs)
-    probed = shadow_probe.wanted(_short_name(func), args) and _probed_op(tracker, func, args, kwargs, key, out)
-    reduced = _reduced_loss_bytes(func, args, kwargs, out)
-    stats = _mixed_layer_norm_stats(func, args, out)
-    for t in tree_leaves(out):
-        if isinstance(t, torch.Tensor):
-            tracker.add(t.untyped_storage(), key, reduced if t is out else t.numel() * 4 if any(t is u for u in stats) else None)
-    if "after" in rule and not probed:  # made after the outputs, freed in reverse (a probed kernel answered itself)
-        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in rule["after"](args, out)][::-1]
-    if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
-        held[:0] = _mean_buffers(tracker, key, args[0], out)
-    if getattr(func, "namespace", "") == "fsdp" and _short_name(func) == "chunk_cat":  # uneven shards padded
-        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in shadow_dist.chunk_cat_pads(args[0], args[1], args[2])]
-    for group in shadow_dist.gloo_buffers(func, args):  # each group made in order, let go in reverse
-        for aid in [tracker.alloc(_buffer(key), n)[0] for n in group][::-1]:
-            tracker.free(aid)
-    return out, held, scalars
-
-
-# CPU losses whose mean or sum is taken in place in the element-wise buffer: the 0-dim result's
-# storage is the whole buffer (F.mse_loss of 24 fp32 elements: 96 B, not 4; bf16: 48). Found by
-# an independent set of loops (a GRU and an autoencoder with MSE; F.binary_cross_entropy after a
-# sigmoid: 37,632 B, not 4, scripts/user_loops.py's conv_autoencoder); l1, huber and BCE with logits reduce
-# into a new 0-dim tensor.
-_ELEMENTWISE_LOSSES = frozenset(("mse_loss", "smooth_l1_loss", "soft_margin_loss", "binary_cross_entropy"))
-
-
-def _mixed_layer_norm_stats(func, args, out):
-    """The mean and rstd of a CPU layer norm whose input is bf16 (fp16) and its weight fp32 (the
-    mixed type a model's fp32 LayerNorm meets under autocast, which leaves layer_norm alone on
-    CPU): fp32, where the fake kernel makes them in the input's dtype (BERT's prediction head in bf16:
-    576 B short; scripts/zoo_check.py seeds 461854 and 418482). With a weight of the input's dtype,
-    or none, they are the input's dtype, as the fake kernel says."""
-    import torch
-    if func is not torch.ops.aten.native_layer_norm.default:
-        return ()
-    x, weight = args[0], args[2] if len(args) > 2 else None
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight is None or weight.dtype != torch.float32:
-        return ()
-    return out[1:]
-
-
-def _reduced_loss_bytes(func, args, kwargs, out):
-    """The bytes of a reduced loss's storage where the CPU kernel keeps its element-wise buffer
-    (_ELEMENTWISE_LOSSES), else None."""
-    import torch
-    if _short_name(func) not in _ELEMENTWISE_LOSSES or not isinstance(out, torch.Tensor) or out.dim():
-        return None
-    at = [a.name for a in func._schema.arguments].index("reduction")  # binary_cross_entropy: after its weight
-    reduction = kwargs.get("reduction", args[at] if len(args) > at else 1)
-    if reduction == 0:  # none: the element-wise tensor is the output already
-        return None
-    return math.prod(torch.broadcast_shapes(args[0].shape, args[1].shape)) * out.element_size()
-
-
-def _buffer(key):
-    """The name of a kernel's own buffer, made and freed inside the op: a temporary in any phase,
-    as the audit names it (a forward op's buffer is no activation)."""
-    return ("temporary/forward/" + key[len("activations/"):] if key.startswith("activations/") else key) + "/buffer"
-
-
-def _mean_buffers(tracker, key, x, out):
-    """CPU mean: its sum divided in place by the element count (a wrapped int64 and its cast,
-    freed in reverse as it returns: the ids returned). For bf16/fp16 the sum runs in fp32: an fp32
-    result, the input cast to fp32 (freed after the sum), the divide, then the result freed."""
-    import torch
-    if out.dtype in (torch.float32, torch.float64):
-        scalar, cast, _ = _scalar_allocs(tracker, f"{key}/div_", 1, out)
-        return [i for i in (cast, scalar) if i is not None]
-    if out.dtype not in (torch.bfloat16, torch.float16):
-        return []
-    result = tracker.alloc(_buffer(key), out.numel() * 4)[0]
-    tracker.free(tracker.alloc(_buffer(key), x.numel() * 4)[0])
-    scalar, cast = (tracker.alloc(f"{key}/div_/{name}", n)[0] for name, n in (("scalar", 8), ("scalar_cast", 4)))
-    for i in (cast, scalar, result):  # the int64 count and its fp32 cast, then the fp32 result
-        tracker.free(i)
-    return []
-
-
-def _probed_op(tracker, func, args, kwargs, key, out):
-    """The kernel's own allocations and frees around its outputs, in its order, as a kernel
-    probe found them (shadow_probe): an output at its real size (remembered when the fake one
-    differs, for the op that reads it next), a buffer as a temporary (_buffer). False where no
-    probe could run (the call keeps its fake sizes and is listed as unprobed)."""
-    import torch
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-
-    def real_shape(t):
-        return tracker.real_shapes.get(t.untyped_storage()._cdata)
-    made = sum(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
-    found = shadow_probe.sequence(func, args, kwargs, real_shape, made)
-    if found is None:
-        tracker.unprobed.add(_short_name(func))
-        return False
-    tracker.probed.add(_short_name(func))
-    entries, shapes = found
-    ids = {}
-    for i, (action, which, nbytes) in enumerate(entries):
-        if action == "free":
-            tracker.free(ids[which])
-        elif action == "alloc" and which is None:
-            ids[i] = tracker.alloc(_buffer(key), nbytes)[0]
-        elif action == "alloc" and isinstance(outs[which], torch.Tensor):
-            t, storage = outs[which], outs[which].untyped_storage()
-            tracker.add(storage, key, nbytes)
-            if (tuple(t.shape), tuple(t.stride()), t.dtype) != shapes[which]:  # what the next probe must feed it
-                tracker.real_shapes[storage._cdata] = shapes[which]
-    return True
 
 
 def op_block(tracker, args):
@@ -784,23 +544,6 @@ def rng_states(tracker):
         yield
     finally:
         torch.get_rng_state = original
-
-
-def _saved_scalars(out):
-    """The wrapped scalars (real 0-dim tensors among fake ones) that `out`'s autograd node
-    saved (autograd saves them without the saved-tensor hooks: read from the node)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-    node = getattr(out, "grad_fn", None)
-    if node is None:
-        return []
-    found = []
-    for attr in dir(node):
-        if attr.startswith("_saved_"):
-            v = getattr(node, attr)
-            if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) and v.dim() == 0:
-                found.append(v)
-    return found
 
 
 def module_labels(model, tracker, root="gpt"):
