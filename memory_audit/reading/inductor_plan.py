@@ -94,70 +94,82 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None)
     bytes] of each buffer made, in order], "unasked": [(line, op, reason)] (kernel's)}.
     """
     body = call_body(code)
-    names, storages, size = {}, {}, {}  # name -> storage; storage -> names; storage -> bytes
-    order = []
-    for stmt in body:
-        if stmt.endswith("= args"):
-            order = [n.strip() for n in stmt[:-len("= args")].split(",") if n.strip()]
-            break
-    for n in order:
-        sid, nbytes = inputs.get(n, (f"input:{n}", 0))
-        names[n] = sid
-        storages.setdefault(sid, set()).add(n)
-        size[sid] = nbytes
-    input_sids = {names[n] for n in order}
+    order = next(([n.strip() for n in stmt[:-len("= args")].split(",") if n.strip()]
+                  for stmt in body if stmt.endswith("= args")), [])
     sizing = {"layouts": layouts or {}, "tuples": {m.group(2) for m in map(_ITEM.match, body) if m}}
-    live, peak, peak_line, peak_live, freed_at_peak = 0, 0, -1, {}, []
-    made, freed = {}, []  # storages the graph allocated -> first name; inputs it freed
+    plan = _Storages(inputs, order, held, tag, sizing)
     kernels = _Kernels(kernel, layouts or {}, order, sizing["tuples"]) if kernel else None
-    allocations = []  # [name, bytes] of every buffer it makes, in order (what the trace shows)
-
-    def drop(name):
-        nonlocal live
-        sid = names.pop(name, None)
-        if sid is None:
-            return
-        storages[sid].discard(name)
-        if not storages[sid] and sid not in held:
-            live -= size[sid]
-            made.pop(sid, None)
-            if sid in input_sids:
-                freed.append(sid)
-
+    peak, peak_line, peak_live, freed_at_peak = 0, -1, {}, []
     for i, stmt in enumerate(body):
         inside = kernels.held(i, stmt, body) if kernels else {}  # what a kernel holds inside the line
+        if stmt.startswith("return "):
+            return dict(plan.returned(stmt), inputs=order, peak=peak, peak_line=peak_line, peak_live=peak_live,
+                        freed_at_peak=freed_at_peak, allocations=plan.allocations,
+                        unasked=kernels.unasked if kernels else [])
+        plan.run(i, stmt)
+        if plan.live + sum(inside.values()) > peak:
+            peak, peak_line = plan.live + sum(inside.values()), i
+            peak_live = dict(plan.buffers(), **inside)
+            freed_at_peak = list(plan.freed)
+    raise PlanError("the wrapper's call(args) has no return")
+
+
+class _Storages:
+    """The storages a wrapper's names stand for while its call runs: a storage is freed when its
+    last name is deleted, unless the caller holds it (`held`); `live` is the bytes the graph has
+    added above its start."""
+
+    def __init__(self, inputs, order, held, tag, sizing):
+        self.names, self.storages, self.size = {}, {}, {}  # name -> storage; storage -> names; storage -> bytes
+        for n in order:
+            sid, nbytes = inputs.get(n, (f"input:{n}", 0))
+            self.names[n] = sid
+            self.storages.setdefault(sid, set()).add(n)
+            self.size[sid] = nbytes
+        self.input_sids, self.held, self.tag, self.sizing = {self.names[n] for n in order}, held, tag, sizing
+        self.live = 0
+        self.made, self.freed = {}, []  # storages the graph allocated -> first name; inputs it freed
+        self.allocations = []  # [name, bytes] of every buffer it makes, in order (what the trace shows)
+
+    def run(self, i, stmt):
+        """One statement of the call before its return: a `del`, or an assignment."""
         if stmt.startswith("del "):
             for n in stmt[4:].split(","):
-                drop(n.strip())
-        elif stmt.startswith("return "):
-            outputs = []
-            for item in _split_top(stmt[len("return "):].strip().strip("()")):
-                m = _REINTERPRET.match(item)
-                ref = m.group(1) if m else item
-                outputs.append((names[ref], size[names[ref]]) if ref in names else (None, 0))
-            returned = {sid for sid, _ in outputs}
-            output_buffers = [made.get(sid) for sid, _ in outputs]  # the buffer name each output was made as
-            end = live - sum(size[s] for s in made if s not in returned)  # the call's locals die
-            return {"inputs": order, "peak": peak, "peak_line": peak_line, "end": end, "outputs": outputs,
-                    "peak_live": peak_live, "freed_at_peak": freed_at_peak, "allocations": allocations,
-                    "output_buffers": output_buffers, "unasked": kernels.unasked if kernels else []}
-        elif _EXTERN.match(stmt):
-            pass
-        elif stmt.endswith("= args") or stmt == "args.clear()" or not _ASSIGN.match(stmt):
-            continue
-        else:
+                self.drop(n.strip())
+        elif not (stmt.endswith("= args") or stmt == "args.clear()") and _ASSIGN.match(stmt):
             target = _ASSIGN.match(stmt).group(1)
-            if target in names:  # a name bound again: what it named loses it first
-                drop(target)
-            grew = _assign(stmt, names, storages, size, made, f"{tag}:{{}}@{i}", sizing)
+            if target in self.names:  # a name bound again: what it named loses it first
+                self.drop(target)
+            grew = _assign(stmt, self.names, self.storages, self.size, self.made, f"{self.tag}:{{}}@{i}", self.sizing)
             if grew:
-                allocations.append([target, grew])
-            live += grew
-        if live + sum(inside.values()) > peak:
-            peak, peak_line = live + sum(inside.values()), i
-            peak_live = dict({made[s]: size[s] for s in made if size[s]}, **inside)  # a tuple holds nothing
-            freed_at_peak = list(freed)
-    raise PlanError("the wrapper's call(args) has no return")
+                self.allocations.append([target, grew])
+            self.live += grew
+
+    def drop(self, name):
+        sid = self.names.pop(name, None)
+        if sid is None:
+            return
+        self.storages[sid].discard(name)
+        if not self.storages[sid] and sid not in self.held:
+            self.live -= self.size[sid]
+            self.made.pop(sid, None)
+            if sid in self.input_sids:
+                self.freed.append(sid)
+
+    def buffers(self):
+        """{buffer name: bytes} of what the graph made and holds (a tuple result holds nothing)."""
+        return {self.made[s]: self.size[s] for s in self.made if self.size[s]}
+
+    def returned(self, stmt):
+        """What the `return` statement hands back: outputs, their buffers, and the bytes left."""
+        outputs = []
+        for item in _split_top(stmt[len("return "):].strip().strip("()")):
+            m = _REINTERPRET.match(item)
+            ref = m.group(1) if m else item
+            outputs.append((self.names[ref], self.size[self.names[ref]]) if ref in self.names else (None, 0))
+        returned = {sid for sid, _ in outputs}
+        return {"outputs": outputs, "output_buffers": [self.made.get(sid) for sid, _ in outputs],
+                "end": self.live - sum(self.size[s] for s in self.made if s not in returned)}  # the call's locals die
 
 
 class _Kernels:
