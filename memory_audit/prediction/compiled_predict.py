@@ -17,7 +17,7 @@ wrappers' code, stopping before any kernel is compiled (seconds, no step, no GPU
                  does not use it; its buffers, and the saved storages it frees) and, on CPU, the
                  eager stretch after backward (clipping, the optimizer's step: after_backward_lines)
 On CPU the kernels a wrapper calls are asked for their own buffers as the eager shadow asks
-them (shadow_probe.extern_kernel: oneDNN's bf16 matmul scratch, CPU flash attention's buffers).
+them (shadow_cpu.plan_kernel: oneDNN's bf16 matmul scratch, CPU flash attention's buffers).
 
 Needs torch and model.py (it builds the model); the eager predictor stays torch-free.
 """
@@ -239,9 +239,9 @@ def predict_compiled(config=None, device=None, plan=None):
     plan = plan or plan_for(cfg, dev["type"])
     params = param_shapes(cfg)
     kernel = None
-    if dev["type"] == "cpu":  # the extern kernels asked as the eager shadow asks them, as on the audited CPU
-        from . import shadow_probe
-        kernel = shadow_probe.extern_kernel
+    if dev["type"] == "cpu":  # the kernels answered as the eager shadow answers them, as on the audited CPU
+        from . import shadow_cpu
+        kernel = shadow_cpu.plan_kernel
     with _on_cpu(dev, cfg):
         acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: short_module(m, "", "gpt"), kernel)
         steady = [plain(l) for l in steady_lines(s, cfg, dev, params) + acts]

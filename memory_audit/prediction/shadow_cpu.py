@@ -271,3 +271,36 @@ def saved_scalars(out):
     return found
 
 
+
+
+def plan_kernel(op, args, kwargs):
+    """What a kernel a compiled wrapper calls allocates inside itself (inductor_plan.replay's
+    `kernel`), answered as cpu_op answers the same op in an eager step: asked of the kernel where
+    shadow_probe asks it (bf16/fp16 matmuls through oneDNN; `extern_kernels.mm(a, b, out=buf)` is
+    op "mm", its out= variant), else, for a fallback kernel (op "aten.<name>.<overload>"), its
+    outputs and rules/cpu.py's buffers (CPU flash attention's). Returns [("alloc", output index or
+    None, bytes) | ("free", index, bytes)]; None where nothing is asked; a reason (str) where the
+    kernel would be asked but cannot be. args and kwargs: (size, stride, dtype name) per tensor."""
+    import torch
+    fallback = op.startswith("aten.")
+    name, overload = op.split(".")[1:] if fallback else (op, "out")
+    func = getattr(getattr(torch.ops.aten, name), overload)
+
+    def meta(a):
+        return torch.empty_strided(a[0], a[1], dtype=getattr(torch, a[2]), device="meta") if isinstance(a, tuple) else a
+    m_args, m_kwargs = [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()}
+    if shadow_probe.wanted(name, m_args):
+        found = shadow_probe.sequence(func, m_args, m_kwargs, lambda t: None)
+        if found is not None:  # an out= buffer is the caller's: the kernel's entries are its own
+            return found[0]
+        if not fallback:
+            return "not asked (a profile recording, its tensors over shadow_probe.LIMIT, or refused)"
+    rule = rules.parts("cpu", func) if fallback else {}
+    if not rule:
+        return None
+    out = func(*m_args, **m_kwargs)
+    outs = [(j, t) for j, t in enumerate(out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+    before = [n for _, n in rule["before"](m_args)] if "before" in rule else []
+    after = rule["after"](m_args, out) if "after" in rule else []
+    return [("alloc", None, n) for n in before] + [("alloc", j, t.untyped_storage().nbytes()) for j, t in outs] + \
+        [("alloc", None, n) for n in after]

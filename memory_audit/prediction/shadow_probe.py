@@ -22,8 +22,6 @@ Plain Python until called: torch is imported inside the functions.
 
 import contextlib
 
-from ..reading.inductor_plan import strided_bytes
-
 PROBED = frozenset((
     "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward",  # LSTM layers: the workspace, weight reorders, scratch
     "convolution", "convolution_backward",  # the weight's reorder into oneDNN's layout
@@ -107,66 +105,6 @@ def native(dtype):
         ask = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
         _NATIVE[dtype] = bool(getattr(torch.ops.mkldnn, ask)())
     return _NATIVE[dtype]
-
-
-def extern_kernel(op, args, kwargs):
-    """What a kernel a compiled wrapper calls allocates inside itself (inductor_plan.replay's
-    `kernel`), asked as the eager shadow asks the same kernel: an extern matmul
-    (`extern_kernels.mm(a, b, out=buf)`, op "mm") in bf16/fp16 where oneDNN runs it, of the kernel
-    itself; CPU flash attention (op "aten.<name>.<overload>", a fallback kernel) by
-    _fallback_kernel. Returns [("alloc", output index or None, bytes) | ("free", index, bytes)];
-    None where the eager shadow would not ask; a reason where it would but cannot (its inputs over
-    LIMIT, a profile recording, the kernel refusing the layouts). args and kwargs: (size, stride,
-    dtype name) for each tensor, the out= buffer's included."""
-    import torch
-    if op.startswith("aten."):
-        return _fallback_kernel(op, args, kwargs, torch)
-    layouts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, tuple)]
-    if op not in MATMULS or not any(getattr(torch, a[2]) in (torch.bfloat16, torch.float16)
-                                    and native(getattr(torch, a[2])) for a in layouts):
-        return None
-    if torch.autograd.profiler._is_profiler_enabled:
-        return "a profile is recording"
-    if sum(strided_bytes(*a) for a in layouts) > LIMIT:
-        return f"its tensors take more than {LIMIT >> 20} MiB"
-    key = ("extern", op, tuple(args), tuple(sorted(kwargs.items())), torch.get_num_threads(),
-           torch.backends.mkldnn.enabled)
-    if key not in _CACHE:
-        r_args, r_kwargs = [_real(a, torch) for a in args], {k: _real(v, torch) for k, v in kwargs.items()}
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            try:
-                events, _ = _profiled(getattr(torch, op), r_args, r_kwargs, torch)
-                _CACHE[key] = _entries(events, {})  # the out= buffer is the caller's: all of it is scratch
-            except Exception:  # noqa: BLE001 -- the kernel refuses the layouts the wrapper names
-                _CACHE[key] = "the kernel refused the wrapper's layouts"
-    return _CACHE[key]
-
-
-def _real(a, torch, device="cpu"):
-    """A zero-filled tensor at layout a ((size, stride, dtype name)); anything else as it is."""
-    if not isinstance(a, tuple):
-        return a
-    t = torch.empty_strided(a[0], a[1], dtype=getattr(torch, a[2]), device=device)
-    return t if device == "meta" else t.zero_()
-
-
-def _fallback_kernel(op, args, kwargs, torch):
-    """A fallback kernel's allocations, outputs included: CPU flash attention's, asked of the
-    kernel where the eager shadow asks it (bf16/fp16 through oneDNN), else (and where the kernel
-    cannot be asked) by the eager shadow's rule: its outputs, then flash_cpu_buffers' per-thread
-    buffers."""
-    _, name, overload = op.split(".")
-    if name not in FLASH_CPU:
-        return None
-    func = getattr(getattr(torch.ops.aten, name), overload)
-    m_args, m_kwargs = [_real(a, torch, "meta") for a in args], {k: _real(v, torch, "meta") for k, v in kwargs.items()}
-    found = sequence(func, m_args, m_kwargs, lambda t: None) if wanted(name, m_args) else None
-    if found is not None:
-        return found[0]
-    out = func(*m_args, **m_kwargs)
-    outs = [(j, t) for j, t in enumerate(out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
-    return [("alloc", j, t.untyped_storage().nbytes()) for j, t in outs] + \
-        [("alloc", None, n) for n in flash_cpu_buffers(func, m_args)]
 
 
 def flash_cpu_buffers(func, args):
