@@ -262,6 +262,12 @@ def cmd_plan(args, extra):
     said = ("shadow run", "shadow run (blocks repeated)")  # the usual: a table cell says enough
     for reason in sorted({o["from"] for o in [b] + r["options"] if o["from"] not in said}):
         print(f"{_source(reason)} rows: {_why(reason)}")
+    rows = {}  # rule -> the rows whose prediction applied it
+    for o in [b] + r["options"]:
+        for rule in o.get("unmeasured", []):
+            rows.setdefault(rule, []).append(o["option"])
+    for rule, names in rows.items():
+        print(f"not measured on a GPU ({', '.join(names)}): {rule}")
 
 
 def _why(text):

@@ -62,9 +62,8 @@ def test_every_other_block_checkpointed_is_not_repeated():
 
 
 def test_predict_takes_the_peak_and_reserved_from_the_shadow_replay():
-    """prediction()'s totals where the shadow covers the config are the replay's, to the byte;
-    where it does not (torchrun strategies on a GPU), the ledger's, saying why; a torchrun rank on
-    CPU is the shadow run of that rank."""
+    """prediction()'s totals are the shadow replay's, to the byte: a deep step's from its
+    repeated blocks, a torchrun rank's (on a GPU or a CPU) from the shadow run of that rank."""
     from memory_audit.prediction import shadow
     from memory_audit.prediction.predict import prediction
     dev = device_facts()
@@ -77,7 +76,7 @@ def test_predict_takes_the_peak_and_reserved_from_the_shadow_replay():
         == (r["peak"], r["reserved"], r["before_backward"], r["end"])
     assert "ledger" not in t
     ddp = prediction(dict(cfg, parallel="ddp", world_size=2), dev)["totals"]
-    assert ddp["from"].startswith("ledger (parallel=ddp on a GPU")
+    assert ddp["from"] == "shadow run"  # a rank's strategy is run whole
     rank = dict(cfg, n_layer=2, parallel="ddp", world_size=2, rank=1)
     cpu = prediction(rank, device_facts("cpu"))["totals"]
     assert cpu["from"] == "shadow run" and cpu["peak_allocated_bytes"] == shadow.run(rank)["peak"]

@@ -25,14 +25,15 @@ AC_MODES = ("selective", "sac", "full")
 
 
 def need(cfg, dev):
-    """{allocated, reserved, outside, total, recompute_flops, forward_flops, from}: the predicted
-    bytes of prediction() (compile=True: inductor's plan, which on CUDA needs a GPU)."""
+    """{allocated, reserved, outside, total, recompute_flops, forward_flops, from, unmeasured}: the
+    predicted bytes of prediction() (compile=True: inductor's plan, which on CUDA needs a GPU) and
+    the rules it applied that no GPU trace has measured."""
     t = prediction(cfg, dev)["totals"]
     outside = t["outside_pytorch_bytes"]
     return {"allocated": t["peak_allocated_bytes"], "reserved": t["reserved_peak_bytes"], "outside": outside,
             "total": t["reserved_peak_bytes"] + outside, "recompute_flops": t["recompute_flops"],
             "forward_flops": t["forward_flops"], "comm_bytes": comm_bytes(dict(DEFAULTS, **cfg), t["params"]),
-            "from": t.get("from", "ledger")}
+            "from": t.get("from", "ledger"), "unmeasured": t.get("unmeasured_on_gpu", [])}
 
 
 def budget(dev, headroom):
@@ -119,7 +120,7 @@ def _option(name, cfg, overrides, dev, limit, base_flops, needs):
             "outside_pytorch": n["outside"], "need": n["total"], "fits": n["total"] <= limit,
             "headroom_bytes": limit - n["total"], "recompute_flops": n["recompute_flops"],
             "extra_flops_fraction": round(extra, 4), "comm_bytes_per_step": n["comm_bytes"],
-            "cost": round(extra + MICRO_BATCH_COST * doublings, 4), "from": n["from"]}
+            "cost": round(extra + MICRO_BATCH_COST * doublings, 4), "from": n["from"], "unmeasured": n["unmeasured"]}
 
 
 def plan(cfg, dev, headroom, jobs=None):
@@ -163,8 +164,10 @@ def _needs(asked):
 
 
 def _work(c):
-    """A rough size of an option's shadow run, to hand the longest out first."""
-    return c.get("gradient_accumulation_steps", 1) * (2 if c.get("activation_checkpointing", "none") != "none" else 1)
+    """A rough size of an option's shadow run, to hand the longest out first (a rank's strategy
+    runs its blocks one by one: no repeat)."""
+    return (c.get("gradient_accumulation_steps", 1) * (2 if c.get("activation_checkpointing", "none") != "none" else 1)
+            * (4 if c.get("parallel", "none") != "none" else 1))
 
 
 def smallest_miss(result):

@@ -138,11 +138,6 @@ def uncovered(cfg, dev):
     parallel = cfg.get("parallel", "none")
     if parallel != "none" and parallel not in COVERED:
         return f"parallel={parallel}: not in the shadow run"
-    if parallel != "none" and dev["type"] == "cuda":
-        return f"parallel={parallel} on a GPU: the shadow's collectives are gloo's (CPU audits); no NCCL trace is committed"
-    low = cfg["dtype"] in ("float16", "bfloat16")
-    if dev["type"] == "cuda" and cfg["attention"] == "sdpa" and low and dev.get("sdpa_backend") != "cudnn":
-        return f"SDPA takes {dev.get('sdpa_backend')} attention on this GPU: no committed trace has measured it"
     return None
 
 

@@ -63,18 +63,21 @@ def _held(state, scaler):
             "optimizer/grad_scaler/growth_tracker": getattr(scaler, "_growth_tracker", None)}
 
 
-def _setup(cfg, device_type, fake=True):
-    """(model, optimizer, scaler, get_batch, autocast) at cfg, as train.py builds them (on fake
-    tensors without initialising the weights: in-place writes that change no memory, and on
-    meta tensors each a Python kernel)."""
+def _model(cfg, device_type, fake=True):
+    """model.py's GPT at cfg, as train.py builds it (on fake tensors without initialising the
+    weights: in-place writes that change no memory, and on meta tensors each a Python kernel)."""
     import torch
     from model import GPT, GPTConfig
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
     torch.manual_seed(0)
     where = torch.device("meta") if device_type == "cuda" and fake else contextlib.nullcontext()
     with _no_init() if fake else contextlib.nullcontext(), where:
-        model = GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}))
-        shadow_dist.parallelize(model, cfg)  # torchrun's strategies: this rank's shards
+        return GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}))
+
+
+def _loop_parts(model, cfg, device_type):
+    """(optimizer, scaler, get_batch, autocast) at cfg, as train.py makes them for `model`."""
+    import torch
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
     # the values do not change memory; train.py's defaults
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), cfg["optimizer_impl"])
     B, T, V = cfg["batch_size"], cfg["block_size"], cfg["vocab_size"]
@@ -95,7 +98,7 @@ def _setup(cfg, device_type, fake=True):
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     # A fake found_inf cannot be read (.item()): the shadow takes the step, as a finite step does.
     scaler._maybe_opt_step = lambda opt, state, *a, **k: opt.step(*a, **k)
-    return model, optimizer, scaler, get_batch, autocast
+    return optimizer, scaler, get_batch, autocast
 
 
 @contextlib.contextmanager
@@ -172,33 +175,37 @@ def one_line(tracker, fn, *args):
 
 
 @contextlib.contextmanager
-def _cuda_kernels(sdpa_backend):
-    """CUDA's kernel choices (shadow_cuda.device_kernels), checkpointing's recomputation under
-    them and the forward's autocast region (shadow_gpu.recomputed)."""
-    with shadow_cuda.device_kernels(sdpa_backend) as mode, shadow_gpu.recomputed((mode,)):
+def _cuda_kernels(sdpa_backend, tracker):
+    """CUDA's kernel choices (shadow_cuda.device_kernels: a kernel no trace measured is noted in
+    tracker.unmeasured), checkpointing's recomputation under them and the forward's autocast
+    region (shadow_gpu.recomputed)."""
+    with shadow_cuda.device_kernels(sdpa_backend, tracker.unmeasured.add) as mode, shadow_gpu.recomputed((mode,)):
         yield
 
 
 def _run(cfg, device_type, fake, tracker, sdpa_backend):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from train_step import run_step  # beside model.py: the step train.py runs
-    cuda = _cuda_kernels(sdpa_backend) if device_type == "cuda" else contextlib.nullcontext()
+    cuda = _cuda_kernels(sdpa_backend, tracker) if device_type == "cuda" else contextlib.nullcontext()
     if not fake:
         base = contextlib.nullcontext()
     else:  # meta tensors for a CUDA step: C++ kernels, several times faster than FakeTensorMode
         base = shadow_cuda.meta() if device_type == "cuda" else FakeTensorMode()
     # the CPU rules outside the dispatcher (RNG states, the SDPA region); a CUDA run's RNG states are host memory
     rules = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
-    with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda, \
+    gpu = shadow_dist.on_gpu(cfg, tracker) if device_type == "cuda" else contextlib.nullcontext()
+    with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda, gpu, \
             shadow_dist.propagation_unseen(tracker, cfg):
-        model, optimizer, scaler, get_batch, autocast = _setup(cfg, device_type, fake)
+        model = _model(cfg, device_type, fake)
+        if device_type == "cuda":  # the whole history, for the allocator's model: from model.to(device) on
+            tracker.recording = True
+            shadow_cuda.to_device(model, tracker)
+        shadow_dist.parallelize(model, cfg)  # torchrun's strategies: this rank's shards
+        optimizer, scaler, get_batch, autocast = _loop_parts(model, cfg, device_type)
         train_model = shadow_dist.wrap(model, cfg, tracker)  # DDP around it, as train.py does
         handles = module_labels(model, tracker)
         if tracker.tagging:  # each event's block, for shadow_repeat
             handles += block_tags(model, tracker)
-        if device_type == "cuda":  # the whole history, for the allocator's model: from model.to(device) on
-            tracker.recording = True
-            shadow_cuda.to_device(model, tracker)
         tracker.phase = "inputs"
         state = {"loss": None}
         state["X"], state["Y"] = get_batch()
@@ -397,6 +404,8 @@ def step_result(tracker, pre, phases):
     out = {"events": events, "history": history, "pre": pre, "start_bytes": start_bytes, "phases": cut,
            "peak": start_bytes + peak, "probed": sorted(tracker.probed), "unprobed": sorted(tracker.unprobed),
            "unmeasured": sorted(tracker.unmeasured)}
+    if tracker.streams:  # the allocations made on a stream of their own (FSDP2's collectives on a GPU)
+        out["streams"] = dict(tracker.streams)
     if tracker.naming:
         out["saved"] = dict(tracker.saved_names)
     if tracker.tagging:  # each allocation's block and each event's (history, then step)
@@ -504,7 +513,8 @@ def replayed(cfg, device, repeat=True, names=False):
     key = repr((sorted(cfg.items()), sorted(kw.items()), repeat, names))
     result = _LAST.get(key)
     if result is None:
-        worth = shadow_repeat.repeatable(cfg) or shadow_repeat.micro_repeatable(cfg)
+        # a rank's strategy is run whole: the repeat rule has not held for one (FSDP2's groups, DDP's buckets)
+        worth = cfg.get("parallel", "none") == "none" and (shadow_repeat.repeatable(cfg) or shadow_repeat.micro_repeatable(cfg))
         result = repeated(cfg, **kw) if repeat and worth and not names else None
         if result is None:
             result = run(cfg, "cuda", names=names, **kw)

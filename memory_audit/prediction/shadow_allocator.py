@@ -17,19 +17,41 @@ from ..reading.trace import fastcore
 from ..schema import PHASES_KEY, PREDICTED_FRAME
 
 
+STREAM_SPAN = 1 << 52  # each stream's segments in an address range of their own
+
+
 def placed(result, expandable=False):
     """The caching allocator's model over every event of the shadow's history and step:
     (is an alloc, block bytes, address, new segment's start or -1, reserved bytes added), one
-    sequence each, one value per event. The compiled model (_fastcore.model) where it is
-    built, else the reference, gap_sim.CachingAllocatorModel: the same numbers (test_fastcore)."""
+    sequence each, one value per event. A pool per stream (result["streams"]: what FSDP2 makes
+    on its collectives' streams), as the allocator keeps them: no block or segment of one
+    serves another's requests."""
     events = result["history"] + result["events"]
     is_alloc = bytes(e[0] == "alloc" for e in events)
+    streams = result.get("streams")
+    if not streams:
+        return (is_alloc, *_placed(events, expandable))
+    cols = [array("q", bytes(8 * len(events))) for _ in range(4)]
+    order = {}  # stream -> the positions of its events
+    for i, e in enumerate(events):
+        order.setdefault(streams.get(e[3], 0), []).append(i)
+    for stream, at in order.items():
+        block, addr, seg, grown = _placed([events[i] for i in at], expandable)
+        for j, i in enumerate(at):
+            cols[0][i], cols[1][i], cols[3][i] = block[j], addr[j] - stream * STREAM_SPAN, grown[j]
+            cols[2][i] = seg[j] - stream * STREAM_SPAN if seg[j] != -1 else -1
+    return (is_alloc, *cols)
+
+
+def _placed(events, expandable):
+    """placed()'s four sequences for one pool: the compiled model (_fastcore.model) where it is
+    built, else the reference, gap_sim.CachingAllocatorModel: the same numbers (test_fastcore)."""
     core = fastcore()
     if core is None:
-        return (is_alloc, *_placed_py(events, expandable))
-    cols = core.model(is_alloc, array("q", [e[2] for e in events]).tobytes(),
+        return _placed_py(events, expandable)
+    cols = core.model(bytes(e[0] == "alloc" for e in events), array("q", [e[2] for e in events]).tobytes(),
                       array("q", [e[3] for e in events]).tobytes(), expandable)
-    return (is_alloc, *(array("q", c) for c in cols))
+    return tuple(array("q", c) for c in cols)
 
 
 def _placed_py(events, expandable):
@@ -56,14 +78,14 @@ def _placed_py(events, expandable):
 
 
 def play(result, expandable=False, names=None):
-    """Yields (position, action, name, bytes asked, block bytes, address, new segment or None)
-    for every event of the shadow's history and step, the step's by `names` where given (shadow.audit_names:
-    as an audit names them); a new segment is (start, bytes)."""
+    """Yields (position, action, name, bytes asked, block bytes, address, new segment or None,
+    stream) for every event of the shadow's history and step, the step's by `names` where given
+    (shadow.audit_names: as an audit names them); a new segment is (start, bytes)."""
     _, block, addr, seg, grown = placed(result, expandable)
-    names = names or {}
+    names, streams = names or {}, result.get("streams", {})
     for i, (action, key, nbytes, aid) in enumerate(result["history"] + result["events"]):
         key = names.get(aid, key) if i >= len(result["history"]) else key
-        yield i, action, key, nbytes, block[i], addr[i], (seg[i], grown[i]) if grown[i] else None
+        yield i, action, key, nbytes, block[i], addr[i], (seg[i], grown[i]) if grown[i] else None, streams.get(aid, 0)
 
 
 def replay(result, expandable=False):
@@ -88,31 +110,31 @@ def snapshot(result, expandable=False, names=None):
     """The predicted process as a CUDA snapshot: the trace of every request (one microsecond
     apart), the step's named by `names` (play's), and the segments as they stand at step 2's end
     with their blocks."""
-    trace, live, segments = [], {}, {}
+    trace, live, segments = [], {}, {}  # segments: start -> [bytes, stream]
     start, step_at = len(result["history"]), {}  # step event -> the trace entry it starts at
-    for i, action, key, nbytes, block, addr, seg in play(result, expandable, names):
+    for i, action, key, nbytes, block, addr, seg, stream in play(result, expandable, names):
         step_at[i - start] = len(trace)
         frames = [{"filename": PREDICTED_FRAME, "line": 0, "name": key}]
         if seg:
             trace.append({"action": "segment_map" if expandable else "segment_alloc", "addr": seg[0],
-                          "size": seg[1], "stream": 0, "frames": frames, "time_us": i})
-            segments[seg[0]] = segments.get(seg[0], 0) + seg[1]
+                          "size": seg[1], "stream": stream, "frames": frames, "time_us": i})
+            segments.setdefault(seg[0], [0, stream])[0] += seg[1]
         if action == "alloc":
             live[addr] = (block, nbytes, frames)
-            trace.append({"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "frames": frames,
+            trace.append({"action": "alloc", "addr": addr, "size": nbytes, "stream": stream, "frames": frames,
                           "time_us": i, "category": key.split("/", 1)[0]})
         else:
             live.pop(addr)
             for a in ("free_requested", "free_completed"):
-                trace.append({"action": a, "addr": addr, "size": nbytes, "stream": 0, "frames": frames,
+                trace.append({"action": a, "addr": addr, "size": nbytes, "stream": stream, "frames": frames,
                               "time_us": i})
     step_at[len(result["events"])] = len(trace)
-    return {"segments": [_segment(at, size, live, expandable) for at, size in sorted(segments.items())],
+    return {"segments": [_segment(at, size, live, expandable, stream) for at, (size, stream) in sorted(segments.items())],
             "device_traces": [trace], "allocator_settings": {"expandable_segments": expandable},
             PHASES_KEY: {phase: step_at[i] for phase, i in result["phases"].items()}}
 
 
-def _segment(start, size, live, expandable):
+def _segment(start, size, live, expandable, stream=0):
     """A segment dict: its live blocks, and the free space between them as inactive blocks."""
     blocks, at = [], start
     for addr in sorted(a for a in live if start <= a < start + size):
@@ -126,6 +148,6 @@ def _segment(start, size, live, expandable):
         blocks.append({"address": at, "size": start + size - at, "requested_size": 0, "state": "inactive"})
     used = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
     return {"device": 0, "address": start, "total_size": size, "allocated_size": used, "active_size": used,
-            "requested_size": sum(b["requested_size"] for b in blocks), "stream": 0,
+            "requested_size": sum(b["requested_size"] for b in blocks), "stream": stream,
             "segment_type": "small" if size == 2 << 20 else "large", "segment_pool_id": [0, 0],
             "is_expandable": expandable, "frames": [], "blocks": blocks}

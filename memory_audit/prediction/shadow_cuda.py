@@ -138,7 +138,7 @@ def _sdpa(backend, note, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
     attention for fp32 (the fused kernels take no fp32); the math path op by op for fp32 with
     grouped heads (fp32 Qwen2, the same traces). With a mask the math path too, which no trace has
     measured (`note` is told: "not measured on a GPU"). Flash (older GPUs, fp16/bf16) has no
-    measured trace: refused."""
+    measured trace: its meta kernel's outputs, and `note` is told."""
     import torch
     low = q.dtype in (torch.float16, torch.bfloat16)
     dt = str(q.dtype).replace("torch.", "")
@@ -147,9 +147,14 @@ def _sdpa(backend, note, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
             note(f"SDPA with a mask ({dt}) as its math path, op by op (no trace has measured the kernel CUDA picks)")
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
+    if low and backend == "flash":  # GPUs before Hopper: the flash kernel's outputs, as its meta kernel gives them
+        if note is not None:
+            note(f"SDPA through flash attention ({dt}) from its meta kernel's outputs (no trace has measured the "
+                 f"kernel or its backward's buffers)")
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
     if low and backend != "cudnn":
-        raise ValueError(f"the shadow's CUDA SDPA covers cuDNN's kernel (fp16/bf16) and efficient attention "
-                         f"(fp32); this call ({dt}, {backend}) takes a kernel no committed trace has measured")
+        raise ValueError(f"the shadow's CUDA SDPA covers cuDNN's kernel and flash attention (fp16/bf16) and efficient "
+                         f"attention (fp32); this call ({dt}, {backend}) takes a kernel no committed trace has measured")
     if low:
         return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal, False,
                                                                  scale=scale)[0]
@@ -188,7 +193,7 @@ def meta():
     """Meta tensors stand for the GPU's: shapes, dtypes and storages of the right size with no
     memory, their kernels in C++ (several times faster than FakeTensorMode's Python dispatch).
     Fused AdamW is allowed on them as on CUDA tensors. The model is built under
-    torch.device("meta") (shadow._setup); after that every factory the step calls names its
+    torch.device("meta") (shadow._model); after that every factory the step calls names its
     device (a tensor's), so no device context stands between each torch call and its kernel."""
     from torch.optim import optimizer
     saved = optimizer._get_fused_kernels_supported_devices

@@ -20,7 +20,9 @@ on that many threads too.
 """
 
 import contextlib
+import logging
 import os
+import warnings
 
 COVERED = ("ddp", "fsdp", "tp", "tp-sp", "fsdp+tp", "fsdp+tp-sp")  # what predict takes from the shadow (predict.uncovered)
 
@@ -53,14 +55,136 @@ def rank_of(cfg):
     device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = real(made), real(init)
     threads = torch.get_num_threads()
     torch.set_num_threads(rank_threads())
+    # FSDP2's and DTensor's advice to the user (a view returned, sequential all-reduces): about
+    # train.py's strategies, which the audit of the run itself prints; not the prediction's
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
     finally:
+        redistribute.setLevel(level)
         torch.set_num_threads(threads)
         device_mesh.init_device_mesh, device_mesh.DeviceMesh.__init__ = made, init
         dist.destroy_process_group()
         sys.excepthook = hook
         _forget_meshes()
+
+
+UNMEASURED = {  # what a CUDA step's shadow assumes of a strategy's collectives under NCCL: no trace has measured it
+    "fsdp": "FSDP2's all-gather and reduce-scatter buffers on streams of their own, a caching-allocator pool "
+            "per stream, freed in program order (no record_stream); NCCL's own buffers outside PyTorch's allocator",
+    "ddp": "DDP's buckets and the reducer's small index tensors on the compute stream; NCCL's all-reduce in "
+           "place, its own buffers outside PyTorch's allocator",
+    "tp": "DTensor's collectives' outputs on the compute stream, freed in program order; NCCL's own buffers "
+          "outside PyTorch's allocator",
+}
+
+
+@contextlib.contextmanager
+def on_gpu(cfg, tracker):
+    """Inside: a torchrun strategy's CUDA step on meta tensors, each assumption about NCCL's
+    collectives noted in tracker.unmeasured (UNMEASURED). FSDP2 takes the GPU's path: its device
+    is "meta" rather than the mesh's; its device handle is _Streams (each stream FSDP2 makes an
+    id, `stream(s)` that id for the allocations made inside, events and waits nothing: the shadow
+    runs in program order, as the caching allocator frees without record_stream); and its check
+    that no parameter is on the meta device is off (the shadow's weights are all meta)."""
+    parallel = cfg.get("parallel", "none")
+    for kind, text in UNMEASURED.items():
+        if kind in parallel:
+            tracker.unmeasured.add(f"parallel={parallel} on NCCL: {text}")
+    if "fsdp" not in parallel:
+        yield
+        return
+    import torch
+    from torch.distributed.fsdp._fully_shard import (_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state,
+                                                     _fully_shard)
+    streams = _Streams(tracker)
+    handle = _fsdp_init._get_device_handle
+
+    def get_handle(device_type):
+        return streams if device_type == "meta" else handle(device_type)
+    saved = [(m, "_get_device_handle", getattr(m, "_get_device_handle"))
+             for m in (_fsdp_collectives, _fsdp_param_group, _fsdp_state, _fsdp_init)]
+    saved += [(_fully_shard, "_get_device_from_mesh", _fully_shard._get_device_from_mesh),
+              (_fsdp_param_group.FSDPParamGroup, "_validate_no_meta_params",
+               _fsdp_param_group.FSDPParamGroup._validate_no_meta_params)]
+    for m, name, _ in saved[:4]:
+        setattr(m, name, get_handle)
+    _fully_shard._get_device_from_mesh = lambda mesh: torch.device("meta")
+    _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        yield
+    finally:
+        for m, name, f in saved:
+            setattr(m, name, f)
+
+
+class _Streams:
+    """torch.cuda's stream API as FSDP2 calls it, for a shadow on meta tensors: Stream() a new
+    id, stream(s) makes it the one the tracker's allocations are made on (tracker.stream: the
+    caching allocator keeps a pool per stream), events and waits nothing."""
+
+    def __init__(self, tracker):
+        self.tracker, self.made = tracker, 0
+
+    def Stream(self, priority=0):
+        self.made += 1
+        return _Stream(self.made)
+
+    def current_stream(self):
+        return _Stream(self.tracker.stream)
+
+    def current_device(self):
+        return 0
+
+    def Event(self, *args, **kwargs):
+        return _Event()
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        outer = self.tracker.stream
+        self.tracker.stream = outer if s is None else s.id
+        try:
+            yield
+        finally:
+            self.tracker.stream = outer
+
+
+class _Event:
+    def record(self, stream=None):
+        return self
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Stream:
+    def __init__(self, sid):
+        self.id = sid
+
+    def __eq__(self, other):
+        return isinstance(other, _Stream) and other.id == self.id
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
 
 
 def _forget_meshes():
@@ -105,6 +229,9 @@ def wrap(model, cfg, tracker):
     with reducer_reads(tracker):
         ddp = _buckets(tracker, DistributedDataParallel, model, gradient_as_bucket_view=cfg.get("ddp_bucket_view", False))
     ddp.register_comm_hook(None, _handed_back)
+    gpu = ddp.device_type == "meta"  # a GPU's: the runtime timers (CUDA events: no memory) have no
+    if gpu:  # meta kind, and the 1/world_size scalar is a host tensor there (no scaled hook)
+        ddp.logger = _Untimed(ddp.logger)
     forward, syncs = ddp._pre_forward, [False]
 
     def pre_forward(*args, **kwargs):  # the bucket rebuild of the second step reads its indices
@@ -120,9 +247,22 @@ def wrap(model, cfg, tracker):
             tracker.free(cast)
             tracker.free(wrapped)
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and not gpu:
             p.register_post_accumulate_grad_hook(scaled)
     return ddp
+
+
+class _Untimed:
+    """DDP's logger without its runtime stats (a warning on a meta device, no memory on a GPU)."""
+
+    def __init__(self, logger):
+        self._logger = logger
+
+    def set_runtime_stats_and_log(self):
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self._logger, name)
 
 
 def _buckets(tracker, fn, *args, **kwargs):
@@ -194,6 +334,42 @@ def runs_real(func, args, kwargs):
     if tensors:
         return not any(isinstance(t, FakeTensor) for t in tensors)
     return func is torch.ops.aten.empty.memory_format and kwargs.get("dtype") in (torch.int32, torch.int64)
+
+
+def reducer_op(tracker, func, args, kwargs, run):
+    """An op of DDP's reducer on a CUDA step's shadow (meta tensors stand for the GPU's): run(),
+    the tracker's device op (what it allocates on the GPU), and, where every tensor is an integer
+    one, again on the host values its meta tensors stand for (tracker.twins), which a read (a
+    copy to the host, .item()) then gets. The reducer broadcasts and gathers small integer
+    tensors it made on the host and reads them back (the parameter shapes, the bucket indices)."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._pytree import tree_leaves, tree_map
+    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    ints = not any(t.is_floating_point() or t.is_complex() for t in tensors)
+    if not ints or (not tensors and kwargs.get("dtype") not in (torch.int32, torch.int64)):
+        return run()
+    twins = tracker.twins
+
+    def twin(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            return t
+        sid = t.untyped_storage()._cdata
+        if sid not in twins:
+            twins[sid] = torch.zeros(t.shape, dtype=t.dtype)
+        return twins[sid]
+    with unset_fake_temporarily():
+        host = func(*tree_map(twin, args), **tree_map(lambda v: torch.device("cpu") if isinstance(v, torch.device) else v,
+                                                           kwargs))
+    host_read = (func is torch.ops.aten._local_scalar_dense.default or kwargs.get("device") == torch.device("cpu")
+                 or (func is torch.ops.aten.copy_.default and args[0].device.type == "cpu"))
+    if host_read:  # the host's copy: host memory, its values the twins'
+        return host, [], []
+    out, held, scalars = run()
+    for t, h in zip(tree_leaves(out), tree_leaves(host)):
+        if isinstance(t, torch.Tensor) and t.device.type == "meta" and isinstance(h, torch.Tensor):
+            twins[t.untyped_storage()._cdata] = h
+    return out, held, scalars
 
 
 def gloo_buffers(func, args):

@@ -88,12 +88,15 @@ class Tracker:
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
         self.unmeasured = set()  # CUDA rules applied outside the shapes a trace measured (rules/cuda.py's SAMPLES)
         self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
+        self.twins = {}  # storage id -> the host values a meta tensor DDP's reducer reads stands for (shadow_dist)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
         self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow._naming)
         self.naming = False  # name what the audited forward makes as an audit does (shadow.run(names=True))
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
         self.on_op = None  # called with each op before it runs (shadow_script's step boundaries), or None
+        self.stream = 0  # the stream allocations are made on (a CUDA step's FSDP2: shadow_dist._Streams)
+        self.streams = {}  # allocation id -> its stream, where not the default one (0)
         self.stand_in = None  # the name of the op the next one stands in for (known_values: nonzero as nonzero_static)
 
     @property
@@ -116,6 +119,8 @@ class Tracker:
         self.allocs[aid] = [key, nbytes]
         self.tags[aid] = self.context if tag is None else tag
         self.micro_tags[aid] = self.micro
+        if self.stream:
+            self.streams[aid] = self.stream
         return aid, (self._event("alloc", aid) if nbytes else None)  # 0 bytes: no allocation
 
     def free(self, aid):
@@ -270,7 +275,10 @@ def dispatch_mode(tracker, device_type):
             tracker.last = (func, tracker.label)  # named if the step fails here
             key = tracker.key(tracker.stand_in or short_name(func))
             tracker.stand_in = None
-            if tracker.real_ints and shadow_dist.runs_real(func, args, kwargs):  # DDP's reducer reads these
+            if tracker.real_ints and not cpu:  # DDP's reducer on the GPU: its reads from host twins
+                out, held, scalars = shadow_dist.reducer_op(tracker, func, args, kwargs,
+                                                            lambda: _device_op(tracker, func, args, kwargs, key))
+            elif tracker.real_ints and shadow_dist.runs_real(func, args, kwargs):  # DDP's reducer reads these
                 from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():
                     out, held, scalars = shadow_cpu.cpu_op(tracker, func, args, kwargs, key)

@@ -1,0 +1,81 @@
+"""A torchrun rank's CUDA step from the shadow run, never a second model: FSDP2 on streams of
+its own (a caching-allocator pool each), DDP's reducer reading the host values its meta tensors
+stand for, DTensor's collectives; each assumption about NCCL named as not measured on a GPU
+(memory_audit/prediction/shadow_dist.py, shadow_allocator.py). No NCCL trace is committed: these
+tests hold the shadow to itself and to the CPU shadow, not to a GPU."""
+
+import pytest
+
+from conftest import run_cli
+from memory_audit.prediction.predict import device_facts, prediction, resolved
+
+TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, batch_size=2, dtype="bfloat16",
+            world_size=2, rank=1)
+H100 = device_facts("cuda", gpu="H100")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "tp", "tp-sp", "fsdp+tp"])
+def test_a_rank_on_a_gpu_is_its_shadow_run_with_the_nccl_assumptions_named(parallel):
+    from memory_audit.prediction import shadow
+    cfg = resolved(dict(TINY, parallel=parallel, **({"world_size": 4, "tp_size": 2} if "+" in parallel else {})))
+    t = prediction(cfg, H100)["totals"]
+    r = shadow.replayed(cfg, H100, repeat=False)
+    assert t["from"] == "shadow run"
+    assert (t["peak_allocated_bytes"], t["reserved_peak_bytes"], t["steady_state_allocated"]) == \
+        (r["peak"], r["reserved"], r["steady_state"])
+    named = [rule for rule in t["unmeasured_on_gpu"] if rule.startswith(f"parallel={parallel} on NCCL: ")]
+    assert len(named) == parallel.count("+") + 1, t["unmeasured_on_gpu"]  # one line per strategy in it
+
+
+def test_fsdp2s_collective_buffers_live_in_their_own_streams_segments():
+    """The all-gather's copy-in and the reduce-scatter's buffers are made on FSDP2's own streams,
+    and the allocator's model serves each stream from segments of its own, as the caching
+    allocator does: no block of a segment holds another stream's allocation."""
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow_allocator import snapshot
+    r = shadow.run(resolved(dict(TINY, parallel="fsdp")), "cuda", workspace_bytes=H100["workspace_bytes"])
+    made = {r["streams"][aid] for action, _, _, aid in r["events"] if action == "alloc" and aid in r["streams"]}
+    assert len(made) == 2  # the all-gather copy-in stream and the reduce-scatter stream
+    trace = snapshot(r)["device_traces"][0]
+    segments = [(e["addr"], e["size"], e["stream"]) for e in trace if e["action"] == "segment_alloc"]
+    assert {s for _, _, s in segments} == made | {0}
+    for e in trace:
+        if e["action"] == "alloc":
+            (stream,) = [s for at, size, s in segments if at <= e["addr"] < at + size]
+            assert stream == e["stream"], e
+
+
+def test_a_block_freed_on_one_stream_serves_no_other():
+    """1,000 B made and freed on a side stream, then 1,000 B on the compute stream: a second 2 MiB
+    segment, where one stream reuses the first."""
+    from memory_audit.prediction.shadow_allocator import replay
+    events = [("alloc", "a", 1000, 0), ("free", "a", 1000, 0), ("alloc", "b", 1000, 1)]
+    step = {"history": [], "events": events, "phases": {"step2_start": 0, "step2_end": 3}}
+    assert replay(step)["reserved"] == 2 << 20
+    assert replay(dict(step, streams={0: 1}))["reserved"] == 4 << 20
+
+
+def test_ddps_buckets_on_a_gpu_are_the_buckets_of_the_cpu_shadow():
+    """DDP's reducer on meta tensors reads its bucket sizes and indices from host twins: the
+    buckets it keeps are those the CPU shadow (real integer tensors) keeps, byte for byte."""
+    from memory_audit.prediction import shadow
+    cfg = resolved(dict(TINY, parallel="ddp", n_layer=3, dtype="float32"))
+
+    def buckets(r):
+        return sorted(n for _, key, n in r["pre"] if key == "grads/ddp_buckets")
+    gpu, cpu = buckets(shadow.run(cfg, "cuda")), buckets(shadow.run(cfg))
+    assert gpu and gpu == cpu
+
+
+def test_flash_attention_on_an_a100_is_shadow_run_and_named_unmeasured():
+    t = prediction(resolved(dict(TINY, attention="sdpa", world_size=1, rank=0)), device_facts("cuda", gpu="A100"))["totals"]
+    assert t["from"].startswith("shadow run")
+    assert any(rule.startswith("SDPA through flash attention (bfloat16)") for rule in t["unmeasured_on_gpu"])
+
+
+def test_plan_names_the_rows_each_unmeasured_rule_is_in():
+    out = run_cli("plan", "--gpu=H100", "--world_size=2", "--n_layer=2", "--n_head=2", "--n_embd=64",
+                  "--block_size=64", "--vocab_size=512", "--batch_size=2", "--dtype=bfloat16")
+    assert out.returncode == 0, out.stderr
+    assert "not measured on a GPU (fsdp over 2 ranks): parallel=fsdp on NCCL: FSDP2's" in out.stdout
+    assert "ledger" not in out.stdout
