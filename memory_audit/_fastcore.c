@@ -19,7 +19,7 @@
  * bytes memory_allocated() gained or lost and the index of the matching alloc / free.
  *
  * model(alloc, size, id, expandable) plays a predicted sequence of requests and frees through
- * the caching allocator's model (gap_sim.CachingAllocatorModel, the reference), choosing each
+ * the caching allocator's model (reading/allocator_model.CachingAllocatorModel, the reference), choosing each
  * block's address and making segments as it goes.
  */
 #define PY_SSIZE_T_CLEAN
@@ -1261,8 +1261,8 @@ done:
 }
 
 
-/* --------------------------------------------------- the caching allocator's model (gap_sim) */
-/* CachingAllocatorModel (prediction/gap_sim.py, the reference) line for line: the replay's block
+/* --------------------------------------------------- the caching allocator's model */
+/* CachingAllocatorModel (reading/allocator_model.py, the reference) line for line: the replay's block
  * bookkeeping above, with the choices a trace would give made here: the smallest cached free
  * block of the request's pool that fits (ties: the lowest address), else a new segment, or with
  * `expandable` the pool's one segment grown at its end by pages. */
@@ -1316,7 +1316,7 @@ static int64_t model_take_free(Model *m, int64_t start) {
 }
 static int64_t model_new_segment(Model *m, int small, int64_t size) {
     /* each new segment below the last: cudaMalloc hands out lower addresses as it goes, and the
-       address breaks best fit's ties (gap_sim.CachingAllocatorModel) */
+       address breaks best fit's ties (allocator_model.CachingAllocatorModel) */
     m->next_segment -= size + MODEL_GAP;
     int64_t seg = m->next_segment;
     if (map_put(&m->small_seg, seg, small) < 0 || map_put(&m->s.segs, seg, size) < 0 ||

@@ -2,9 +2,9 @@
 # GPT-2-sized CUDA audits kept as compact traces (issues #13, #26). From the repo root:
 #   OUT=$OUT bash scripts/gpu_reserved.sh [NAME ...]     (no NAME: every row below, in order)
 # For each row: `train.py --audit`, then the measured reserved memory (the snapshot's segments),
-# the allocator model fed the run's own requests in order (gap_sim.replay_requests: equal to the
-# measured when the rules are right, as on the committed tiny audits and 6 foreign traces) and the
-# ledger's prediction; writes $OUT/reserved/<name>.json.gz (every trace entry's action code, size
+# the allocator model fed the run's own requests in order (allocator_model.replay_requests: equal to
+# the measured when the rules are right, as on the committed tiny audits and 6 foreign traces) and
+# the prediction's (the shadow run's); writes $OUT/reserved/<name>.json.gz (every trace entry's action code, size
 # and op, the first frame: about 1 MB a run, to commit under snapshots/results/reserved-traces/)
 # and the run's report.json/meta.json beside it. With TRACE=1 also `report RUN --trace` (the shadow
 # run against the measured step, event by event) into $OUT/reserved/<name>.trace.txt.
@@ -56,22 +56,22 @@ run() {  # name
     cp "$dir/meta.json" "$OUT/reserved/$name.meta.json"
     timeout "$(lim)" python3 - "$dir" "$OUT/reserved/$name.json.gz" <<'PY'
 import gzip, json, sys
-from memory_audit.prediction.gap_sim import replay_requests
+from memory_audit.reading.allocator_model import replay_requests
 from memory_audit.reading.loader import load_meta, load_snapshot
-from memory_audit.prediction.predict import predict
+from memory_audit.prediction.predict import prediction
 from memory_audit.comparison.reconcile import device_from_meta
 run, out = sys.argv[1], sys.argv[2]
 snap = load_snapshot(run + "/step2_end.pickle")
 tr = snap["device_traces"][0]
 r = replay_requests(tr.act, tr.addr, tr.size)
 meta = load_meta(run)
-pred = predict(meta["config"], device_from_meta(meta))["totals"]["reserved_peak_bytes"]
+pred = prediction(meta["config"], device_from_meta(meta))["totals"]["reserved_peak_bytes"]
 measured = sum(s["total_size"] for s in snap["segments"])
 print(run.split("/")[-1], "measured", measured, "requests replayed", r["reserved"], "trace's own segments", r["trace_reserved"],
-      "ledger model", pred, "segments model/trace", len(r["segments"]), len(r["trace_segments"]))
+      "predicted", pred, "segments model/trace", len(r["segments"]), len(r["trace_segments"]))
 ops = [((tr.entry(i).get("frames") or [{}])[0].get("name", "")) for i in range(len(tr))]
 with gzip.open(out, "wt") as f:
-    json.dump({"config": meta["config"], "measured_reserved": measured, "replayed": r, "ledger_model": pred,
+    json.dump({"config": meta["config"], "measured_reserved": measured, "replayed": r, "predicted": pred,
                "act": [int(a) for a in tr.act], "size": [int(s) for s in tr.size], "addr": [int(a) for a in tr.addr],
                "op": ops}, f)
 PY

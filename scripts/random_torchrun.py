@@ -76,23 +76,21 @@ def main():
 
 def shadow_lines(row):
     """The lines the shadow run of this rank names itself (shadow.lines) that differ from the
-    measured ones, every phase; [] where the shadow does not cover the strategy."""
+    measured ones, every phase."""
     from memory_audit.comparison.reconcile import shadow_lines_off
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import resolved, uncovered
+    from memory_audit.prediction.predict import resolved
     cfg = resolved(row["resolved_config"])
-    if uncovered(cfg, {"type": "cpu"}) is not None:
-        return []
     return shadow_lines_off(row["measured_lines"], shadow.run(cfg, names=True))
 
 
 def predicted_peak(row):
-    """The peak `predict` gives this rank (prediction() on CPU: the shadow run of the rank where it
-    covers the strategy, else the ledger's), noting which in row["peak_from"]."""
+    """The peak `predict` gives this rank (prediction() on CPU: the shadow run of the rank), noting
+    where it came from in row["peak_from"]."""
     from memory_audit.prediction.predict import DEFAULTS, device_facts, prediction
     cfg = {k: v for k, v in row["resolved_config"].items() if k in DEFAULTS}
     t = prediction(cfg, device_facts("cpu"))["totals"]
-    row["peak_from"] = "shadow" if t["from"].startswith("shadow") else "ledger"
+    row["peak_from"] = "shadow" if t["from"].startswith("shadow") else t["from"]
     return t["peak_allocated_bytes"]
 
 

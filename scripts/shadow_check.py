@@ -121,11 +121,10 @@ def kept_runs(dirs):
 
 
 def committed_rows(paths):
-    """The CPU rows of committed results files (single-process, and torchrun ranks the shadow
-    covers): measured beside the shadow's steady state, peak and every line it names itself."""
+    """The CPU rows of committed results files (single-process, and torchrun ranks): measured beside the shadow's steady state, peak and every line it names itself."""
     from memory_audit.comparison.reconcile import shadow_lines_off
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.predict import resolved, uncovered
+    from memory_audit.prediction.predict import resolved
     from memory_audit.prediction.shadow_probe import plain_bf16
     exact = total = lines_exact = 0
     for path in paths:
@@ -135,8 +134,6 @@ def committed_rows(paths):
             if row["status"] != "ok" or rc.get("device", "cpu") != "cpu" or rc.get("compile"):
                 continue
             full = resolved(rc)
-            if uncovered(full, {"type": "cpu"}) is not None:
-                continue
             with plain_bf16():  # the committed grid rows were measured without oneDNN's bf16 matmuls
                 result = shadow.run(full, names=True)
             t = row["totals"]

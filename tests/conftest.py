@@ -171,14 +171,6 @@ def gpt_steps(forward, opt, batches, audit=None, inputs=("inputs/x",)):
     return losses
 
 
-def ledger_moment(rec):
-    """The ledger's own model of a reported run, what the totals fall back to where no trace covers
-    a config (torchrun on a GPU): (the peak moment it names, its peak bytes)."""
-    from memory_audit.prediction.predict import predict
-    p = predict(rec["config"], rec["predicted_device"])
-    return p["backward"]["peak_at"], p["totals"]["peak_allocated_bytes"]
-
-
 def load_json(path):
     with open(path) as f:
         return json.load(f)

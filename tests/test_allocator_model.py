@@ -8,7 +8,7 @@ import os
 import pytest
 
 from conftest import EXAMPLES, FOREIGN, load_json
-from memory_audit.prediction.gap_sim import replay_requests
+from memory_audit.reading.allocator_model import replay_requests
 from memory_audit.reading.loader import load_snapshot
 
 
@@ -67,7 +67,7 @@ def test_forward_history_is_the_h100_reference_forward():
     large-pool request and release (over 1 MiB) in the same order with the same size. The
     small pool (a few 4 B scalars the ledger does not order) is left out."""
     from memory_audit.reading.allocator_sim import SMALL_SIZE, round_size
-    from memory_audit.prediction.gap_sim import forward_temporaries, play_forward
+    from memory_audit.prediction.ledger_history import forward_temporaries, play_forward
     from memory_audit.prediction.predict import predict
     from memory_audit.comparison.reconcile import device_from_meta
 
@@ -143,21 +143,3 @@ def test_reserved_read_from_a_report_is_what_the_allocator_said():
         cells = [r[2].split() for r in report_table(text, phase) if not r[0].startswith("---")]
         slack = sum(0.5 * 10 ** -len((re.search(r"\.(\d+)", n) or [0, ""])[1]) * UNIT[u] for n, u in cells)
         assert abs(value - live[phase]) <= slack, (phase, value, live[phase], slack)
-
-
-@pytest.mark.parametrize("attention, dtype", [("manual", "float16"), ("sdpa", "bfloat16"), ("manual", "float32")])
-@pytest.mark.parametrize("mode", ["none", "full", "selective", "sac"])
-def test_the_allocator_model_holds_the_ledgers_peak(attention, dtype, mode):
-    """Consistency of two models, not accuracy (no measurement here): GPT-2 small at T=4096,
-    batch 8: the reserved memory at the peak is played at the moment
-    the ledger names, its releases first (inside a block's attention backward the head's tensors
-    and the later blocks' are gone). The model's live bytes then equal the ledger's peak but for
-    the 4 B scalars, which it counts as asked (up to 3 x 508 B). Played without the releases, the
-    attention moments held up to 10.7 GB more (fp16, selective)."""
-    from memory_audit.prediction.gap_sim import predicted_gaps
-    from memory_audit.prediction.predict import device_facts, predict
-    cfg = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, batch_size=8, block_size=4096,
-               attention=attention, dtype=dtype, activation_checkpointing=mode)
-    p = predict(cfg, device_facts(gpu="H100"))
-    diff = p["totals"]["peak_allocated_bytes"] - predicted_gaps(p["ledger"], p["config"])["allocated_peak"]
-    assert 0 <= diff <= 3 * 512, (p["backward"]["peak_at"], diff)

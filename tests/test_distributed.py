@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from conftest import (ROOT, assert_repredicted_exactly, committed_rows, ledger_moment, load_json, made_once, run_cli,
+from conftest import (ROOT, assert_repredicted_exactly, committed_rows, load_json, made_once, run_cli,
                       run_train)
 from memory_audit.prediction.predict import device_facts, predict
 from memory_audit.comparison.reconcile import mismatched
@@ -269,10 +269,7 @@ def test_fsdp2_composes_with_activation_checkpointing(tmp_path):
                   "--n_head=4", "--n_layer=3", "--audit", f"--audit_dir={tmp_path}", "--run_name=sel", accumulation=4)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rec = _tp_ranks(tmp_path, "sel")[0]
-    # the ledger's own model (torchrun on a GPU gets it) names the moment; its bytes are the measured peak
-    assert ledger_moment(rec) == ("backward of h.2 begins", rec["totals"]["peak"]["actual"])
-    peak = {l["key"] for l in predict(rec["config"], device_facts("cpu"))["ledger"] if "peak" in l["phases"]}
-    assert {"temporary/fsdp_all_gather/h.2", "temporary/fsdp_all_gather/h.1", "temporary/gloo_all_gather/h.1"} <= peak
+    assert rec["totals"]["peak"]["diff"] == 0 and "backward/" in rec["cost"]["peak_at"], rec["cost"]["peak_at"]
 
 
 def test_committed_torchrun_rows_are_predicted_to_the_byte():
@@ -384,7 +381,6 @@ def test_fsdp2_with_dimensions_that_do_not_split_evenly(tmp_path):
         assert _line(recs[1], "weights/transformer.wte.weight/unsharded") == 4 * 3002 * d
     units = [r["key"] for r in runs["kept"][0]["rows"] if r["phase"] == "step2_start" and r["key"].endswith("/shards")]
     assert units == ["grads/root/shards"] + [f"grads/transformer.h.{b}/shards" for b in range(4)], units
-    assert all(ledger_moment(r) == ("tied gradients summed", r["totals"]["peak"]["actual"]) for r in runs["kept"])
     for name in FSDP_UNEVEN:  # the shadow of each rank: _chunk_cat's padded rows, gloo's buffers
         for r in (0, 1):
             assert_shadow_exact(tmp_path / name / f"rank{r}")

@@ -171,7 +171,7 @@ def test_random_h200_audit_is_the_shadow_run(name):
     and lifted scalars, efficient attention's backward temporaries (fp32 SDPA)."""
     from memory_audit.comparison.reconcile import device_from_meta, first_divergence, step_events
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.gap_sim import replay_requests
+    from memory_audit.reading.allocator_model import replay_requests
     from memory_audit.reading.loader import load_meta, load_snapshot
     run = os.path.join(EXAMPLES, "shadow-cuda", name)
     meta = load_meta(run)
@@ -258,7 +258,7 @@ def test_gpt2_sized_h200_process_is_the_shadow_run_event_by_event(name):
     import gzip
     from memory_audit.comparison.reconcile import device_from_meta, first_divergence
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.gap_sim import replay_requests
+    from memory_audit.reading.allocator_model import replay_requests
     from memory_audit.reading.trace import A
     with gzip.open(os.path.join(RESERVED_TRACES, name + ".json.gz"), "rt") as f:
         d = json.load(f)

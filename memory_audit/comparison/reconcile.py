@@ -279,7 +279,7 @@ def step_events(run_dir, phase="step2_start"):
     return out
 
 
-SHADOW_SCOPE = "the shadow run covers train.py's GPT, eager, one process or one torchrun rank on CPU"
+SHADOW_SCOPE = "the shadow run covers train.py's GPT, eager, one process or one torchrun rank"
 
 
 def against_shadow(run_dir, rec):
@@ -287,14 +287,13 @@ def against_shadow(run_dir, rec):
     allocations and frees, their peaks (on CUDA as the allocator's model counts them) and the
     first event where they part. Runs the shadow (imports torch); {"error": one line} where it
     cannot run."""
-    from ..prediction.predict import resolved, uncovered
+    from ..prediction.predict import resolved
     from ..prediction.shadow import ShadowError, replayed
+    if rec["config"].get("compile"):
+        return {"error": f"{SHADOW_SCOPE}: not compile=True"}
     cfg = resolved(rec["config"])
     dev = device_from_meta({"device": rec["device"], "torch_version": rec.get("torch_version", ""),
                             "env": rec.get("env")})
-    why = uncovered(cfg, dev) if not rec["config"].get("compile") else "compile=True"
-    if why is not None:
-        return {"error": f"{SHADOW_SCOPE}: not {why}"}
     try:
         sh = replayed(cfg, dev, names=True)
     except (ShadowError, ValueError) as e:

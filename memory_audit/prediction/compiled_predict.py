@@ -24,15 +24,29 @@ Needs torch and model.py (it builds the model); the eager predictor stays torch-
 
 import contextlib
 
-from .backward import backward_begun, delta
 from ..reading.inductor_plan import replay
 from .levers import forward_flops
-from .parts import act, grad_phases, shape_facts
+from .parts import act, grad_phases, line, shape_facts
 from .ledger import DEFAULTS, device_facts, param_shapes, plain, steady_lines, totals as totals_of, validate
 from ..recording.recorder import short_module
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attention", "activation")
 COMPILED_DEFAULTS = dict(DEFAULTS, activation_memory_budget=1.0)
+
+
+def delta(s, key, nbytes, formula, note=""):
+    """A change at the peak's moment from the before-backward ledger (phase "peak")."""
+    return line(s, key, nbytes, "", [], formula, ("peak",), note)
+
+
+def backward_begun(s, cfg):
+    """What every moment after backward() is called holds: the prefetched batch, fp16's scaled
+    loss and the grad seed backward() keeps until it returns."""
+    out = [delta(s, "inputs/next_batch", 2 * 8 * s["B"] * s["T"], "2*8*B*T", "prefetched X, Y")]
+    if cfg["dtype"] == "float16":
+        out.append(delta(s, "temporary/scaled_loss", 4, "4", "scaler.scale(loss)"))
+    out.append(delta(s, "temporary/grad_seed", 4, "4", "ones_like(loss) for backward"))
+    return out
 
 
 _PLANS = {}  # the plans made in this process, by config: inductor's answer does not change

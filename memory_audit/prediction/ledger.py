@@ -3,7 +3,7 @@ configs and machines they take, the steady-state lines (weights, buffers, grads,
 state, the batch, workspaces) and the totals a ledger sums to. Pure Python, no torch."""
 
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE, workspace_size_from_env
-from .gap_sim import predicted_gaps
+from .ledger_history import predicted_gaps
 from .parts import grad_phases, line, numel as _numel
 from ..schema import PHASES, check_model_config, sac_ops
 from . import fsdp, tensor_parallel as tp

@@ -13,12 +13,12 @@ What is saved for backward depends on the device's autocast policy (measured, se
   float32 (either device): no casts, so weights are saved as themselves (not activations)
 
 The ledger is assembled from small parts: steady-state lines (weights, buffers, grads, optimizer
-state, inputs, workspaces), the activations each model part saves (parts.py), the levers'
-rules over each block's lines (levers.py: activation checkpointing), and the lines of the
-peak (backward.py). Lines carry no state between parts: data flows one way.
+state, inputs, workspaces), the activations each model part saves (parts.py) and the levers'
+rules over each block's lines (levers.py: activation checkpointing). Lines carry no state
+between parts: data flows one way. The step's totals (its phases, the peak, reserved memory)
+are its trace's: prediction().
 """
 
-from .backward import peak_lines, start_of_backward
 from .ledger import (DEFAULTS, GPUS, OUTSIDE_PYTORCH_DEFAULT, PARALLEL, GiB, ddp_bucket_numels,  # noqa: F401
                      device_facts, expandable_from_env, gpu_name, param_shapes, plain, resolved, steady_lines,
                      validate)
@@ -42,21 +42,18 @@ def activation_lines(s, cfg):
     return lines + tp.shard_lines(s, head(s, cfg["keep_logits"]), cfg), recomputed
 
 
-def predict(config=None, device=None, gaps_bytes=None, ledger_model=True):
+def predict(config=None, device=None, gaps_bytes=None):
     """The byte formula's ledger for one audited training step (prediction() is what commands read).
 
     Args:
         config: train.py keys (missing ones take DEFAULTS: the reference run).
         device: device_facts() dict; default an H100.
-        gaps_bytes: measured allocator gaps at steady state, to use instead of the allocator
-            model's (gap_sim.py); they depend on allocation history.
-        ledger_model: False skips the ledger's own model of the timeline, gap_sim's allocator
-            model and the peak's candidate moments (backward.py): the ledger then has no
-            "peak" lines and its peak is the moment before backward (prediction() replaces
+        gaps_bytes: measured allocator gaps at steady state, added to the lines' rounding (else
+            the totals count the lines and their 512 B rounding only; prediction() replaces
             the allocated, reserved and peak totals with the trace's).
     Returns:
         {"config", "device", "ledger": [line...], "totals": {...}, "backward": {...}} with
-        integer bytes.
+        integer bytes; the ledger's peak is the moment before backward.
     """
     cfg = dict(DEFAULTS)
     cfg.update({k: v for k, v in (config or {}).items() if k in DEFAULTS})
@@ -66,16 +63,13 @@ def predict(config=None, device=None, gaps_bytes=None, ledger_model=True):
     t, shards, whole = tp.tp_size(cfg), fsdp.shards(cfg), param_shapes(cfg)
     tp_local = [(n, tp.local_shape(n, sh, t)) for n, sh in whole]  # what FSDP2 shards
     params = [(n, fsdp.local_shape(sh, shards)) for n, sh in tp_local]  # what this rank holds
-    acts, recomputed = activation_lines(s, cfg)
-    start = start_of_backward(s, cfg) + fsdp.backward_all_gather(s, cfg, tp_local)
-    peak, backward = peak_lines(s, cfg, params, acts, recomputed, start, lambda m: fsdp.during(s, cfg, tp_local, m),
-                                tp_local) if ledger_model else ([], {"peak_at": None, "candidates": []})
+    acts, _ = activation_lines(s, cfg)
     owned = [(n, fsdp.own_shape(sh, cfg)) for n, sh in tp_local]  # FSDP2: the unpadded rows this rank owns
-    ledger = [plain(l) for l in steady_lines(s, cfg, dev, params, owned) + fsdp.unsharded(s, cfg, tp_local) + acts + peak]
-    totals = totals_of(ledger, params, dev, gaps_bytes, cfg, ledger_model)
+    ledger = [plain(l) for l in steady_lines(s, cfg, dev, params, owned) + fsdp.unsharded(s, cfg, tp_local) + acts]
+    totals = totals_of(ledger, params, dev, gaps_bytes, cfg, allocator_model=False)
     totals["recompute_flops"] = recompute_flops(s, cfg)
     totals["forward_flops"] = forward_flops(s) * cfg["gradient_accumulation_steps"]
-    return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": backward}
+    return {"config": cfg, "device": dev, "ledger": ledger, "totals": totals, "backward": {"peak_at": None}}
 
 
 def prediction(config=None, device=None, plan=None):
@@ -85,8 +79,7 @@ def prediction(config=None, device=None, plan=None):
     The lines are the byte formula's (predict(): each with its formula). The totals (the phases'
     memory_allocated(), the peak, memory_reserved()) are the step's trace replayed as the device
     counts it: the shadow run's (eager), inductor's plan (compile=True: compiled_predict, `plan`
-    one made before for this config). Where no trace covers the config (uncovered()) the ledger's
-    own allocator model and candidate moments give them. totals["from"] says which, always.
+    one made before for this config). totals["from"] says which, always.
     Needs torch and model.py for the shadow run and the compiled plan.
     """
     return traced(config, device, plan)[0]
@@ -104,11 +97,7 @@ def traced(config=None, device=None, plan=None, names=False):
         pred["totals"]["from"] = "inductor's plan (compile=True)" + (f" ({'; '.join(notes)})" if notes else "")
         return pred, None
     cfg = resolved(config or {})
-    reason = uncovered(cfg, dev)
-    pred = predict(cfg, dev, ledger_model=reason is not None)
-    if reason is not None:
-        pred["totals"]["from"] = f"ledger ({reason})"
-        return pred, None
+    pred = predict(cfg, dev)
     from . import shadow
     r = shadow.replayed(cfg, dev, names=names)
     _from_trace(pred, r)
@@ -130,15 +119,6 @@ def predicted_snapshot(replay, dev):
     else:
         snap = shadow.snapshot(replay["result"])
     return plain(categorize_trace(normalize(snap), None, detail=False))
-
-
-def uncovered(cfg, dev):
-    """Why no trace of the step gives this eager config's totals, or None when the shadow's does."""
-    from .shadow_dist import COVERED
-    parallel = cfg.get("parallel", "none")
-    if parallel != "none" and parallel not in COVERED:
-        return f"parallel={parallel}: not in the shadow run"
-    return None
 
 
 def _from_trace(pred, r):

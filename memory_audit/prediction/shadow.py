@@ -25,7 +25,7 @@ from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from ..schema import PHASES_KEY, PREDICTED_FRAME
 from .. import nosympy
 from ..nodynamo import stood_in
-from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, module_labels
+from .shadow_tracker import Tracker, block_tags, cpu_rules, dispatch_mode, module_labels, storage_resizes
 
 def held_names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
@@ -191,8 +191,9 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
         base = contextlib.nullcontext()
     else:  # meta tensors for a CUDA step: C++ kernels, several times faster than FakeTensorMode
         base = shadow_cuda.meta() if device_type == "cuda" else FakeTensorMode()
-    # the CPU rules outside the dispatcher (RNG states, the SDPA region); a CUDA run's RNG states are host memory
-    rules = cpu_rules(tracker) if device_type == "cpu" else contextlib.nullcontext()
+    # the rules outside the dispatcher: on CPU RNG states and the SDPA region (a CUDA run's RNG states are
+    # host memory), on either device storage resizes (FSDP2's unsharded parameters)
+    rules = cpu_rules(tracker) if device_type == "cpu" else storage_resizes(tracker)
     gpu = shadow_dist.on_gpu(cfg, tracker) if device_type == "cuda" else contextlib.nullcontext()
     with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda, gpu, \
             shadow_dist.propagation_unseen(tracker, cfg):

@@ -1,8 +1,8 @@
-"""The shadow's CUDA history played through the caching allocator's model (gap_sim): what
+"""The shadow's CUDA history played through the caching allocator's model (reading/allocator_model): what
 memory_allocated() and memory_reserved() would count, and the predicted step as a CUDA snapshot.
 
 The shadow run (shadow.py) gives every request of the process in order, from model.to(device)
-on; gap_sim.CachingAllocatorModel chooses the blocks and the segments as the allocator does
+on; allocator_model.CachingAllocatorModel chooses the blocks and the segments as the allocator does
 (rounding, best fit, the split rule, merging on free). The snapshot it writes has the schema a
 real CUDA snapshot has (segments with their blocks, a trace with segment_alloc, alloc,
 free_requested and free_completed), so `attribute`, `viz` and MemoryViz read it as they read a
@@ -45,7 +45,7 @@ def placed(result, expandable=False):
 
 def _placed(events, expandable):
     """placed()'s four sequences for one pool: the compiled model (_fastcore.model) where it is
-    built, else the reference, gap_sim.CachingAllocatorModel: the same numbers (test_fastcore)."""
+    built, else the reference, allocator_model.CachingAllocatorModel: the same numbers (test_fastcore)."""
     core = fastcore()
     if core is None:
         return _placed_py(events, expandable)
@@ -55,7 +55,7 @@ def _placed(events, expandable):
 
 
 def _placed_py(events, expandable):
-    from .gap_sim import CachingAllocatorModel
+    from ..reading.allocator_model import CachingAllocatorModel
     model, at = CachingAllocatorModel(expandable), {}
     block, addr, seg, grown = [], [], [], []
     for action, _, nbytes, aid in events:

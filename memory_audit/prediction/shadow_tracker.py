@@ -516,20 +516,31 @@ def cpu_rules(tracker):
         return call
     for (owner, name), original in originals.items():
         setattr(owner, name, in_place(original))
+    try:
+        with rng_states(tracker), storage_resizes(tracker):
+            yield
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def storage_resizes(tracker):
+    """untyped_storage().resize_ made visible (storage_resize: no op the dispatcher sees), on
+    either device: FSDP2 frees an unsharded parameter's memory with resize_(0) and makes it again
+    with resize_(n)."""
+    import torch
     resize = torch.UntypedStorage.resize_
 
-    def resized(storage, nbytes):  # storage_resize: no op the dispatcher sees
+    def resized(storage, nbytes):
         tracker.before_op()
         resize(storage, nbytes)
         tracker.resized(storage, nbytes)
     torch.UntypedStorage.resize_ = resized
     try:
-        with rng_states(tracker):
-            yield
+        yield
     finally:
         torch.UntypedStorage.resize_ = resize
-        for (owner, name), original in originals.items():
-            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
