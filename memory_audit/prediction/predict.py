@@ -109,13 +109,13 @@ def predicted_snapshot(replay, dev):
     categorizes an audit of it (grads, recomputed, temporaries by the audit's names; the viewer's
     'unknown' its loader needs), so MemoryViz opens the file itself; its phases' trace positions
     under schema.PHASES_KEY."""
-    from . import shadow
+    from . import shadow, shadow_names
     from ..reading.loader import normalize
     from ..reading.event_names import categorize_trace
     from ..reading.trace import plain
     if dev["type"] == "cuda":
         from .shadow_allocator import snapshot
-        snap = snapshot(replay["result"], dev.get("expandable_segments", False), shadow.audit_names(replay["result"]))
+        snap = snapshot(replay["result"], dev.get("expandable_segments", False), shadow_names.audit_names(replay["result"]))
     else:
         snap = shadow.snapshot(replay["result"])
     return plain(categorize_trace(normalize(snap), None, detail=False))

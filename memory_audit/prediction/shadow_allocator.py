@@ -80,7 +80,7 @@ def _placed_py(events, expandable):
 def play(result, expandable=False, names=None):
     """Yields (position, action, name, bytes asked, block bytes, address, new segment or None,
     stream) for every event of the shadow's history and step, the step's by `names` where given
-    (shadow.audit_names: as an audit names them); a new segment is (start, bytes)."""
+    (shadow_names.audit_names: as an audit names them); a new segment is (start, bytes)."""
     _, block, addr, seg, grown = placed(result, expandable)
     names, streams = names or {}, result.get("streams", {})
     for i, (action, key, nbytes, aid) in enumerate(result["history"] + result["events"]):

@@ -12,9 +12,10 @@ backward, as `Audit.before_backward` reads it. `loop_summary` is what an Audit k
 
 import contextlib
 
-from .shadow import (address, begin_step, end_step, held_names, lines, live_names, name_grads, one_line, step_levels,
-                     step_result)
-from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
+from .shadow import begin_step, end_step, one_line, step_levels, step_result
+from .shadow_names import address, held_names, lines, live_names, name_grads
+from .patches import cpu_rules
+from .shadow_tracker import Tracker, dispatch_mode, module_labels
 
 
 def run_loop(make, step, inputs=None, audited=1):

@@ -36,13 +36,15 @@ import sys
 import traceback
 import warnings
 
-from .shadow import (ShadowError, begin_step, end_step, held_names, name_grads, step_result)
+from .shadow import ShadowError, begin_step, end_step, step_result
+from .shadow_names import held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, checked_assume
 from .shadow_loop import LoopLedger, fake_ident, merged, loop_summary
 from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
-from .shadow_tracker import Tracker, cpu_rules, dispatch_mode, module_labels
+from .patches import cpu_rules
+from .shadow_tracker import Tracker, dispatch_mode, module_labels
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memory_audit/

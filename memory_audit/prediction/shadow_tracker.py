@@ -90,12 +90,12 @@ class Tracker:
         self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
         self.twins = {}  # storage id -> the host values a meta tensor DDP's reducer reads stands for (shadow_dist)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
-        self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow._naming)
+        self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow_names.naming)
         self.naming = False  # name what the audited forward makes as an audit does (shadow.run(names=True))
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
         self.on_op = None  # called with each op before it runs (shadow_script's step boundaries), or None
-        self.stream = 0  # the stream allocations are made on (a CUDA step's FSDP2: shadow_dist._Streams)
+        self.stream = 0  # the stream allocations are made on (a CUDA step's FSDP2: patches._Streams)
         self.streams = {}  # allocation id -> its stream, where not the default one (0)
         self.stand_in = None  # the name of the op the next one stands in for (known_values: nonzero as nonzero_static)
 
@@ -489,80 +489,6 @@ def _is_view(func):
         returns = func._schema.returns
         _VIEWS[func] = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
     return _VIEWS[func]
-
-
-@contextlib.contextmanager
-def cpu_rules(tracker):
-    """The CPU rules that need a hook outside the dispatcher: rng_states, and the regions where
-    a real run adds in place what a tensor subclass (a fake tensor, or any tensor while a Python
-    dispatch mode runs) adds out of place (adds_in_place): CPU math SDPA's mask add
-    (attn.add_(mask)), and at::linear's bias add where its input is not flattened into one addmm
-    (a non-contiguous input: output.add_(bias) after the matmul), from F.linear or from the
-    recurrent layers' input projections (torch._VF's rnn functions). An add there whose first
-    operand dies with it took that operand's memory (the inplace_accumulate fold)."""
-    import torch
-    import torch.nn.functional as F
-    # the recurrent layers call at::linear from C++ (their input projections: mm, then the bias)
-    hooks = [(F, "scaled_dot_product_attention"), (F, "linear")] + [(torch._VF, n) for n in ("lstm", "gru", "rnn_tanh", "rnn_relu")]
-    originals = {(owner, name): getattr(owner, name) for owner, name in hooks}
-
-    def in_place(original):
-        def call(*args, **kwargs):
-            outer, tracker.adds_in_place = tracker.adds_in_place, True
-            try:
-                return original(*args, **kwargs)
-            finally:
-                tracker.adds_in_place = outer
-        return call
-    for (owner, name), original in originals.items():
-        setattr(owner, name, in_place(original))
-    try:
-        with rng_states(tracker), storage_resizes(tracker):
-            yield
-    finally:
-        for (owner, name), original in originals.items():
-            setattr(owner, name, original)
-
-
-@contextlib.contextmanager
-def storage_resizes(tracker):
-    """untyped_storage().resize_ made visible (storage_resize: no op the dispatcher sees), on
-    either device: FSDP2 frees an unsharded parameter's memory with resize_(0) and makes it again
-    with resize_(n)."""
-    import torch
-    resize = torch.UntypedStorage.resize_
-
-    def resized(storage, nbytes):
-        tracker.before_op()
-        resize(storage, nbytes)
-        tracker.resized(storage, nbytes)
-    torch.UntypedStorage.resize_ = resized
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = resize
-
-
-@contextlib.contextmanager
-def rng_states(tracker):
-    """torch.get_rng_state() made visible: the CPU generator's state, a real uint8 tensor the
-    generator makes outside the dispatcher, which checkpointing saves per region (with dropout)
-    until its recomputation has run."""
-    import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
-    original = torch.get_rng_state
-
-    def get_rng_state():
-        state = original()
-        tracker.before_op()
-        aid, _ = tracker.alloc(tracker.key("checkpoint.rng_state"), state.untyped_storage().nbytes())
-        tracker.saved.append((StorageWeakRef(state.untyped_storage()), aid))
-        return state
-    torch.get_rng_state = get_rng_state
-    try:
-        yield
-    finally:
-        torch.get_rng_state = original
 
 
 def module_labels(model, tracker, root="gpt"):
