@@ -494,7 +494,7 @@ def main(argv=None):
     r.add_argument("--repredict", action="store_true", help="make the run's prediction again with this checkout's "
                    "predictor and store it in its meta.json (imports torch); by default the one its audit stored")
     r.add_argument("--trace", action="store_true", help="also shadow-run the step (eager; one process on CPU "
-                   "or CUDA, or one torchrun rank on CPU; imports torch) and name the first event where it and the measured trace part")
+                   "or CUDA, or one torchrun rank; imports torch) and name the first event where it and the measured trace part")
     df = sub.add_parser("diff", help="two audits (or an audit and a `predict --json` file) line by line")
     df.add_argument("a", help="run directory or prediction JSON (the baseline)")
     df.add_argument("b", help="run directory or prediction JSON (with the lever)")

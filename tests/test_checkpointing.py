@@ -69,8 +69,8 @@ def test_full_checkpointing_moves_the_peak_into_the_backward(audits):
     ("b1-bf16-dropout", ["--dtype=bfloat16", "--dropout=0.1"]),
 ])
 def test_batch_one_full_checkpointing_to_the_byte(plain_audits, name, args):
-    """At batch 1 with full checkpointing the gradients outweigh what is saved: the peak is the
-    embedding's backward, the last node (fp32 adds the tied wte/lm_head gradients out of place,
+    """At batch 1 with full checkpointing the gradients outweigh what is saved: the measured peak
+    (the shadow run's, to the byte) is the embedding's backward, the last node (fp32 adds the tied wte/lm_head gradients out of place,
     one allocation later; bf16 adds them in place). Dropout: each region keeps the CPU RNG state.
     The batch is two tensors of B*T int64 (not views of one buffer, at batch 1 too)."""
     run = plain_audits(f"ac-full-{name}", "--batch_size=1", "--attention=manual", "--activation_checkpointing=full", *args)
@@ -93,7 +93,8 @@ def test_batch_one_full_checkpointing_to_the_byte(plain_audits, name, args):
     ("selective-dropout", ["--dropout=0.1", "--dtype=float32", "--activation_checkpointing=selective"]),
 ])
 def test_moments_inside_a_block_backward_to_the_byte(plain_audits, name, args):
-    """n_embd=128, 3 layers. ReLU under autocast: the peak comes once mlp.c_proj's backward is done
+    """n_embd=128, 3 layers; the shadow run's peak and lines to the byte where a lever moves the
+    peak inside a block's backward. ReLU under autocast: the peak comes once mlp.c_proj's backward is done
     (its weight gradient cast to fp32 while the bf16 one exists; its weight copy and the gradient
     it was handed gone). Selective checkpointing with dropout: the attention core is recomputed
     only when the backward reaches it, so c_proj's moment holds no recomputation (counting it

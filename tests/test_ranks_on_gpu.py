@@ -19,6 +19,9 @@ H100 = device_facts("cuda", gpu="H100")
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "tp", "tp-sp", "fsdp+tp"])
 def test_a_rank_on_a_gpu_is_its_shadow_run_with_the_nccl_assumptions_named(parallel):
+    """Over two ranks (four for fsdp+tp): the totals every command reads are the shadow run's
+    replay (no other model answers), and each strategy in the config names once what it assumes
+    of NCCL."""
     from memory_audit.prediction import shadow
     cfg = resolved(dict(TINY, parallel=parallel, **({"world_size": 4, "tp_size": 2} if "+" in parallel else {})))
     t = prediction(cfg, H100)["totals"]
@@ -40,7 +43,7 @@ def test_the_nccl_audits_at_world_size_one_are_predicted_to_the_byte(strategy):
     import pickle
     from memory_audit.comparison.reconcile import device_from_meta
     from memory_audit.prediction import shadow
-    from memory_audit.prediction.shadow_allocator import snapshot
+    from memory_audit.prediction.shadow_allocator import replay, snapshot
     from memory_audit.reading.loader import load_meta
     run = os.path.join(EXAMPLES, "nccl-ws1", strategy)
     meta = load_meta(run)
@@ -58,7 +61,8 @@ def test_the_nccl_audits_at_world_size_one_are_predicted_to_the_byte(strategy):
         with open(os.path.join(run, "step2_end.pickle"), "rb") as f:
             measured = [(e["action"], e["size"]) for e in pickle.load(f)["device_traces"][0] if e.get("stream")]
         assert side == measured and len(side) == 19
-
+        one_pool = replay(dict(r, streams={}))["reserved"]
+        assert t["reserved_peak_bytes"] - one_pool == 2 << 20
 
 def test_fsdp2s_collective_buffers_live_in_their_own_streams_segments():
     """The all-gather's copy-in and the reduce-scatter's buffers are made on FSDP2's own streams,

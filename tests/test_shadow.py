@@ -119,13 +119,17 @@ def test_predicted_trace_is_a_snapshot_named_like_the_audit(tmp_path, cpu_run):
     assert predicted["peak_in_trace"]["categories"] == measured["peak_in_trace"]["categories"]
 
 
-def test_trace_with_a_kernel_no_trace_measured_is_one_line(tmp_path):
-    """An A100 picks the flash kernel for bf16 SDPA; no committed trace has measured it, so the
-    shadow refuses in one line instead of guessing."""
-    out = tmp_path / "never.pickle"
-    p = run_cli("predict", "--gpu=A100", "--preset=cpu-tiny", "--dtype=bfloat16", "--attention=sdpa", f"--trace={out}")
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no committed trace has measured" in p.stderr
-    assert p.stdout == "" and not out.exists()
+@pytest.mark.parametrize("gpu, dtype, kernel", [("A100", "bfloat16", "flash"), ("V100", "float16", "efficient")])
+def test_a_kernel_no_trace_measured_is_run_and_said(tmp_path, gpu, dtype, kernel):
+    """An A100 picks flash attention for bf16 SDPA, a V100 (no flash before sm80) efficient
+    attention for fp16; no committed trace has measured either: the shadow runs the kernel's meta
+    outputs, writes its trace, and says so in one line."""
+    out = tmp_path / "kernel.pickle"
+    p = run_cli("predict", f"--gpu={gpu}", "--preset=cpu-tiny", f"--dtype={dtype}", "--attention=sdpa", f"--trace={out}")
+    assert p.returncode == 0 and out.exists(), p.stderr
+    said = [l for l in p.stdout.splitlines() if l.startswith("not measured on a GPU: SDPA through")]
+    assert said == [f"not measured on a GPU: SDPA through {kernel} attention ({dtype}) from its meta kernel's "
+                    f"outputs (no trace has measured the kernel or its backward's buffers)"]
 
 
 @pytest.mark.parametrize("grid", ["cpu-long", "cpu-ac"])

@@ -100,14 +100,20 @@ def test_cpu_long_grid(tmp_path):
         assert r["status"] == "ok" and r["unattributed_bytes"] == 0, r
         assert r["activation_lines_mismatched"] == [] and r["steady_lines_mismatched"] == [], r["config"]
         assert r["totals"]["peak"]["diff"] == 0, (r["config"], r["cost"])
+    # the shadow's peak: softmax's backward (eager), att @ v's (selective with dropout)
+    assert [r["cost"]["peak_at"].rsplit("/", 1)[1] for r in rows] == ["_softmax_backward_data", "bmm"]
 
 
 def test_committed_cpu_long_rows_are_predicted_to_the_byte():
-    """All 23 cpu-long rows as measured, re-predicted to the byte."""
+    """All 23 cpu-long rows as measured, re-predicted to the byte; in every one the shadow's peak
+    is an attention core's backward (softmax's, or att @ v's bmm)."""
+    from memory_audit.comparison.sweep import row_prediction
     rows = committed_rows("cpu-long.jsonl")
     assert [{k: v for k, v in r["config"].items() if k != "rank"} for r in rows] == \
         [c for c in grid("cpu-long") for _ in range(c.get("nproc", 1))]
     assert_repredicted_exactly(rows)
+    at = [row_prediction(r)["backward"]["peak_at"].rsplit("/", 1)[1] for r in rows]
+    assert set(at) == {"_softmax_backward_data", "bmm"}, at
 
 
 def test_unknown_grid_is_one_line():

@@ -61,8 +61,8 @@ def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11
     # CUBLAS_WORKSPACE_CONFIG wins; else sm90 uses 4096 KiB x 8 = 33,554,432 B (measured on an
     # H100, torch 2.11) and older GPUs ":4096:2:16:8" = 8,519,680 B
     ws = workspace_size_from_env(env) or (4096 * 1024 * 8 if cap >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8)
-    if sdpa_backend is None:
-        sdpa_backend = "cudnn" if cap >= (9, 0) else "flash"
+    if sdpa_backend is None:  # fp16/bf16 SDPA's kernel: flash attention needs sm80, cuDNN's is Hopper's here
+        sdpa_backend = "cudnn" if cap >= (9, 0) else "flash" if cap >= (8, 0) else "efficient"
     return {"type": "cuda", "gpu": gpu, "capability": list(cap), "workspace_bytes": ws, "workspaces": 2,
             "sdpa_backend": sdpa_backend, "total_memory": total_memory or mem, "torch_version": torch_version,
             "expandable_segments": expandable_from_env(env), "outside_pytorch": outside_pytorch}

@@ -8,8 +8,9 @@ The order and the lifetimes are PyTorch's own; nothing here knows which op saves
 dispatcher cannot see is added by rules: shadow_tracker's and rules/cpu.py's (measured on CPU audits) and, for
 a GPU, shadow_cuda's (autocast, kernel choices) and rules/cuda.py's, one per op, each naming
 the CUDA traces it was read from; a CUDA step's whole process is then
-played through the caching allocator's model (shadow_allocator). Eager: one process, or on CPU
-one rank of a torchrun strategy (shadow_dist); torch.compile is not in it. shadow_loop.py
+played through the caching allocator's model (shadow_allocator). Eager: one process, or one rank
+of a torchrun strategy on either device (shadow_dist; on a GPU FSDP2's own streams, patches.py);
+torch.compile is not in it. shadow_loop.py
 shadow-runs any model's loop the same way (CPU).
 
 run() returns plain data: the step's events [(action, key, bytes, id)] in order (and on CUDA the
@@ -322,8 +323,7 @@ def replayed(cfg, device, repeat=True, names=False):
     key = repr((sorted(cfg.items()), sorted(kw.items()), repeat, names))
     result = _LAST.get(key)
     if result is None:
-        # a rank's strategy is run whole: the repeat rule has not held for one (FSDP2's groups, DDP's buckets)
-        worth = cfg.get("parallel", "none") == "none" and (shadow_repeat.repeatable(cfg) or shadow_repeat.micro_repeatable(cfg))
+        worth = shadow_repeat.repeatable(cfg) or shadow_repeat.micro_repeatable(cfg)
         result = repeated(cfg, **kw) if repeat and worth and not names else None
         if result is None:
             result = run(cfg, "cuda", names=names, **kw)

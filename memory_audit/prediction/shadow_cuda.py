@@ -138,7 +138,8 @@ def _sdpa(backend, note, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
     attention for fp32 (the fused kernels take no fp32); the math path op by op for fp32 with
     grouped heads (fp32 Qwen2, the same traces). With a mask the math path too, which no trace has
     measured (`note` is told: "not measured on a GPU"). Flash (older GPUs, fp16/bf16) has no
-    measured trace: its meta kernel's outputs, and `note` is told."""
+    measured trace, nor efficient attention in fp16/bf16 (V100, T4): their meta kernels' outputs,
+    and `note` is told."""
     import torch
     low = q.dtype in (torch.float16, torch.bfloat16)
     dt = str(q.dtype).replace("torch.", "")
@@ -147,14 +148,17 @@ def _sdpa(backend, note, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
             note(f"SDPA with a mask ({dt}) as its math path, op by op (no trace has measured the kernel CUDA picks)")
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
-    if low and backend == "flash":  # GPUs before Hopper: the flash kernel's outputs, as its meta kernel gives them
+    if low and backend in ("flash", "efficient"):  # before Hopper: the kernel's outputs, as its meta kernel gives them
         if note is not None:
-            note(f"SDPA through flash attention ({dt}) from its meta kernel's outputs (no trace has measured the "
+            note(f"SDPA through {backend} attention ({dt}) from its meta kernel's outputs (no trace has measured the "
                  f"kernel or its backward's buffers)")
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        if backend == "flash":  # sm80 and later (A100)
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
+                                                                     scale=scale)[0]  # sm70/sm75 (V100, T4)
     if low and backend != "cudnn":
-        raise ValueError(f"the shadow's CUDA SDPA covers cuDNN's kernel and flash attention (fp16/bf16) and efficient "
-                         f"attention (fp32); this call ({dt}, {backend}) takes a kernel no committed trace has measured")
+        raise ValueError(f"the shadow's CUDA SDPA covers cuDNN's, flash and efficient attention (fp16/bf16) and "
+                         f"efficient attention (fp32); this call ({dt}, {backend}) takes a kernel it does not know")
     if low:
         return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal, False,
                                                                  scale=scale)[0]

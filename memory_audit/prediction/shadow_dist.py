@@ -7,7 +7,8 @@ make for them are ordinary ops the tracker sees), and each DeviceMesh (and each 
 one), whose small tensor of rank ids it reads values from, is made on real tensors outside the
 fake mode. DDP runs its own C++ reducer: where it reads tensor data (the parameter shapes it
 checks at construction, the bucket indices it broadcasts when it rebuilds its buckets in the
-second step's forward) the small integer tensors it makes are real (reducer_reads). A comm hook
+second step's forward) the small integer tensors it makes are real (reducer_reads; for a GPU's
+step they are meta tensors whose values host twins hold: reducer_op). A comm hook
 hands each bucket back (the fake group all-reduces nothing); with no hook of its own the reducer
 scales each gradient by 1/world_size as it copies it into its bucket, through a wrapped scalar
 and its cast (8 B and the gradient's element size, made and freed in the gradient's
@@ -105,7 +106,7 @@ def parallelize(model, cfg):
 
 def wrap(model, cfg, tracker):
     """The module train.py trains: DDP around the model for parallel=ddp (its buckets made here,
-    with the reducer's own reads on real tensors), else the model itself."""
+    with the reducer's own reads on real tensors or host twins), else the model itself."""
     if cfg.get("parallel") != "ddp":
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -199,7 +200,8 @@ def propagation_unseen(tracker, cfg):
 @contextlib.contextmanager
 def reducer_reads(tracker):
     """Inside: the ops the tracker sees on real tensors only, and the empty integer tensors made
-    with no tensor argument, run on real tensors (the reducer fills and reads them)."""
+    with no tensor argument, run on real tensors (the reducer fills and reads them); on a GPU's
+    meta tensors, integer ops also run on host twins (reducer_op)."""
     tracker.real_ints = True
     try:
         yield

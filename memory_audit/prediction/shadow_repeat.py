@@ -35,14 +35,16 @@ _SEP = "\x00"  # joins a run's key templates (no key holds it)
 
 
 def repeatable(cfg):
-    """Whether the step's blocks are alike and deep enough for repeating to save time."""
+    """Whether the step's blocks are alike and deep enough for repeating to save time. A rank of a
+    torchrun strategy is run whole: the rule has not held for one (FSDP2's groups, DDP's buckets),
+    and a repeated step keeps no streams."""
     uniform = cfg.get("activation_checkpointing", "none") == "none" or cfg.get("ac_every", 1) == 1
-    return uniform and cfg["n_layer"] > sum(SOURCE)
+    return uniform and cfg["n_layer"] > sum(SOURCE) and cfg.get("parallel", "none") == "none"
 
 
 def micro_repeatable(cfg):
-    """Whether the step has micro-steps enough for repeating them to save time."""
-    return cfg.get("gradient_accumulation_steps", 1) > sum(SOURCE)
+    """Whether the step has micro-steps enough for repeating them to save time (one process)."""
+    return cfg.get("gradient_accumulation_steps", 1) > sum(SOURCE) and cfg.get("parallel", "none") == "none"
 
 
 CHANNELS = ("blocks", "micro")  # what a run's events are tagged with (shadow.run(..., blocks=True))

@@ -87,7 +87,8 @@ class Tracker:
         self.real_shapes = {}  # storage id -> (shape, stride, dtype) a kernel probe found (shadow_probe)
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
         self.unmeasured = set()  # CUDA rules applied outside the shapes a trace measured (rules/cuda.py's SAMPLES)
-        self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors (shadow_dist)
+        self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors, or on a GPU's
+        # meta tensors with host twins of their values (shadow_dist)
         self.twins = {}  # storage id -> the host values a meta tensor DDP's reducer reads stands for (shadow_dist)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
         self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow_names.naming)
@@ -201,6 +202,7 @@ class Tracker:
         self._settle_saved()  # a real tensor let go before this storage died is freed first
         entry = self.live.pop(sid, None)
         self.real_shapes.pop(sid, None)
+        self.twins.pop(sid, None)
         if entry is not None:
             self.freed_at[sid] = self.free(entry[0])
 
