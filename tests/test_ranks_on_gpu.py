@@ -116,3 +116,38 @@ def test_plan_names_the_rows_each_unmeasured_rule_is_in():
     assert out.returncode == 0, out.stderr
     assert "not measured on a GPU (fsdp over 2 ranks): parallel=fsdp on NCCL over 2 ranks: FSDP2's" in out.stdout
     assert "ledger" not in out.stdout
+
+
+def test_random_ranks_on_random_gpus_run_and_keep_the_cpu_shadows_buckets():
+    """Random configs (seed printed; SHADOW_SEED replays it) under a random strategy, world size
+    and GPU: the rank's CUDA step runs from the shadow (a config no rank can train is one
+    ValueError line), the NCCL notes appear over several ranks only, and DDP's buckets on the GPU
+    are the CPU shadow's."""
+    import random
+    from memory_audit.comparison.sweep import random_config
+    from memory_audit.prediction import shadow
+    from memory_audit.prediction.predict import DEFAULTS, validate
+    seed = int(os.environ["SHADOW_SEED"])
+    rng, ran = random.Random(seed), 0
+    while ran < 5:
+        par = rng.choice(["ddp", "fsdp", "tp", "tp-sp", "fsdp+tp"])
+        cfg = dict(DEFAULTS, **random_config(rng))
+        cfg.update(parallel=par, rank=0, n_head=2 * rng.randint(1, 2), world_size=4 if "+" in par else rng.choice([1, 2]),
+                   tp_size=2 if "+" in par else 0)
+        cfg.update(n_embd=16 * cfg["n_head"], dropout=0.0 if "tp" in par else cfg["dropout"])
+        try:
+            validate(cfg)
+        except ValueError:
+            continue
+        gpu = rng.choice(["H100", "A100", "H200"])
+        print(f"ranks seed {seed} (replay: SHADOW_SEED={seed}): {gpu} {cfg}")
+        t = prediction(cfg, device_facts("cuda", gpu=gpu))["totals"]
+        assert t["from"] == "shadow run"
+        notes = [rule for rule in t["unmeasured_on_gpu"] if " on NCCL over " in rule]
+        assert len(notes) == (par.count("+") + 1 if cfg["world_size"] > 1 else 0), t["unmeasured_on_gpu"]
+        if par == "ddp":
+            c = resolved(cfg)
+            gpu_buckets, cpu_buckets = ([n for _, key, n in shadow.run(c, d)["pre"] if key == "grads/ddp_buckets"]
+                                        for d in ("cuda", "cpu"))
+            assert sorted(gpu_buckets) == sorted(cpu_buckets) and gpu_buckets
+        ran += 1

@@ -42,7 +42,7 @@ def check(cfg):
     if t > 1 and cfg.get("dropout", 0.0) > 0:
         raise ValueError(f"parallel={cfg['parallel']} is built for dropout=0 only (each rank would need "
                          "its own attention-dropout RNG stream)")
-    if cfg.get("parallel") == "tp-sp" and t > 1 and cfg.get("set_to_none", True) is False:
+    if cfg.get("parallel") == "tp-sp" and cfg.get("set_to_none", True) is False:  # at world size 1 too
         # (under fsdp+tp-sp FSDP2 reduce-scatters them into shards, which zero_ takes: it trains)
         raise ValueError("parallel=tp-sp needs set_to_none=True: the sequence-parallel LayerNorms' "
                          "gradients are Partial DTensors, which zero_grad cannot zero in place")
