@@ -10,6 +10,9 @@ context manager that says why and puts back what it replaced.
   no_init           torch.nn.init's initialisers as no-ops (a fake weight has no values to set)
   fsdp_on_gpu       FSDP2's GPU code path on meta tensors (its device, its device handle: the
                     streams of _Streams, and its meta-parameter check), with UNMEASURED's notes
+  propagation_unseen  DTensor's sharding propagation on fake tensors of the global shapes left
+                    out of the tracker (a real run does it in a FakeTensorMode of its own)
+  meta              fused AdamW allowed on meta tensors, as on CUDA tensors
 Plain Python until a shadow run starts: torch is imported inside.
 """
 
@@ -220,3 +223,47 @@ class _Stream:
 
     def wait_stream(self, stream):
         pass
+
+
+@contextlib.contextmanager
+def propagation_unseen(tracker, cfg):
+    """Inside: DTensor's sharding propagation runs its op on fake tensors of the global shapes
+    to learn the output's metadata (a cache miss), which a real run does in a FakeTensorMode of
+    its own, with no memory. In a shadow run those ops reach the tracker: they are left out.
+    (A miss in step 2 came when the audit's saved-tensor hooks were added to the shadow's
+    audited forward: 18 allocations no audit has, under tp.) Only a torchrun strategy makes
+    DTensors; importing their module would cost a single-process shadow run 0.2 s."""
+    if cfg.get("parallel", "none") == "none":
+        yield
+        return
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # a torch without DTensor's propagator: nothing to leave out
+        yield
+        return
+    real = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def unseen(self, *args, **kwargs):
+        with tracker.unseeing():
+            return real(self, *args, **kwargs)
+    ShardingPropagator._propagate_tensor_meta_non_cached = unseen
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = real
+
+
+@contextlib.contextmanager
+def meta():
+    """Meta tensors stand for the GPU's: shapes, dtypes and storages of the right size with no
+    memory, their kernels in C++ (several times faster than FakeTensorMode's Python dispatch).
+    Fused AdamW is allowed on them as on CUDA tensors. The model is built under
+    torch.device("meta") (shadow._model); after that every factory the step calls names its
+    device (a tensor's), so no device context stands between each torch call and its kernel."""
+    from torch.optim import optimizer
+    saved = optimizer._get_fused_kernels_supported_devices
+    optimizer._get_fused_kernels_supported_devices = lambda: saved() + ["meta"]
+    try:
+        yield
+    finally:
+        optimizer._get_fused_kernels_supported_devices = saved

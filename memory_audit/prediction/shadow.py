@@ -26,7 +26,7 @@ from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from .. import nosympy
 from ..nodynamo import stood_in
 from .shadow_names import held_names, lines, name_grads, naming, snapshot  # noqa: F401 (lines, snapshot: read as shadow.*)
-from .patches import cpu_rules, fsdp_on_gpu, no_init, storage_resizes
+from .patches import cpu_rules, fsdp_on_gpu, meta, no_init, propagation_unseen, storage_resizes
 from .shadow_tracker import Tracker, block_tags, dispatch_mode, module_labels
 
 def _held(state, scaler):
@@ -148,13 +148,13 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     if not fake:
         base = contextlib.nullcontext()
     else:  # meta tensors for a CUDA step: C++ kernels, several times faster than FakeTensorMode
-        base = shadow_cuda.meta() if device_type == "cuda" else FakeTensorMode()
+        base = meta() if device_type == "cuda" else FakeTensorMode()
     # the rules outside the dispatcher: on CPU RNG states and the SDPA region (a CUDA run's RNG states are
     # host memory), on either device storage resizes (FSDP2's unsharded parameters)
     rules = cpu_rules(tracker) if device_type == "cpu" else storage_resizes(tracker)
     gpu = fsdp_on_gpu(cfg, tracker) if device_type == "cuda" else contextlib.nullcontext()
     with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda, gpu, \
-            shadow_dist.propagation_unseen(tracker, cfg):
+            propagation_unseen(tracker, cfg):
         model = _model(cfg, device_type, fake)
         if device_type == "cuda":  # the whole history, for the allocator's model: from model.to(device) on
             tracker.recording = True

@@ -1,7 +1,7 @@
 """What a CUDA step does that a CPU shadow run must be told: autocast's CUDA policy, CUDA's kernel
 choices and the allocations made inside CUDA kernels (issue #26).
 
-The shadow of a CUDA step runs on meta tensors that stand for the GPU's (meta(): shapes, dtypes
+The shadow of a CUDA step runs on meta tensors that stand for the GPU's (patches.meta: shapes, dtypes
 and storage sizes, C++ kernels, no memory): on the CPU build autograd's engine cannot run a fake
 CUDA tensor's backward, and torch.autocast("cuda") turns itself off without a GPU. So what CUDA
 does differently is added here, each rule read from the committed tiny CUDA audits
@@ -190,22 +190,6 @@ def to_device(model, tracker):
             if t is not None:
                 tracker.adopt(t.untyped_storage())
     visit(model)
-
-
-@contextlib.contextmanager
-def meta():
-    """Meta tensors stand for the GPU's: shapes, dtypes and storages of the right size with no
-    memory, their kernels in C++ (several times faster than FakeTensorMode's Python dispatch).
-    Fused AdamW is allowed on them as on CUDA tensors. The model is built under
-    torch.device("meta") (shadow._model); after that every factory the step calls names its
-    device (a tensor's), so no device context stands between each torch call and its kernel."""
-    from torch.optim import optimizer
-    saved = optimizer._get_fused_kernels_supported_devices
-    optimizer._get_fused_kernels_supported_devices = lambda: saved() + ["meta"]
-    try:
-        yield
-    finally:
-        optimizer._get_fused_kernels_supported_devices = saved
 
 
 def batch(B, T):

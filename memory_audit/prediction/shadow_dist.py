@@ -170,34 +170,6 @@ def _handed_back(state, bucket):
 
 
 @contextlib.contextmanager
-def propagation_unseen(tracker, cfg):
-    """Inside: DTensor's sharding propagation runs its op on fake tensors of the global shapes
-    to learn the output's metadata (a cache miss), which a real run does in a FakeTensorMode of
-    its own, with no memory. In a shadow run those ops reach the tracker: they are left out.
-    (A miss in step 2 came when the audit's saved-tensor hooks were added to the shadow's
-    audited forward: 18 allocations no audit has, under tp.) Only a torchrun strategy makes
-    DTensors; importing their module would cost a single-process shadow run 0.2 s."""
-    if cfg.get("parallel", "none") == "none":
-        yield
-        return
-    try:
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    except ImportError:  # a torch without DTensor's propagator: nothing to leave out
-        yield
-        return
-    real = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def unseen(self, *args, **kwargs):
-        with tracker.unseeing():
-            return real(self, *args, **kwargs)
-    ShardingPropagator._propagate_tensor_meta_non_cached = unseen
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = real
-
-
-@contextlib.contextmanager
 def reducer_reads(tracker):
     """Inside: the ops the tracker sees on real tensors only, and the empty integer tensors made
     with no tensor argument, run on real tensors (the reducer fills and reads them); on a GPU's

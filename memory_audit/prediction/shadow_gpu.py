@@ -28,7 +28,7 @@ model (shadow_allocator) for reserved memory. Plain Python until a shadow starts
 
 import contextlib
 
-from . import shadow_cuda
+from . import patches, shadow_cuda
 
 # CUDA autocast's policy, by the name a torch function (or Tensor method) has at the Python
 # level; from ATen/autocast_mode.h (torch 2.11-2.13): lower_precision_fp, fp32,
@@ -410,7 +410,7 @@ def on_gpu(device, note=None):
     call takes that no GPU trace has measured."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_module(device["gpu"], device["total_memory"], device["capability"]))
-        stack.enter_context(shadow_cuda.meta())
+        stack.enter_context(patches.meta())
         stack.enter_context(optimizer_defaults())
         kernels = stack.enter_context(shadow_cuda.device_kernels(device["sdpa_backend"], note))
         stack.enter_context(autocast())
