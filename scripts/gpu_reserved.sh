@@ -63,7 +63,7 @@ from memory_audit.comparison.reconcile import device_from_meta
 run, out = sys.argv[1], sys.argv[2]
 snap = load_snapshot(run + "/step2_end.pickle")
 tr = snap["device_traces"][0]
-r = replay_requests(tr.act, tr.addr, tr.size)
+r = replay_requests(tr.act, tr.addr, tr.size, stream=tr.stream)
 meta = load_meta(run)
 pred = prediction(meta["config"], device_from_meta(meta))["totals"]["reserved_peak_bytes"]
 measured = sum(s["total_size"] for s in snap["segments"])

@@ -16,7 +16,7 @@ def _replay(path):
     if not os.path.isfile(path):
         pytest.skip("../shared/fixtures/foreign_snapshots not present")
     tr = load_snapshot(path)["device_traces"][0]
-    return replay_requests(tr.act, tr.addr, tr.size)
+    return replay_requests(tr.act, tr.addr, tr.size, stream=tr.stream)
 
 
 @pytest.mark.parametrize("run", ["cuda-tiny-fp16-manual", "cuda-tiny-bf16-sdpa"])
@@ -25,6 +25,16 @@ def test_committed_tiny_audits_get_their_segments(run):
     r = _replay(os.path.join(EXAMPLES, run, "step2_end.pickle"))
     assert r["segments"] == r["trace_segments"] == [2 * 2**20] * 3 + [32 * 2**20] * 2
     assert r["reserved"] == 73_400_320
+
+
+def test_a_pool_per_stream_gives_the_nccl_fsdp_audit_its_segments():
+    """FSDP2's reduce-scatter runs on a stream of its own (an H100 NCCL audit at world size 1):
+    fed the trace's requests with each entry's stream, the model makes the trace's own segments
+    (98 MiB); with one pool for every stream it makes one 2 MiB segment fewer."""
+    tr = load_snapshot(os.path.join(EXAMPLES, "nccl-ws1", "fsdp", "step2_end.pickle"))["device_traces"][0]
+    pools = replay_requests(tr.act, tr.addr, tr.size, stream=tr.stream)
+    assert pools["segments"] == pools["trace_segments"] and pools["reserved"] == 102_760_448
+    assert pools["reserved"] - replay_requests(tr.act, tr.addr, tr.size)["reserved"] == 2 << 20
 
 
 # third-party training and forward traces (cs336 assignment 2, two repositories) in which the

@@ -104,22 +104,27 @@ class CachingAllocatorModel(BlockSim):
         self.complete(addr)
 
 
-def replay_requests(act, addr, size, expandable=False):
+def replay_requests(act, addr, size, expandable=False, stream=None):
     """The allocator model fed a real trace's requests in their order (the sizes asked for and
-    when each block came back), choosing blocks and segments itself. For a trace that starts
-    with the process (an audit records from before the model exists) the segments it makes
-    should be the ones the snapshot shows: where they are, the allocator rules are right and a
-    reserved-memory miss lies in the predicted history (which tensors, in which order), not in
-    the rules. Returns {"reserved": bytes of the model's segments, "segments": their sizes,
+    when each block came back), choosing blocks and segments itself, a pool per stream (`stream`:
+    each entry's, as the trace records it; None: one stream). For a trace that starts with the
+    process (an audit records from before the model exists) the segments it makes should be the
+    ones the snapshot shows: where they are, the allocator rules are right and a reserved-memory
+    miss lies in the predicted history (which tensors, in which order), not in the rules.
+    Returns {"reserved": bytes of the model's segments, "segments": their sizes,
     "trace_reserved": bytes of the trace's own segment_alloc/map entries, "trace_segments"}."""
-    model, placed, real = CachingAllocatorModel(expandable), {}, []
-    for a, ad, sz in zip(act, addr, size):
-        a, ad, sz = int(a), int(ad), int(sz)
+    models, placed, real = {}, {}, []
+    streams = [0] * len(act) if stream is None else stream
+    for a, ad, sz, st in zip(act, addr, size, streams):
+        a, ad, sz, st = int(a), int(ad), int(sz), int(st)
         if a == ALLOC:
-            placed[ad] = model.alloc(sz)[0]
+            model = models.setdefault(st, CachingAllocatorModel(expandable))
+            placed[ad] = (model, model.alloc(sz)[0])
         elif a in (FREE_COMPLETED, FREE) and ad in placed:
-            model.release(placed.pop(ad))
+            model, at = placed.pop(ad)
+            model.release(at)
         elif a in (SEG_ALLOC, SEG_MAP):
             real.append(sz)
-    return {"reserved": model.reserved, "segments": sorted(model.segments.values()),
+    return {"reserved": sum(m.reserved for m in models.values()),
+            "segments": sorted(n for m in models.values() for n in m.segments.values()),
             "trace_reserved": sum(real), "trace_segments": sorted(real)}

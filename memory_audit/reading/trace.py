@@ -177,6 +177,11 @@ class Trace:
             self._size = self._ints("size")
         return self._size
 
+    @property
+    def stream(self):
+        """Each entry's stream (0 where the entry has none)."""
+        return self._ints("stream")
+
     def action(self, i):
         return self.value("action", i)
 
