@@ -271,7 +271,7 @@ def cmd_plan(args, extra):
 
 
 def _why(text):
-    """totals["from"]'s parentheses as one line: "ledger (a (b); c)" -> "a (b); c",
+    """totals["from"]'s parentheses as one line: "inductor's plan (a (b); c)" -> "a (b); c",
     "shadow run (x) (y)" -> "x; y"."""
     rest = text[len(_source(text)):].strip()
     if rest.startswith("(") and rest.endswith(")"):
@@ -281,7 +281,7 @@ def _why(text):
 
 def _source(text):
     """A plan row's numbers, prediction()'s totals["from"] without its parenthesis (printed below
-    the table): "shadow run", "inductor's plan" or "ledger"."""
+    the table): "shadow run" or "inductor's plan"."""
     return text.split(" (", 1)[0]
 
 

@@ -33,7 +33,7 @@ def need(cfg, dev):
     return {"allocated": t["peak_allocated_bytes"], "reserved": t["reserved_peak_bytes"], "outside": outside,
             "total": t["reserved_peak_bytes"] + outside, "recompute_flops": t["recompute_flops"],
             "forward_flops": t["forward_flops"], "comm_bytes": comm_bytes(dict(DEFAULTS, **cfg), t["params"]),
-            "from": t.get("from", "ledger"), "unmeasured": t.get("unmeasured_on_gpu", [])}
+            "from": t["from"], "unmeasured": t.get("unmeasured_on_gpu", [])}
 
 
 def budget(dev, headroom):

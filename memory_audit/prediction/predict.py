@@ -29,17 +29,13 @@ from .parts import numel as _numel
 from . import fsdp, tensor_parallel as tp
 
 def activation_lines(s, cfg):
-    """What the forward leaves saved for backward, and each checkpointed block's recomputation.
-
-    Returns (lines in forward order, {block index: lines its backward recomputes}).
-    """
-    lines, recomputed = embedding(s), {}
+    """What the forward leaves saved for backward, in forward order (a checkpointed block's
+    recomputation is the shadow run's)."""
+    lines = embedding(s)
     for i in range(cfg["n_layer"]):
-        kept, redo = checkpointed(s, cfg, i, block(s, i))
+        kept, _ = checkpointed(s, cfg, i, block(s, i))
         lines += tp.shard_lines(s, kept, cfg)  # one rank's share: a rule over what the lever kept
-        if redo:
-            recomputed[i] = {k: tp.shard_lines(s, v, cfg) for k, v in redo.items()}
-    return lines + tp.shard_lines(s, head(s, cfg["keep_logits"]), cfg), recomputed
+    return lines + tp.shard_lines(s, head(s, cfg["keep_logits"]), cfg)
 
 
 def predict(config=None, device=None, gaps_bytes=None):
@@ -63,7 +59,7 @@ def predict(config=None, device=None, gaps_bytes=None):
     t, shards, whole = tp.tp_size(cfg), fsdp.shards(cfg), param_shapes(cfg)
     tp_local = [(n, tp.local_shape(n, sh, t)) for n, sh in whole]  # what FSDP2 shards
     params = [(n, fsdp.local_shape(sh, shards)) for n, sh in tp_local]  # what this rank holds
-    acts, _ = activation_lines(s, cfg)
+    acts = activation_lines(s, cfg)
     owned = [(n, fsdp.own_shape(sh, cfg)) for n, sh in tp_local]  # FSDP2: the unpadded rows this rank owns
     ledger = [plain(l) for l in steady_lines(s, cfg, dev, params, owned) + fsdp.unsharded(s, cfg, tp_local) + acts]
     totals = totals_of(ledger, params, dev, gaps_bytes, cfg, allocator_model=False)
