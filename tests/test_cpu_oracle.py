@@ -155,11 +155,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 @pytest.fixture(scope="module")
 def torchrun_runs(tmp_path_factory):
     """Both roads audited on both ranks of one torchrun job: {(road, rank): run dir}. A rank
-    that dies by a signal inside torch (seen at the profiler's start and at gloo's teardown:
-    tests/test_distributed.py's _torchrun) is rerun once, into a fresh directory; gloo's own
-    timeout (60 s) and the subprocess's bound the job."""
+    that dies by a signal inside torch (SIGSEGV as the profiler starts under gloo, about 1 job in
+    20 here; tests/test_distributed.py's _torchrun) is rerun, up to twice, into a fresh directory;
+    gloo's own timeout (60 s) and the subprocess's bound each job."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         out = tmp_path_factory.mktemp(f"torchrun{attempt}")
         p = subprocess.run(TORCHRUN + [os.path.join(ROOT, "tests", "oracle_program.py"), str(out), *ROADS],
                            cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
