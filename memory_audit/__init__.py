@@ -11,7 +11,7 @@ from the base modules schema.py and text.py; tests/test_layout.py holds it to th
 
 `from memory_audit import Audit` imports torch; reading snapshots does not (it stays light).
 `from memory_audit import predict_loop` predicts any model's training step before it runs
-(prediction/shadow_loop.py's run_loop: the loop shadow-run on fake tensors; CPU), and
+(prediction/shadow_script.py: the loop shadow-run on fake tensors through shadow(); CPU), and
 `with memory_audit.shadow() as s:` around a script's own code shadow-runs it as written
 (prediction/shadow_script.py; CPU).
 """
@@ -28,6 +28,6 @@ def __getattr__(name):  # the recorder (and torch) only for those who record
         from .prediction.shadow_script import shadow
         return shadow
     if name == "predict_loop":
-        from .prediction.shadow_loop import run_loop
-        return run_loop
+        from .prediction.shadow_script import predict_loop
+        return predict_loop
     raise AttributeError(f"module 'memory_audit' has no attribute {name!r}")

@@ -192,9 +192,11 @@ def test_report_sets_the_loops_prediction_beside_the_measurement(tmp_path):
 
 
 @pytest.mark.parametrize("spoil", ["item", "numpy", "nonzero"])
-def test_a_step_fake_tensors_cannot_run_is_one_line_and_the_audit_still_measures(tmp_path, spoil):
-    """A step that reads a value (loss.item(), .numpy()) or makes a data-dependent shape
-    (nonzero) cannot run on fake tensors: predict_loop raises one ShadowError line naming the op
+def test_a_value_read_is_answered_and_what_cannot_run_is_one_line(tmp_path, spoil):
+    """A step that logs loss.item() is predicted as shadow() predicts it (the read answered with a
+    placeholder, listed with its line, one per step run) and its peak is the audit's of the same
+    loop; one that reads data (.numpy()) or makes a data-dependent shape (nonzero, no size
+    assumed) cannot run on fake tensors: predict_loop raises one ShadowError line naming the op
     it stopped at, never a number; an Audit of the same loop still measures it."""
     from memory_audit import predict_loop
     from memory_audit.prediction.shadow import ShadowError
@@ -206,12 +208,22 @@ def test_a_step_fake_tensors_cannot_run_is_one_line_and_the_audit_still_measures
         {"item": lambda: loss.item(), "numpy": lambda: loss.detach().numpy(),
          "nonzero": lambda: torch.nonzero(x > 3)}[spoil]()
         return kept
-    with pytest.raises(ShadowError) as e:
-        predict_loop(lambda: llama_loop(False), step)
-    assert str(e.value).count("\n") == 0 and str(e.value).startswith("the shadow run stopped at ")
+    if spoil == "item":
+        r = predict_loop(lambda: llama_loop(False), step)
+        reads = r["summary"]["placeholders"]
+        assert [(p["read"], p["answer"]) for p in reads] == [("Tensor.item()", 0.0)] * 2, reads
+        assert all("loss.item()" in p["where"] for p in reads)
+    else:
+        with pytest.raises(ShadowError) as e:
+            predict_loop(lambda: llama_loop(False), step)
+        assert str(e.value).count("\n") == 0 and str(e.value).startswith("the shadow run stopped at ")
     model, opt, x, y = llama_loop(False)
     audit = Audit(model, opt, out_dir=str(tmp_path))
+    kept = None  # the loop holds each step's output and loss until the next, as predict_loop's does
     for s in range(3):
         with audit.step(s):
-            step(model, opt, x, y, audit)
+            kept = step(model, opt, x, y, audit)
+    assert kept is not None
+    if spoil == "item":
+        assert measure(audit.run_dir)["phases"]["step2_end"]["replay"]["peak"]["bytes"] == r["peak"]
     assert measure(audit.run_dir)["phases"]["step2_end"]["replay"]["peak"]["bytes"] > 0

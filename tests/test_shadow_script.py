@@ -139,7 +139,7 @@ HF = [  # scripts/zoo.py specs: small configs, no download
     {"lib": "hf", "name": "bert", "attention": "eager", "dtype": "float32", "optimizer": "adam", "impl": "for",
      "checkpointing": True},
     # transformers takes a fake tensor for a trace (is_tracing) and builds the masks a real run
-    # reads it can skip; with checkpointing they are kept (known_values, shadow_script.NOT_A_TRACE)
+    # reads it can skip; with checkpointing they are kept (known_values, patches.NOT_A_TRACE)
     {"lib": "hf", "name": "qwen2", "attention": "sdpa", "dtype": "float32", "optimizer": "adamw", "impl": "fused",
      "checkpointing": True},
     # T5 with its checkpointing makes its cross-attention's position bias need a gradient: a leaf

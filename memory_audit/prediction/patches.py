@@ -13,6 +13,12 @@ context manager that says why and puts back what it replaced.
   propagation_unseen  DTensor's sharding propagation on fake tensors of the global shapes left
                     out of the tracker (a real run does it in a FakeTensorMode of its own)
   meta              fused AdamW allowed on meta tensors, as on CUDA tensors
+  fake_modules      nn.Module._apply and Tensor.__deepcopy__ for modules of fake tensors (a
+                    user's code run as written: shadow_script)
+  LibraryBranches   a library's checks for tracing answered False (NOT_A_TRACE), and on a GPU
+                    shadow its device-type branches taken for "cuda" (META_IS_CUDA)
+The hooks shadow_script's session itself sets (backward, zero_grad, value reads) are its own
+instruments, as an Audit's hooks are, and stay with it.
 Plain Python until a shadow run starts: torch is imported inside.
 """
 
@@ -267,3 +273,136 @@ def meta():
         yield
     finally:
         optimizer._get_fused_kernels_supported_devices = saved
+
+
+@contextlib.contextmanager
+def fake_modules():
+    """nn.Module._apply and Tensor.__deepcopy__ for modules of fake tensors (fake_apply,
+    same_mode_deepcopy), while a user's code runs in the shadow."""
+    import torch
+    apply, deepcopy = torch.nn.Module._apply, torch.Tensor.__deepcopy__
+    torch.nn.Module._apply = fake_apply(apply)
+    torch.Tensor.__deepcopy__ = same_mode_deepcopy(deepcopy)
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply, torch.Tensor.__deepcopy__ = apply, deepcopy
+
+
+def fake_apply(original):
+    """Module._apply for a model of fake tensors: torch swaps each fake parameter for its
+    converted one (swap_tensors), which fails on a fake tensor something holds a weak reference
+    to; here a conversion that returns the tensor itself (`.to()` to where it is) keeps it, and
+    one that makes a new tensor (`.to(dtype)`, `.half()`) is set as the parameter's (and its
+    gradient's) data, as torch does for plain tensors: the old storage goes, the Parameter stays.
+    A move to another kind of tensor (host to the meta tensors of a GPU shadow, which `.data =`
+    refuses) makes a new Parameter, once per Parameter (a tied weight stays tied)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def apply(module, fn, recurse=True, _moved=None):
+        if not any(isinstance(t, FakeTensor) for t in module.parameters()):
+            return original(module, fn, recurse)
+        moved = {} if _moved is None else _moved  # id(old Parameter) -> its new one
+        if recurse:
+            for child in module.children():
+                apply(child, fn, _moved=moved)
+        for key, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in moved:
+                module._parameters[key] = moved[id(param)]
+                continue
+            with torch.no_grad():
+                new = fn(param)
+            if new is param:
+                continue
+            if new.device == param.device:  # the same Parameter object: ties and an optimizer's references hold
+                param.data = new
+                if param.grad is not None:
+                    with torch.no_grad():
+                        param.grad.data = fn(param.grad)
+                continue
+            moved[id(param)] = module._parameters[key] = torch.nn.Parameter(new, param.requires_grad)
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = fn(buf)
+        return module
+    return apply
+
+
+def same_mode_deepcopy(original):
+    """Tensor.__deepcopy__ for fake tensors: the copy stays in the same FakeTensorMode (torch
+    deep-copies a fake tensor's __dict__, its mode too, and the copy's ops then mix two modes:
+    nn.TransformerEncoder clones its layer with copy.deepcopy)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def deepcopy(t, memo):
+        if isinstance(t, FakeTensor):
+            memo.setdefault(id(t.fake_mode), t.fake_mode)
+        return original(t, memo)
+    return deepcopy
+
+
+# Library checks that take a fake tensor for a trace (torch.compile, export) and run the branch
+# written for tracing; the shadow runs eager code, so while it runs they answer False. (module,
+# function, why), patched once the module is imported (at the first forward that finds it).
+NOT_A_TRACE = (
+    ("transformers.utils.import_utils", "is_fake_tensor",
+     "transformers' is_tracing() skips, for a fake tensor, the reads that decide whether a causal or "
+     "packed-sequence mask is built (masking_utils); a real run makes them (zoo-check seed 418482: "
+     "Qwen2 and GPT-2 with checkpointing and SDPA, +6,561 to +43,350 B at the peak)"),
+)
+
+# Library functions that read a tensor's device type and, for "meta" (what a GPU shadow's device
+# tensors are), take another branch than for "cuda"; while a GPU shadow runs they are called with
+# "cuda". (module, function, why), replaced wherever a loaded module holds them.
+META_IS_CUDA = (
+    ("transformers.utils.generic", "maybe_autocast",
+     "transformers' maybe_autocast(device_type='meta') is a no-op, so rotary embeddings' fp32 region "
+     "(enabled=False) would stay under bf16 autocast (zoo H100 traces, seed 408334: Qwen2 bf16)"),
+)
+
+
+class LibraryBranches:
+    """`with LibraryBranches(gpu) as b:` NOT_A_TRACE's functions answer False, and on a GPU
+    shadow META_IS_CUDA's are called with "cuda", in the modules loaded when `b.apply()` is
+    called (at each top-level forward: a library may be imported lazily by the forward itself);
+    every one put back on leaving."""
+
+    def __init__(self, gpu):
+        self.gpu, self.saved, self.as_cuda = gpu, {}, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), value in self.saved.items():
+            setattr(owner, name, value)
+        self.saved = {}
+
+    def apply(self):
+        import sys
+        for module, name, _why in NOT_A_TRACE:
+            owner = sys.modules.get(module)
+            if owner is not None and (owner, name) not in self.saved and hasattr(owner, name):
+                self.saved[(owner, name)] = getattr(owner, name)
+                setattr(owner, name, lambda *a, **k: False)
+        for module, name, _why in META_IS_CUDA if self.gpu else ():
+            home = sys.modules.get(module)
+            original = self.saved.get((home, name), getattr(home, name, None))
+            if original is None:
+                continue
+            as_cuda = self.as_cuda.setdefault((module, name), _as_cuda(original))
+            for owner in list(sys.modules.values()):  # their own dicts: a lazy module's getattr imports
+                held = getattr(owner, "__dict__", {}).get(name)
+                if held is original and (owner, name) not in self.saved:
+                    self.saved[(owner, name)] = original
+                    setattr(owner, name, as_cuda)
+
+
+def _as_cuda(original):
+    """`original(device_type, ...)` called with "cuda" where the code passes "meta"."""
+    def call(device_type, *args, **kwargs):
+        return original("cuda" if device_type == "meta" else device_type, *args, **kwargs)
+    return call

@@ -10,8 +10,8 @@ a GPU, shadow_cuda's (autocast, kernel choices) and rules/cuda.py's, one per op,
 the CUDA traces it was read from; a CUDA step's whole process is then
 played through the caching allocator's model (shadow_allocator). Eager: one process, or one rank
 of a torchrun strategy on either device (shadow_dist; on a GPU FSDP2's own streams, patches.py);
-torch.compile is not in it. shadow_loop.py
-shadow-runs any model's loop the same way (CPU).
+torch.compile is not in it. shadow_script.py shadow-runs a user's own code (and shadow_loop.py
+a make/step loop through it) with the same tracker and rules.
 
 run() returns plain data: the step's events [(action, key, bytes, id)] in order (and on CUDA the
 history before it), what is live when it starts, the phase positions, the peak; replayed()

@@ -1,94 +1,51 @@
-"""The shadow run of any model's training loop (issue #28; CPU): the loop's own step on fake
-tensors, every allocation named as an Audit of the same loop names it.
-
-`run_loop(make, step)` (memory_audit.predict_loop) runs the loop's steps under the shadow's
-tracker (shadow_tracker, with its CPU rules and oneDNN kernel probes) as shadow.run runs
-train.py's, and names what it records with the audit's own code: the loop's names from
-recording.loop_names (the model's arguments and output, the loss and its targets), the saved
-tensors from recording.recorder.saved_tensor_ledger opened over the audited step and read at each
-backward, as `Audit.before_backward` reads it. `loop_summary` is what an Audit keeps
-(`Audit(predicted=...)`) and `report` sets beside the measurement.
+"""What every shadow run of a user's loop shares (shadow_script.Shadow, and predict_loop
+through it): the audit's saved-tensor ledger over the audited step (LoopLedger), the loop's
+names merged with the model's, the user's own lines (user_line: where a read or a stop is
+reported; call_site/above: where a zero_grad is written against the optimizer step) and the
+summary an Audit keeps (loop_summary).
 """
 
 import contextlib
+import linecache
+import os
+import traceback
 
-from .shadow import begin_step, end_step, one_line, step_levels, step_result
-from .shadow_names import address, held_names, lines, live_names, name_grads
-from .patches import cpu_rules
-from .shadow_tracker import Tracker, dispatch_mode, module_labels
+from .shadow_names import address, lines, live_names
+from .shadow import step_levels
 
-
-def run_loop(make, step, inputs=None, audited=1):
-    """The shadow run of any loop (issue #28; CPU): `make()` builds (model, optimizer, *batch)
-    and is called on fake CPU tensors; `step(model, optimizer, *batch)` is one training step
-    (forward, loss, backward, optimizer step, zero_grad) and returns what the loop keeps until
-    the next step (its loss, its output: {name: tensor}, or the loss). Steps 0..audited run; step
-    `audited` is recorded, as Audit(step=...) records it, its before-backward moment at its last
-    `.backward()`. Every allocation is named as an Audit of the same loop names it when the loop
-    calls `audit.before_backward(loss)` before each backward (the loop's own names found by
-    recording.loop_names, the same code: the model's arguments, its output, the loss and its
-    targets; the saved tensors by the audit's ledger); `inputs`: names for the batch, as the
-    loop would give them with `audit.step(i, tensors=...)`; what `step` returns is named by its
-    keys where nothing else names it. Returns run()'s dict, lines() reads any phase; raises
-    ShadowError (one line, naming the op) for a step fake tensors cannot run. oneDNN's kernels
-    (LSTM layers, convolution, batch norm, bf16 matmuls on CPUs with native bf16) are asked for
-    their own buffers at the step's shapes (shadow_probe: one real kernel per call signature);
-    result["unprobed"] names those a probe could not ask (inside another profile)."""
-    tracker = Tracker()
-    tracker.naming = True
-    return one_line(tracker, _run_loop, make, step, inputs, audited, tracker)
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memory_audit/
+_LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python", "<frozen", _HERE)
 
 
-def _run_loop(make, step, inputs, audited, tracker):
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from ..recording.loop_names import LoopNames
-    phases, original, made = {}, torch.Tensor.backward, {}
-    found = LoopNames(ident=fake_ident)
+def _user_frame(frames):
+    """The innermost frame of the user's code (not torch, not an installed package, not this
+    package) among traceback frames, or None."""
+    for f in reversed(frames):
+        name = f.filename or ""
+        if name.endswith(".py") and not any(k in name for k in _LIBRARY) and "/torch/" not in name:
+            return f
+    return None
 
-    def backward(self, *args, **kwargs):  # the last one in the audited step: before backward
-        if tracker.recording:
-            tracker.before_op()
-            phases["step2_before_backward"] = len(tracker.events)
-        with tracker.unseeing():  # the loss's targets: reading what its nodes saved is no op of the step
-            found.note_loss(self)
-        if tracker.recording:  # the registry, then the saved tensors, then what the loop holds
-            made["ledger"].name(self, named({}), named(found.held()))
-        tracker.phase = "backward"
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            tracker.phase = "optimizer"
-            name_grads(tracker, made["model"])
 
-    def named(last):
-        return held_names(made["model"], made["optimizer"], merged(found.tensors(given), last))
-    with FakeTensorMode(), dispatch_mode(tracker, "cpu"), cpu_rules(tracker):
-        model, optimizer, *batch = make()
-        made.update(model=model, optimizer=optimizer)
-        handles = module_labels(model, tracker, root=type(model).__name__.lower())
-        given, kept = dict(zip(inputs or (), batch)), {}
-        found.watch(model)
-        torch.Tensor.backward = backward
-        try:
-            for it in range(audited + 1):
-                if it == audited:
-                    pre = begin_step(tracker, named(merged(found.held(), kept)), phases)
-                    made["ledger"] = LoopLedger(tracker, model)
-                tracker.phase = "forward"
-                kept = step(model, optimizer, *batch)
-                kept = {"temporary/loop/loss": kept} if isinstance(kept, torch.Tensor) else dict(kept or {})
-        finally:
-            torch.Tensor.backward = original
-            found.remove()
-            if "ledger" in made:
-                made["ledger"].close()
-            for h in handles:
-                h.remove()
-        end_step(tracker, named(merged(found.held(), kept)))
-    result = step_result(tracker, pre, phases)
-    result["summary"] = loop_summary(result)
-    return result
+def user_line(tb=None):
+    """'file.py:line: code' of the user's innermost frame, in a traceback or the current stack."""
+    f = _user_frame(traceback.extract_tb(tb) if tb is not None else traceback.extract_stack())
+    if f is None:
+        return None
+    code = (f.line or linecache.getline(f.filename, f.lineno) or "").strip()
+    return f"{os.path.basename(f.filename)}:{f.lineno}: {code}"
+
+
+def call_site():
+    """(file, line) of the innermost frame of the user's code now, or None."""
+    f = _user_frame(traceback.extract_stack())
+    return None if f is None else (f.filename, f.lineno)
+
+
+def above(site, step_site):
+    """Whether a call at `site` is written above the optimizer step at `step_site`, in the same
+    file: a loop that zeroes the gradients first (its zero_grad starts the next step)."""
+    return site is not None and step_site is not None and site[0] == step_site[0] and site[1] < step_site[1]
 
 
 def fake_ident(t):
@@ -162,7 +119,7 @@ def loop_summary(result):
     if "saved" in result:
         phase_lines.update((phase, lines(result, phase)) for phase in ("step2_before_backward", "step2_end")
                            if phase in result["phases"])
-    return {"source": "predict_loop: the loop's shadow run on fake tensors", "steady_state": result["start_bytes"],
+    return {"source": "shadow(): the user's code on fake tensors", "steady_state": result["start_bytes"],
             "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": levels[-1],
             "lines": start, "phase_lines": phase_lines, "peak_categories": peak_categories(result),
             "probed": result.get("probed", []), "unprobed": result.get("unprobed", [])}

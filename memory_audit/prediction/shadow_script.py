@@ -9,8 +9,8 @@
     print(s.summary["peak"])
 
 Every tensor made inside is fake (FakeTensorMode: shapes, dtypes and storage sizes, no memory)
-and every allocation and free goes through the shadow's tracker, as shadow_loop's run_loop runs a
-`make`/`step` pair; here nothing is restructured. Python's own lifetimes apply: a loss rebound
+and every allocation and free goes through the shadow's tracker, and nothing is restructured
+(shadow_loop.predict_loop runs a `make`/`step` pair through it). Python's own lifetimes apply: a loss rebound
 in the next step is freed when the new one exists, as in a real run.
 
 Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is the
@@ -30,69 +30,49 @@ the user's code and the reason.
 """
 
 import contextlib
-import linecache
 import os
-import sys
-import traceback
 import warnings
 
 from .shadow import ShadowError, begin_step, end_step, step_result
 from .shadow_names import held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, checked_assume
-from .shadow_loop import LoopLedger, fake_ident, merged, loop_summary
+from .shadow_loop import LoopLedger, above, call_site, fake_ident, merged, loop_summary, user_line
 from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
-from .patches import cpu_rules
+from .patches import LibraryBranches, cpu_rules, fake_modules
 from .shadow_tracker import Tracker, dispatch_mode, module_labels
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memory_audit/
-_LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python", "<frozen", _HERE)
-
-# Library checks that take a fake tensor for a trace (torch.compile, export) and run the branch
-# written for tracing; the shadow runs eager code, so while it runs they answer False. (module,
-# function, why), patched once the module is imported (at the first forward that finds it).
-NOT_A_TRACE = (
-    ("transformers.utils.import_utils", "is_fake_tensor",
-     "transformers' is_tracing() skips, for a fake tensor, the reads that decide whether a causal or "
-     "packed-sequence mask is built (masking_utils); a real run makes them (zoo-check seed 418482: "
-     "Qwen2 and GPT-2 with checkpointing and SDPA, +6,561 to +43,350 B at the peak)"),
-)
 
 
-# Library functions that read a tensor's device type and, for "meta" (what a GPU shadow's device
-# tensors are), take another branch than for "cuda"; while a GPU shadow runs they are called with
-# "cuda". (module, function, why), replaced wherever a loaded module holds them.
-META_IS_CUDA = (
-    ("transformers.utils.generic", "maybe_autocast",
-     "transformers' maybe_autocast(device_type='meta') is a no-op, so rotary embeddings' fp32 region "
-     "(enabled=False) would stay under bf16 autocast (zoo H100 traces, seed 408334: Qwen2 bf16)"),
-)
+class _Marked:
+    """One step whose bounds the code marks (Shadow.step)."""
+
+    def __init__(self, session, held):
+        self.session, self.held = session, held
+
+    def __enter__(self):
+        s = self.session
+        s.marked = True
+        if s.steps == s.audited:
+            s._begin(self.held)
+        s.tracker.phase = "forward"
+        return self.held
+
+    def __exit__(self, exc_type, exc, tb):
+        s = self.session
+        if exc_type is None:
+            s.steps += 1
+            if s.steps == s.audited + 1:  # the audited step ends: the loop stops here
+                s._boundary(self.held)
+            s.known.new_step()
+        return False
 
 
 class _Stopped(BaseException):
     """Raised as the audited step ends: the user's loop stops there (BaseException: a loop's own
     `except Exception` does not catch it)."""
-
-
-def _user_frame(frames):
-    """The innermost frame of the user's code (not torch, not an installed package, not this
-    package) among traceback frames, or None."""
-    for f in reversed(frames):
-        name = f.filename or ""
-        if name.endswith(".py") and not any(k in name for k in _LIBRARY) and "/torch/" not in name:
-            return f
-    return None
-
-
-def user_line(tb=None):
-    """'file.py:line: code' of the user's innermost frame, in a traceback or the current stack."""
-    f = _user_frame(traceback.extract_tb(tb) if tb is not None else traceback.extract_stack())
-    if f is None:
-        return None
-    code = (f.line or linecache.getline(f.filename, f.lineno) or "").strip()
-    return f"{os.path.basename(f.filename)}:{f.lineno}: {code}"
 
 
 class Shadow:
@@ -111,8 +91,8 @@ class Shadow:
             self.device = _device(device, gpu)
         except ValueError as e:
             raise ShadowError(str(e)) from None
-        self.result = self.summary = None
-        self.placeholders = []
+        self.result = self.summary = self.given = None  # given: {name: tensor} the code names (predict_loop's inputs)
+        self.placeholders, self.marked = [], False
 
     # -- entering and leaving
     def __enter__(self):
@@ -134,6 +114,8 @@ class Shadow:
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             stack.enter_context(stood_in())
             stack.enter_context(nosympy.stood_in())
+            stack.enter_context(fake_modules())
+            self.branches = stack.enter_context(LibraryBranches(gpu=self.device["type"] == "cuda"))
             stack.enter_context(FakeTensorMode())
             if self.device["type"] == "cuda":  # every request from the first on: the allocator's model reads them all
                 stack.enter_context(on_gpu(self.device, note=tracker.unmeasured.add))
@@ -176,8 +158,8 @@ class Shadow:
                 self.summary.update(allocator=replay(self.result, expandable), unmeasured=self.result["unmeasured"])
             return True
         if exc_type is None:
-            raise ShadowError(f"the code ran {self.steps} optimizer step(s) and ended before step {self.audited} "
-                              "did: nothing to predict")
+            raise ShadowError(f"the code ran {self.steps} {'marked' if self.marked else 'optimizer'} step(s) and ended "
+                              f"before step {self.audited} did: nothing to predict")
         if isinstance(exc, (ShadowError, KeyboardInterrupt, SystemExit)):
             return False
         if isinstance(exc, DataDependentShape):
@@ -196,7 +178,7 @@ class Shadow:
             if torch._C._current_autograd_node() is not None:  # a checkpoint's recomputation, not a forward
                 return
             if session._depth == 0:
-                session._not_a_trace()
+                session.branches.apply()  # a library imported by now (lazily, by the forward itself)
             if session._depth == 0 and session.model is None:  # the last call last
                 session._tops.pop(mod, None)
                 session._tops[mod] = None
@@ -211,13 +193,11 @@ class Shadow:
         self._handles += [module_mod.register_module_forward_pre_hook(pre),
                           module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True),
                           optim_mod.register_optimizer_step_post_hook(self._stepped)]
-        self._saved, self._as_cuda = {}, {}
+        self._saved = {}
 
         def patch(owner, name, new):
             self._saved[(owner, name)] = getattr(owner, name)
             setattr(owner, name, new)
-        patch(torch.nn.Module, "_apply", _fake_apply(torch.nn.Module._apply))
-        patch(torch.Tensor, "__deepcopy__", _same_mode_deepcopy(torch.Tensor.__deepcopy__))
         backward = torch.Tensor.backward
         patch(torch.Tensor, "backward", lambda t, *a, **k: self._backward(backward, t, *a, **k))
         for owner in (torch.optim.Optimizer, torch.nn.Module):
@@ -233,26 +213,6 @@ class Shadow:
             if session.pending and func.namespace != "profiler":  # (the step's own record_function exit)
                 session._boundary()
         self.tracker.on_op = on_op
-
-    def _not_a_trace(self):
-        """NOT_A_TRACE's functions, patched in the modules imported by now; on a GPU shadow,
-        META_IS_CUDA's too, in every loaded module that holds one."""
-        for module, name, _why in NOT_A_TRACE:
-            owner = sys.modules.get(module)
-            if owner is not None and (owner, name) not in self._saved and hasattr(owner, name):
-                self._saved[(owner, name)] = getattr(owner, name)
-                setattr(owner, name, lambda *a, **k: False)
-        for module, name, _why in META_IS_CUDA if self.device["type"] == "cuda" else ():
-            home = sys.modules.get(module)
-            original = self._saved.get((home, name), getattr(home, name, None))
-            if original is None:
-                continue
-            as_cuda = self._as_cuda.setdefault((module, name), _as_cuda(original))
-            for owner in list(sys.modules.values()):  # their own dicts: a lazy module's getattr imports
-                held = getattr(owner, "__dict__", {}).get(name)
-                if held is original and (owner, name) not in self._saved:
-                    self._saved[(owner, name)] = original
-                    setattr(owner, name, as_cuda)
 
     def _unhook(self):
         for h in self._handles:
@@ -288,14 +248,14 @@ class Shadow:
         if self.optimizer is None:
             self.optimizer = optimizer
             self._found_model()
-        if optimizer is not self.optimizer:
+        if optimizer is not self.optimizer or self.marked:  # marked steps: the code says where they end
             return
-        self.step_site = _call_site()
+        self.step_site = call_site()
         self.steps += 1
         self.pending = True
 
     def _zero_grad(self, original, obj, *args, **kwargs):
-        first = self.pending and _above(_call_site(), self.step_site)
+        first = self.pending and above(call_site(), self.step_site)
         if first:  # zero_grad written above the optimizer step: the next step's first line
             self._boundary()
         self.pending_zero = self.pending
@@ -312,19 +272,32 @@ class Shadow:
         except _Stopped:
             pass
 
-    def _boundary(self):
-        """A step has ended (its optimizer step, and zero_grad if that came next)."""
+    def step(self, held=None):
+        """`with s.step(held):` around one training step marks its bounds where the code says
+        them, as `with audit.step(i):` does (then every step is marked so, and the optimizer's
+        steps mark none). held: {name: tensor} the loop keeps across the bounds (the last step's
+        output and loss), read as the step starts and as it ends: the body may update it."""
+        return _Marked(self, {} if held is None else held)
+
+    def _boundary(self, held=None):
+        """A step has ended (its optimizer step, and zero_grad if that came next; or a marked
+        step's end)."""
         self.pending = False
         self.known.new_step()
-        tracker = self.tracker
         if self.steps == self.audited:  # the audited step starts
-            self.pre = begin_step(tracker, self._named(self.found.held()), self.phases)
-            self.made["ledger"] = LoopLedger(tracker, self.model)
+            self._begin(held or {})
         elif self.steps == self.audited + 1:  # it ends: the loop stops here
-            end_step(tracker, self._named(self.found.held()))
+            end_step(self.tracker, self._named(merged(self.found.held(), held or {})))
             self.ended = True
             raise _Stopped()
-        tracker.phase = "forward"
+        self.tracker.phase = "forward"
+
+    def _begin(self, held):
+        if self.model is None:
+            raise ShadowError(f"step {self.audited} started before any optimizer step: shadow() finds the model "
+                              "at the first one (the step that makes the optimizer's state)")
+        self.pre = begin_step(self.tracker, self._named(merged(self.found.held(), held)), self.phases)
+        self.made["ledger"] = LoopLedger(self.tracker, self.model)
 
     def _found_model(self):
         params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
@@ -341,7 +314,7 @@ class Shadow:
         self.found.watch(top)
 
     def _named(self, held):
-        return held_names(self.model, self.optimizer, merged(self.found.tensors(None), held))
+        return held_names(self.model, self.optimizer, merged(self.found.tensors(self.given), held))
 
     def _backward(self, original, t, *args, **kwargs):
         tracker = self.tracker
@@ -362,13 +335,6 @@ class Shadow:
                 name_grads(tracker, self.model)
 
 
-def _as_cuda(original):
-    """`original(device_type, ...)` called with "cuda" where the code passes "meta"."""
-    def call(device_type, *args, **kwargs):
-        return original("cuda" if device_type == "meta" else device_type, *args, **kwargs)
-    return call
-
-
 def _device(device, gpu):
     """ledger.device_facts for the device the code is shadow-run for (the torch it will run under
     is taken to be this one's)."""
@@ -379,73 +345,6 @@ def _device(device, gpu):
     if gpu_name(gpu) is None:
         raise ValueError(f"gpu={gpu!r}: not a GPU the shadow knows ({', '.join(GPUS)})")
     return device_facts("cuda", gpu=gpu_name(gpu), torch_version=torch.__version__.split("+")[0], env=dict(os.environ))
-
-
-def _call_site():
-    """(file, line) of the innermost frame of the user's code now, or None."""
-    f = _user_frame(traceback.extract_stack())
-    return None if f is None else (f.filename, f.lineno)
-
-
-def _above(site, step_site):
-    """Whether a call at `site` is written above the optimizer step at `step_site`, in the same
-    file: a loop that zeroes the gradients first (its zero_grad starts the next step)."""
-    return site is not None and step_site is not None and site[0] == step_site[0] and site[1] < step_site[1]
-
-
-def _fake_apply(original):
-    """Module._apply for a model of fake tensors: torch swaps each fake parameter for its
-    converted one (swap_tensors), which fails on a fake tensor something holds a weak reference
-    to; here a conversion that returns the tensor itself (`.to()` to where it is) keeps it, and
-    one that makes a new tensor (`.to(dtype)`, `.half()`) is set as the parameter's (and its
-    gradient's) data, as torch does for plain tensors: the old storage goes, the Parameter stays.
-    A move to another kind of tensor (host to the meta tensors of a GPU shadow, which `.data =`
-    refuses) makes a new Parameter, once per Parameter (a tied weight stays tied)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def apply(module, fn, recurse=True, _moved=None):
-        if not any(isinstance(t, FakeTensor) for t in module.parameters()):
-            return original(module, fn, recurse)
-        moved = {} if _moved is None else _moved  # id(old Parameter) -> its new one
-        if recurse:
-            for child in module.children():
-                apply(child, fn, _moved=moved)
-        for key, param in module._parameters.items():
-            if param is None:
-                continue
-            if id(param) in moved:
-                module._parameters[key] = moved[id(param)]
-                continue
-            with torch.no_grad():
-                new = fn(param)
-            if new is param:
-                continue
-            if new.device == param.device:  # the same Parameter object: ties and an optimizer's references hold
-                param.data = new
-                if param.grad is not None:
-                    with torch.no_grad():
-                        param.grad.data = fn(param.grad)
-                continue
-            moved[id(param)] = module._parameters[key] = torch.nn.Parameter(new, param.requires_grad)
-        for key, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[key] = fn(buf)
-        return module
-    return apply
-
-
-def _same_mode_deepcopy(original):
-    """Tensor.__deepcopy__ for fake tensors: the copy stays in the same FakeTensorMode (torch
-    deep-copies a fake tensor's __dict__, its mode too, and the copy's ops then mix two modes:
-    nn.TransformerEncoder clones its layer with copy.deepcopy)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def deepcopy(t, memo):
-        if isinstance(t, FakeTensor):
-            memo.setdefault(id(t.fake_mode), t.fake_mode)
-        return original(t, memo)
-    return deepcopy
 
 
 def _filled(shape, value):
@@ -460,3 +359,32 @@ def shadow(device="cpu", step=2, assume=None, gpu="H100"):
     assume: {"file.py:205" or "nonzero": rows, a fraction of the mask, or [rows, ...] per step}, the
     sizes of data-dependent shapes (known_values)."""
     return Shadow(device=device, step=step, assume=assume, gpu=gpu)
+
+
+def predict_loop(make, step, inputs=None, audited=1, assume=None):
+    """The shadow run of a loop (issue #28; CPU): `make()` builds (model, optimizer, *batch) on
+    fake tensors; `step(model, optimizer, *batch)` is one training step (forward, loss, backward,
+    optimizer step, zero_grad) and returns what the loop keeps until the next step (its loss,
+    or {name: tensor}: named by its keys where nothing else names it). Steps 0..audited run;
+    step `audited` is recorded as Audit(step=...) records it. `inputs`: names for the batch, as
+    the loop would give them with `audit.step(i, tensors=...)`. Returns the audited step's
+    result (run()'s dict; lines() reads any phase) with "summary" (loop_summary); raises
+    ShadowError (one line, naming the op and the loop's line) for a step fake tensors cannot
+    run. Reads of values and data-dependent sizes are answered as shadow() answers them
+    (summary["placeholders"], summary["sizes"]; `assume`: shadow()'s)."""
+    with Shadow(step=audited, assume=assume) as s:
+        model, optimizer, *batch = make()
+        s.given = dict(zip(inputs or (), batch))
+        kept = {}
+        for _ in range(audited + 1):
+            with s.step(kept):
+                out = step(model, optimizer, *batch)
+                kept.clear()  # the previous step's, let go as a rebinding loop lets it go
+                kept.update({"temporary/loop/loss": out} if _is_tensor(out) else dict(out or {}))
+                del out
+    return dict(s.result, summary=dict(s.summary, source="predict_loop: the loop's shadow run on fake tensors"))
+
+
+def _is_tensor(value):
+    import torch
+    return isinstance(value, torch.Tensor)
