@@ -53,12 +53,12 @@ def _patched():
     import torch.utils.checkpoint as ckpt
     from torch.optim import optimizer
     from torch.overrides import _get_current_function_mode_stack
-    from memory_audit.prediction import shadow_gpu
+    from memory_audit.prediction import shadow_autocast
     return (torch.cuda.is_available, torch.accelerator.is_available, torch.autocast, torch.amp.autocast,
             torch.is_autocast_enabled, torch.get_autocast_dtype, torch.nn.Module.cuda, torch.nn.Module.to, ckpt.CheckpointFunction,
             ckpt._checkpoint_without_reentrant_generator, optimizer._get_foreach_kernels_supported_devices,
             list(optimizer._foreach_supported_types), len(_get_current_function_mode_stack()),
-            len(shadow_gpu._REGIONS), len(shadow_gpu._CACHE))
+            len(shadow_autocast._REGIONS), len(shadow_autocast._CACHE))
 
 
 def test_torch_cuda_answers_as_one_gpu_and_everything_is_restored():

@@ -17,6 +17,8 @@ context manager that says why and puts back what it replaced.
                     user's code run as written: shadow_script)
   LibraryBranches   a library's checks for tracing answered False (NOT_A_TRACE), and on a GPU
                     shadow its device-type branches taken for "cuda" (META_IS_CUDA)
+  patched           (owner, name, new) triples set for a block, put back on every exit (the
+                    GPU shadow's torch.cuda and autocast stand-ins: shadow_gpu, shadow_autocast)
 The hooks shadow_script's session itself sets (backward, zero_grad, value reads) are its own
 instruments, as an Audit's hooks are, and stay with it.
 Plain Python until a shadow run starts: torch is imported inside.
@@ -406,3 +408,16 @@ def _as_cuda(original):
     def call(device_type, *args, **kwargs):
         return original("cuda" if device_type == "meta" else device_type, *args, **kwargs)
     return call
+
+
+@contextlib.contextmanager
+def patched(triples):
+    """Each (owner, name, new) set for the block; the originals put back on every exit."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in triples]
+    for owner, name, new in triples:
+        setattr(owner, name, new)
+    try:
+        yield
+    finally:
+        for owner, name, old in reversed(saved):
+            setattr(owner, name, old)

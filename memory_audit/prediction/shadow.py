@@ -21,13 +21,14 @@ counts them as the device would; snapshot() writes a CPU step in the snapshot sc
 import contextlib
 import gc
 
-from . import shadow_cuda, shadow_dist, shadow_gpu, shadow_probe, shadow_repeat
+from . import shadow_autocast, shadow_cuda, shadow_dist, shadow_probe, shadow_repeat
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from .. import nosympy
 from ..nodynamo import stood_in
 from .shadow_names import held_names, lines, name_grads, naming, snapshot  # noqa: F401 (lines, snapshot: read as shadow.*)
 from .patches import cpu_rules, fsdp_on_gpu, meta, no_init, propagation_unseen, storage_resizes
-from .shadow_tracker import Tracker, block_tags, dispatch_mode, module_labels
+from .shadow_blocks import block_tags, module_labels
+from .shadow_tracker import Tracker, dispatch_mode
 
 def _held(state, scaler):
     """What the loop itself holds between steps, by the names an audit gives it."""
@@ -64,7 +65,7 @@ def _loop_parts(model, cfg, device_type):
     if dtype == torch.float32:
         autocast = contextlib.nullcontext()
     elif device_type == "cuda":  # torch.autocast("cuda") is off without a GPU: its policy, applied here
-        autocast = shadow_gpu.Autocast(dtype=dtype)
+        autocast = shadow_autocast.Autocast(dtype=dtype)
     else:
         autocast = torch.autocast(device_type, dtype=dtype)
     # CPU or meta tensors whatever device they stand for: the CPU scaler drives them as train.py's
@@ -136,8 +137,8 @@ def one_line(tracker, fn, *args):
 def _cuda_kernels(sdpa_backend, tracker):
     """CUDA's kernel choices (shadow_cuda.device_kernels: a kernel no trace measured is noted in
     tracker.unmeasured), checkpointing's recomputation under them and the forward's autocast
-    region (shadow_gpu.recomputed)."""
-    with shadow_cuda.device_kernels(sdpa_backend, tracker.unmeasured.add) as mode, shadow_gpu.recomputed((mode,)):
+    region (shadow_autocast.recomputed)."""
+    with shadow_cuda.device_kernels(sdpa_backend, tracker.unmeasured.add) as mode, shadow_autocast.recomputed((mode,)):
         yield
 
 

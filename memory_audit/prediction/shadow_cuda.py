@@ -6,7 +6,7 @@ and storage sizes, C++ kernels, no memory): on the CPU build autograd's engine c
 CUDA tensor's backward, and torch.autocast("cuda") turns itself off without a GPU. So what CUDA
 does differently is added here, each rule read from the committed tiny CUDA audits
 (snapshots/examples/cuda-tiny-*, H100, torch 2.11) event by event:
-  autocast_casts     CUDA autocast's policy (shadow_gpu.Autocast: ATen's op lists), its fp32
+  autocast_casts     CUDA autocast's policy (shadow_autocast.Autocast: ATen's op lists), its fp32
                      leaf casts cached until the region ends, F.softmax/F.log_softmax called by
                      the model in fp32 (fp16 in: one fp32 output, CUDA's half-to-float kernel;
                      bf16 in: a cast first: softmax_fp32); cross_entropy's own log_softmax in
@@ -30,7 +30,7 @@ The inputs: train.py makes the batch on the host and copies it to the GPU; only 
 then y) are device memory. Wrapped scalars, RNG states and the foreach/for AdamW's `step` are
 host tensors on a CUDA run: no device memory (any CPU tensor an op of the step returns is
 left out: shadow_tracker). Checkpointing's recomputation runs under the same
-rules (shadow_gpu.recomputed). Plain Python until a shadow run starts: torch is imported inside.
+rules (shadow_autocast.recomputed). Plain Python until a shadow run starts: torch is imported inside.
 """
 
 import contextlib
@@ -99,7 +99,7 @@ def device_kernels(sdpa_backend, note=None):
     GPU's: clip_grad_norm_ takes its foreach
     path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, SDPA in fp16/bf16 runs the
     kernel the device picks (cuDNN's on an H100 with torch 2.11), and dropout runs CUDA's fused
-    kernel. Yields the torch-function mode (shadow_gpu.recomputed enters it again around a
+    kernel. Yields the torch-function mode (shadow_autocast.recomputed enters it again around a
     recomputation)."""
     import torch
     from torch.nn.utils import clip_grad

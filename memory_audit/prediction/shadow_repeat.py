@@ -1,7 +1,7 @@
 """A deep model's shadow from a shallow one's: a middle block's events repeated, not rerun (issue #26: speed).
 
 GPT-2 XL runs 48 identical blocks; its shadow asked each op 48 times. Here the step is shadow-run
-with 3 blocks and with 4, each allocation and event tagged with its block (shadow_tracker.block_tags:
+with 3 blocks and with 4, each allocation and event tagged with its block (shadow_blocks.block_tags:
 the module a forward op runs in, the autograd node a backward op runs for, the parameter an
 optimizer op works on). The 3-block run reads as runs of events: outside any block, block 0,
 block 1, block 2. For n blocks, each run of block 1 (between runs of blocks 0 and 2, either way

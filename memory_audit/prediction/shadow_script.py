@@ -41,7 +41,8 @@ from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
 from .patches import LibraryBranches, cpu_rules, fake_modules
-from .shadow_tracker import Tracker, dispatch_mode, module_labels
+from .shadow_blocks import module_labels
+from .shadow_tracker import Tracker, dispatch_mode
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 
 

@@ -46,11 +46,11 @@ Plain Python until a shadow run starts: torch is imported inside the functions.
 
 import contextlib
 import math
-import re
 import weakref
 
 from . import shadow_cpu, shadow_cuda, shadow_dist
 from .shadow_cpu import short_name
+from .shadow_blocks import foreach_blocks, label_block, op_block
 
 class Tracker:
     """Allocations and frees of the storages ops return, in order (see module docstring).
@@ -168,7 +168,7 @@ class Tracker:
         """An allocation's block: the one it was made in, else the one its name says (a
         parameter's optimizer state made by an op with no tensor of the block)."""
         tag = self.tags.get(aid)
-        return _label_block(self.allocs[aid][0]) if tag is None else tag
+        return label_block(self.allocs[aid][0]) if tag is None else tag
 
     def tag_of(self, t):
         """The block of a tensor's storage, or None."""
@@ -338,7 +338,7 @@ def _device_op(tracker, func, args, kwargs, key):
     cache = tracker.meta_cache
     out = func(*args, **kwargs) if cache is None else cache.call(func, args, kwargs)
     outs = shadow_cuda.outputs(func, out)
-    tags = _foreach_blocks(tracker, func, args, len(outs))
+    tags = foreach_blocks(tracker, func, args, len(outs))
     for (t, nbytes), tag in zip(outs, tags):
         if t.device.type == "cpu":  # meta tensors stand for the GPU's: a CPU one is host memory there
             tracker.forget(t.untyped_storage())  # (torch.tensor(1.0, device="cpu") in foreach AdamW)
@@ -361,82 +361,6 @@ def _kernel_events(tracker, key, events, made):
             made.append(tracker.alloc(f"{key}/kernel_temporary", n)[0])
         else:
             tracker.free(made[n])
-
-
-def op_block(tracker, args):
-    """The block (transformer.h.N) an op belongs to, for shadow_repeat: in backward (a
-    recomputation included) the autograd node's (block_tags); in a forward the module it runs
-    in; in the optimizer its tensors' block if they share one. None outside any block."""
-    import torch
-    if tracker.phase == "backward":  # a recomputation's early stop leaves the module label stale
-        node = torch._C._current_autograd_node()
-        return None if node is None else node.metadata.get(_BLOCK)
-    if tracker.label:
-        return _label_block(tracker.label)
-    if tracker.phase != "optimizer":
-        return None
-    found = None
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            tag = tracker.tag_of(a)
-            if tag is not None:
-                if found is not None and tag != found:
-                    return None
-                found = tag
-    return found
-
-
-def _foreach_blocks(tracker, func, args, n):
-    """[block or None] per output: a _foreach_ op's i-th output is its first list's i-th tensor's."""
-    if not tracker.tagging or not func.__name__.startswith("_foreach_") or n < 2:
-        return [None] * n
-    first = args[0]
-    if not isinstance(first, (list, tuple)) or len(first) != n:
-        return [None] * n
-    return [tracker.tag_of(t) for t in first]
-
-
-_BLOCK = "shadow_block"  # the autograd node metadata key block_tags sets
-_LABEL_BLOCKS = {}  # module path -> block number or None
-
-
-def _label_block(label):
-    if label not in _LABEL_BLOCKS:
-        m = re.search(r"(?:^|[./])h\.(\d+)(?:[./]|$)", label)
-        _LABEL_BLOCKS[label] = int(m.group(1)) if m else None
-    return _LABEL_BLOCKS[label]
-
-
-def block_tags(model, tracker):
-    """Tag the parameters and buffers of each block transformer.h.N with N, and, as each
-    block's forward returns, the autograd nodes it made (walked from its output back to its
-    input's node), so the backward's ops know their block. Returns the hook handles."""
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        entry = tracker.live.get(t.untyped_storage()._cdata)
-        if entry is not None:
-            tracker.tags[entry[0]] = _label_block(name)
-    handles = []
-    for name, mod in model.named_modules():
-        n = _label_block(name)
-        if n is None or not re.search(r"(?:^|\.)h\.\d+$", name):
-            continue
-
-        def pre(_m, args):
-            node = getattr(args[0], "grad_fn", None) if args else None
-            if node is not None:
-                node.metadata.setdefault(_BLOCK, None)  # where the walk stops
-
-        def post(_m, _a, out, n=n):
-            todo = [getattr(out, "grad_fn", None)]
-            while todo:
-                node = todo.pop()
-                if node is None or _BLOCK in node.metadata:
-                    continue
-                node.metadata[_BLOCK] = n
-                todo.extend(f for f, _ in node.next_functions)
-        handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post))
-    return handles
 
 
 def _summing(tracker):
@@ -491,20 +415,3 @@ def _is_view(func):
         returns = func._schema.returns
         _VIEWS[func] = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
     return _VIEWS[func]
-
-
-def module_labels(model, tracker, root="gpt"):
-    """Forward pre/post hooks that keep tracker.label at the innermost module path (`root` for
-    the model's own forward)."""
-    stack, handles = [], []
-    for name, mod in model.named_modules():
-        def pre(_m, _a, name=name):
-            stack.append(tracker.label)
-            tracker.label = name or root
-
-        def post(_m, _a, _o):
-            tracker.label = stack.pop() if stack else ""
-        handles.append(mod.register_forward_pre_hook(pre))
-        # always_call: a checkpoint's recomputation stops early by raising inside a forward
-        handles.append(mod.register_forward_hook(post, always_call=True))
-    return handles
