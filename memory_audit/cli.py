@@ -3,7 +3,6 @@
 Every failure the user can cause ends in one line on stderr and exit status 2.
 """
 
-import argparse
 import json
 import os
 import pickle
@@ -11,6 +10,7 @@ import sys
 from ast import literal_eval
 
 from .reading.loader import SnapshotError, find_snapshots, load_meta, load_snapshot
+from .cli_args import parser
 from .text import GiB, fmt_bytes, table
 
 # Only what every command needs is imported here; each command imports its own side when it runs,
@@ -312,54 +312,6 @@ def cmd_diff(args):
 
 
 # allowed values of the config keys that take a word, for --help
-CHOICES = {"dtype": "float32 | bfloat16 | float16", "attention": "manual | sdpa", "activation": "gelu | relu",
-           "optimizer_impl": "fused | foreach | for", "activation_checkpointing": "none | full | selective | sac",
-           "sac_save_ops": "comma-separated aten ops; empty = mm, addmm, bmm and the SDPA kernels"}
-
-
-def config_help():
-    """The config keys predict and fit take (train.py's), with defaults and allowed values."""
-    from .prediction.predict import DEFAULTS
-    from .prediction.ledger import presets
-    PRESETS = presets()
-    pairs = [("--preset=NAME", f"one of {', '.join(PRESETS)}")]
-    pairs += [(f"--{key}={value}", CHOICES.get(key, type(value).__name__)) for key, value in DEFAULTS.items()]
-    width = max(len(a) for a, _ in pairs) + 2
-    return "config keys (train.py's; default = the reference run):\n" + "\n".join(f"  {a:<{width}}{b}" for a, b in pairs)
-
-
-class _Parser(argparse.ArgumentParser):
-    """A subcommand parser whose epilog is built only when its help is printed (predict's config
-    keys and model.py's presets)."""
-
-    def __init__(self, *args, epilog_from=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._epilog_from = epilog_from
-
-    def format_help(self):
-        if self._epilog_from is not None:
-            self.epilog, self._epilog_from = self._epilog_from(), None
-        for action in self._actions:  # help texts that name the GPU table or the grids
-            if callable(action.help):
-                action.help = action.help()
-        return super().format_help()
-
-
-def _gpu_help():
-    from .prediction.predict import GPUS
-    return f"{', '.join(GPUS)} (any case) or cpu"
-
-
-def _outside_help():
-    from .prediction.predict import OUTSIDE_PYTORCH_DEFAULT
-    return f"bytes CUDA holds outside PyTorch (context, handles); default {OUTSIDE_PYTORCH_DEFAULT:,}, an estimate"
-
-
-def _grid_help():
-    from .comparison.sweep import GRIDS
-    return f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/comparison/sweep.py)"
-
-
 def cmd_accuracy(args):
     from .comparison.sweep import accuracy_rows, accuracy_table
     if args.json:
@@ -394,6 +346,8 @@ def cmd_predict_script(args):
     script = args.script
     if not os.path.isfile(script) or not script.endswith(".py"):
         raise ValueError(f"{script}: not a Python file")
+    if args.world_size is not None and not args.gpu:
+        raise ValueError("--world_size: ranks are shadow-run for a GPU; give --gpu=NAME too")
     if args.trace and os.path.exists(args.trace) and not args.trace.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {args.trace}: not a .pickle file")
     assume = parse_assume(args.assume)
@@ -401,7 +355,8 @@ def cmd_predict_script(args):
     argv, path = sys.argv, list(sys.path)
     sys.argv, sys.path[:0] = [script, *rest], [os.path.dirname(os.path.abspath(script))]
     try:
-        with shadow(device="cuda" if args.gpu else "cpu", gpu=args.gpu, step=args.step, assume=assume) as s:
+        with shadow(device="cuda" if args.gpu else "cpu", gpu=args.gpu, step=args.step, assume=assume,
+                    world_size=args.world_size, rank=args.rank) as s:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         raise ValueError(f"{script} exited (code {e.code}) before its step {args.step} ended") from None
@@ -420,6 +375,8 @@ def cmd_predict_script(args):
     if args.gpu:
         rows.append(("reserved (memory_reserved())", counted["reserved"]))
     where = f"CUDA on one {args.gpu}" if args.gpu else "CPU"
+    if args.world_size:
+        where = f"rank {args.rank} of {args.world_size} {args.gpu}s"
     print(table((f"step {args.step} ({where}, fake tensors)", "bytes", "MiB"),
                 [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows if v is not None]))
     if args.gpu:
@@ -453,91 +410,8 @@ COMMANDS = {"attribute": cmd_attribute, "predict": cmd_predict, "fit": cmd_fit, 
             "predict-script": cmd_predict_script}
 
 
-def _prediction_parsers(sub):
-    """predict, fit and plan: a config (train.py's keys) and the machine to judge it on."""
-    for name, helptext in (("predict", "the predicted ledger for a config"),
-                           ("fit", "the largest batch that fits a GPU"),
-                           ("plan", "does it fit, and which levers make it fit, cheapest first")):
-        q = sub.add_parser(name, help=helptext, epilog_from=config_help,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        q.add_argument("--gpu", default="H100", help=_gpu_help)
-        q.add_argument("--memory", type=int, default=None, help="GPU memory in bytes (with --capability: other GPUs)")
-        q.add_argument("--capability", default=None, help="compute capability MAJOR.MINOR of a GPU not in the table")
-        q.add_argument("--json", action="store_true")
-        q.add_argument("--headroom", type=float, default=0.02, help="fraction of the card kept free beyond the "
-                       "prediction (fit, plan); reserved memory is predicted exact on the 23 H100 rows that measured it "
-                       "(from the shadow run)")
-        q.add_argument("--outside", type=int, default=None, help=_outside_help)
-        if name == "plan":
-            q.add_argument("--jobs", type=int, default=None, help="options shadow-run at once, each in a forked "
-                           "process (default: every CPU this process may use)")
-        if name == "predict":
-            q.add_argument("--trace", default=None, metavar="FILE.pickle",
-                           help="write the shadow run's step (on a GPU through the caching allocator's model) as a "
-                                "snapshot MemoryViz opens")
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m memory_audit", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    a = sub.add_parser("attribute", help="where every byte of a snapshot went")
-    a.add_argument("path", help="a snapshot pickle or a run directory")
-    a.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
-    a.add_argument("--out", default=None, help="write the JSON to this file (never over a file it did not write)")
-    a.add_argument("--force", action="store_true", help="with --out: overwrite whatever file is there")
-    a.add_argument("--by", choices=("category", "name"), default="category")
-    a.add_argument("--categorize", action="store_true", help="also write *.categorized.pickle for MemoryViz")
-    _prediction_parsers(sub)
-    r = sub.add_parser("report", help="predicted vs actual for an audit run")
-    r.add_argument("run_dir")
-    r.add_argument("--json", action="store_true")
-    r.add_argument("--repredict", action="store_true", help="make the run's prediction again with this checkout's "
-                   "predictor and store it in its meta.json (imports torch); by default the one its audit stored")
-    r.add_argument("--trace", action="store_true", help="also shadow-run the step (eager; one process on CPU "
-                   "or CUDA, or one torchrun rank; imports torch) and name the first event where it and the measured trace part")
-    df = sub.add_parser("diff", help="two audits (or an audit and a `predict --json` file) line by line")
-    df.add_argument("a", help="run directory or prediction JSON (the baseline)")
-    df.add_argument("b", help="run directory or prediction JSON (with the lever)")
-    df.add_argument("--json", action="store_true", help="JSON on stdout (`--json -` also works)")
-    s = sub.add_parser("sweep", help="audit a grid of configs and record predicted vs actual")
-    s.add_argument("--grid", default=None, help=_grid_help)
-    s.add_argument("--configs", default=None, help="a JSON file: a list of train.py override dicts")
-    s.add_argument("--device", default="auto")
-    s.add_argument("--out", default=None, help="results .jsonl (default snapshots/results/<device>.jsonl)")
-    s.add_argument("--timeout", type=int, default=900)
-    s.add_argument("--jobs", type=int, default=1, help="configs audited at once (CPU; on a GPU keep 1: "
-                   "the plain-step overhead runs only then)")
-    s.add_argument("--keep", action="store_true", help="keep each run's snapshots")
-    s.add_argument("--audit-dir", default=None, help="where runs go (default snapshots/sweep)")
-    t = sub.add_parser("accuracy", help="markdown table of sweep results (the README's table)")
-    t.add_argument("results", nargs="+", help="results .jsonl files")
-    t.add_argument("--json", action="store_true", help="the rows as JSON, reserved_predicted/reserved_actual included")
-    v = sub.add_parser("viz", help="the PyTorch memory viz page of a run, coloured by our categories, and an "
-                       "overview page (offline, any size; predicted beside measured for an audit)")
-    v.add_argument("path", help="a run directory or a snapshot pickle")
-    v.add_argument("--phase", default="step2_end", help="which snapshot of a run (default: the whole step)")
-    v.add_argument("--view", default="Active Memory Timeline", help="Active Memory Timeline | "
-                   "Allocator State History | Active Cached Segment Timeline")
-    v.add_argument("--out", default=None, help="HTML file (default: beside the snapshot); the overview and "
-                   "window pages go beside it")
-    v.add_argument("--detail", action="store_true", help="second-level categories (temporary/backward, ...); "
-                   "more than ten share colours")
-    v.add_argument("--window", default=None, metavar="START:END", help="write trace entries START to END "
-                   "(with what was live at START) as a snapshot and its MemoryViz page, for any size of trace")
-    ps = sub.add_parser("predict-script", help="shadow-run a training script as written, on fake tensors (CPU, or --gpu): "
-                        "step 2's peak and where it goes, before it runs")
-    ps.add_argument("script", help="the training script (.py), run as `python SCRIPT ARGS` would run it")
-    ps.add_argument("script_args", nargs=argparse.REMAINDER, help="-- then the script's own arguments")
-    ps.add_argument("--step", type=int, default=2, help="the step recorded (counted by optimizer.step())")
-    ps.add_argument("--gpu", default=None, metavar="NAME", help="predict the script on one CUDA GPU with no GPU here "
-                    "(its CUDA rules were read on H100s: other GPUs take them as they are): what it puts on 'cuda' "
-                    "is counted as the caching allocator counts it")
-    ps.add_argument("--trace", default=None, metavar="FILE.pickle", help="write step 2 as a snapshot MemoryViz opens")
-    ps.add_argument("--assume", action="append", default=[], metavar="KEY=SIZE",
-                    help="the size of a data-dependent shape (nonzero, a boolean mask's index): KEY the line "
-                         "(file.py:205) or the op (nonzero); SIZE rows, a fraction of the mask (0.25) or rows per "
-                         "call in a step (12,30,6); repeatable")
-    ps.add_argument("--json", action="store_true")
+    p = parser(__doc__.splitlines()[0])
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1, 0, -1):  # `--json -` is the flag: JSON on stdout
         if argv[i] == "-" and argv[i - 1] == "--json":

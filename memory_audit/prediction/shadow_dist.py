@@ -71,6 +71,56 @@ def rank_of(cfg):
         _forget_meshes()
 
 
+@contextlib.contextmanager
+def script_ranks(world_size, rank, tracker):
+    """A user's script shadow-run as rank `rank` of `world_size`, as torchrun starts it on one
+    node of up to 8 GPUs: torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...); the fake
+    process group made first (rank_of), so the script's own init_process_group (any backend, any
+    rendezvous) finds it made and its destroy_process_group leaves it for the shadow to destroy;
+    DDP made as train.py's shadow makes it (script_ddp); FSDP2 on the GPU's path
+    (patches.fsdp_on_gpu: meta device, a pool per stream; its
+    unsharded parameters' resize_ seen: storage_resizes); DTensor's sharding propagation
+    unseen (patches.propagation_unseen)."""
+    import torch.distributed as dist
+    from .patches import fsdp_on_gpu, patched, propagation_unseen, storage_resizes
+    per_node = min(world_size, 8)
+    env = {"RANK": rank, "LOCAL_RANK": rank % per_node, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": per_node,
+           "GROUP_RANK": rank // per_node, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    cfg = {"parallel": "script", "world_size": world_size, "rank": rank}
+    given = [(dist, "init_process_group", lambda *a, **k: None), (dist, "destroy_process_group", lambda *a, **k: None)]
+    try:
+        with rank_of(cfg), patched(given), fsdp_on_gpu({"parallel": "fsdp"}, tracker), storage_resizes(tracker), \
+                propagation_unseen(tracker, cfg), script_ddp(tracker):
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def script_strategies(model):
+    """The torchrun strategies a user's model was wrapped in, as patches.UNMEASURED names them:
+    "fsdp" (a module fully_shard made), "ddp" (DistributedDataParallel around it), "tp" (a
+    parameter sharded other than FSDP2's dim-0 shards)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    found = set()
+    for m in model.modules():
+        if type(m).__name__.startswith("FSDP"):
+            found.add("fsdp")
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            found.add("ddp")
+    for p in model.parameters():
+        if isinstance(p, DTensor) and ("fsdp" not in found or p.device_mesh.ndim > 1
+                                       or any(pl != Shard(0) for pl in p.placements)):
+            found.add("tp")
+    return sorted(found)
+
+
 def _forget_meshes():
     """Clear DTensor's caches (Python's and the C++ fast path's sharding propagation): they key on
     meshes by their layout, not their process groups, so a second shadow run in one process (a
@@ -112,6 +162,46 @@ def wrap(model, cfg, tracker):
     from torch.nn.parallel import DistributedDataParallel
     with reducer_reads(tracker):
         ddp = _buckets(tracker, DistributedDataParallel, model, gradient_as_bucket_view=cfg.get("ddp_bucket_view", False))
+    return _shadowed(ddp, model, tracker)
+
+
+@contextlib.contextmanager
+def script_ddp(tracker):
+    """DistributedDataParallel as a user's script builds it, made as wrap() makes train.py's: its
+    reducer's reads on host twins, its all-reduce handed back by the fake group. The module's
+    meta parameters stand for one GPU's, so device_ids and output_device (that GPU) are left to
+    the module's own device."""
+    from torch.nn.parallel import DistributedDataParallel
+    from .patches import patched
+    init = DistributedDataParallel.__init__
+
+    def made(ddp, module, *args, device_ids=None, output_device=None, **kwargs):
+        with reducer_reads(tracker), real_inputs():  # its host reads real, as train.py's shadow's
+            _buckets(tracker, init, ddp, module, *args, **kwargs)
+        _shadowed(ddp, module, tracker, host=real_inputs)
+    with patched([(DistributedDataParallel, "__init__", made)]):
+        yield
+
+
+@contextlib.contextmanager
+def real_inputs():
+    """Inside: the running FakeTensorMode takes real tensors (the reducer's host reads) as inputs,
+    making them fake, as a shadow without one (train.py's on a GPU: meta tensors) does."""
+    import torch
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None:
+        yield
+        return
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        yield
+    finally:
+        mode.allow_non_fake_inputs = allowed
+
+
+def _shadowed(ddp, model, tracker, host=contextlib.nullcontext):
+    """A DDP made on the shadow's tensors, as the fake group and the tracker need it (`host`: the
+    context its reducer's own reads run in)."""
     ddp.register_comm_hook(None, _handed_back)
     gpu = ddp.device_type == "meta"  # a GPU's: the runtime timers (CUDA events: no memory) have no
     if gpu:  # meta kind, and the 1/world_size scalar is a host tensor there (no scaled hook)
@@ -120,7 +210,7 @@ def wrap(model, cfg, tracker):
 
     def pre_forward(*args, **kwargs):  # the bucket rebuild of the second step reads its indices
         syncs[0] = ddp.require_backward_grad_sync  # this forward's backward reduces (not no_sync)
-        with reducer_reads(tracker):
+        with reducer_reads(tracker), host():
             return _buckets(tracker, forward, *args, **kwargs)
     ddp._pre_forward = pre_forward
 
@@ -200,7 +290,7 @@ def reducer_op(tracker, func, args, kwargs, run):
     copy to the host, .item()) then gets. The reducer broadcasts and gathers small integer
     tensors it made on the host and reads them back (the parameter shapes, the bucket indices)."""
     import torch
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from torch.utils._pytree import tree_leaves, tree_map
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     ints = not any(t.is_floating_point() or t.is_complex() for t in tensors)
@@ -208,8 +298,11 @@ def reducer_op(tracker, func, args, kwargs, run):
         return run()
     twins = tracker.twins
 
+    def stands_in(t):  # a GPU's meta tensor, or a fake host tensor (a user's script runs under FakeTensorMode)
+        return isinstance(t, torch.Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor))
+
     def twin(t):
-        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+        if not stands_in(t):
             return t
         sid = t.untyped_storage()._cdata
         if sid not in twins:
@@ -219,12 +312,13 @@ def reducer_op(tracker, func, args, kwargs, run):
         host = func(*tree_map(twin, args), **tree_map(lambda v: torch.device("cpu") if isinstance(v, torch.device) else v,
                                                            kwargs))
     host_read = (func is torch.ops.aten._local_scalar_dense.default or kwargs.get("device") == torch.device("cpu")
+                 or (not tensors and kwargs.get("device") is None)  # a factory on the default device: the host
                  or (func is torch.ops.aten.copy_.default and args[0].device.type == "cpu"))
     if host_read:  # the host's copy: host memory, its values the twins'
         return host, [], []
     out, held, scalars = run()
     for t, h in zip(tree_leaves(out), tree_leaves(host)):
-        if isinstance(t, torch.Tensor) and t.device.type == "meta" and isinstance(h, torch.Tensor):
+        if stands_in(t) and isinstance(h, torch.Tensor):
             twins[t.untyped_storage()._cdata] = h
     return out, held, scalars
 

@@ -16,7 +16,7 @@ in the next step is freed when the new one exists, as in a real run.
 Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is the
 module called at top level in a forward that holds the most of its parameters, the last such). A step ends when `zero_grad()`
 (the optimizer's or a module's) written below its optimizer step follows it before any other
-op, else at that step's optimizer step (a zero_grad written above it starts the next step); step `audited` (2, as train.py audits) is recorded as an Audit records it
+op (a GradScaler's update() between them is the step's), else at that step's optimizer step (a zero_grad written above it starts the next step); step `audited` (2, as train.py audits) is recorded as an Audit records it
 (its before-backward moment at its last `.backward()`), and the loop is stopped as it ends: the
 `with` block is left there, the exception that stopped it swallowed.
 
@@ -40,7 +40,8 @@ from .shadow_loop import LoopLedger, above, call_site, fake_ident, merged, loop_
 from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
-from .patches import LibraryBranches, cpu_rules, fake_modules
+from .shadow_dist import script_ranks, script_strategies
+from .patches import UNMEASURED, LibraryBranches, cpu_rules, fake_modules
 from .shadow_blocks import module_labels
 from .shadow_tracker import Tracker, dispatch_mode
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
@@ -82,9 +83,14 @@ class Shadow:
     "placeholders" (the data-dependent reads answered without data), "sizes" (the data-dependent
     shapes' sizes taken, with where from) and "steps" (optimizer steps seen)."""
 
-    def __init__(self, device="cpu", step=2, assume=None, gpu="H100"):
+    def __init__(self, device="cpu", step=2, assume=None, gpu="H100", world_size=None, rank=0):
         if device not in ("cpu", "cuda"):
             raise ShadowError(f"shadow(device={device!r}): the shadow runs a user's code for 'cpu' or 'cuda'")
+        if world_size is not None and (device != "cuda" or not isinstance(world_size, int) or world_size < 1
+                                       or not isinstance(rank, int) or not 0 <= rank < world_size):
+            raise ShadowError(f"shadow(world_size={world_size!r}, rank={rank!r}): ranks are shadow-run on a GPU "
+                              "(device='cuda'), world_size an int >= 1 and 0 <= rank < world_size")
+        self.world_size, self.rank = world_size, rank
         if not isinstance(step, int) or step < 1:
             raise ShadowError(f"shadow(step={step!r}): the audited step must be an int >= 1 (step 0 makes the optimizer's state)")
         try:
@@ -93,7 +99,7 @@ class Shadow:
         except ValueError as e:
             raise ShadowError(str(e)) from None
         self.result = self.summary = self.given = None  # given: {name: tensor} the code names (predict_loop's inputs)
-        self.placeholders, self.marked = [], False
+        self.placeholders, self.marked, self.updating = [], False, False
 
     # -- entering and leaving
     def __enter__(self):
@@ -118,6 +124,8 @@ class Shadow:
             stack.enter_context(fake_modules())
             self.branches = stack.enter_context(LibraryBranches(gpu=self.device["type"] == "cuda"))
             stack.enter_context(FakeTensorMode())
+            if self.world_size is not None:  # torchrun's rank: the process group made for the script
+                stack.enter_context(script_ranks(self.world_size, self.rank, tracker))
             if self.device["type"] == "cuda":  # every request from the first on: the allocator's model reads them all
                 stack.enter_context(on_gpu(self.device, note=tracker.unmeasured.add))
                 tracker.workspace_bytes = self.device["workspace_bytes"]
@@ -156,7 +164,8 @@ class Shadow:
                     raise ShadowError("the code put nothing on the GPU (no tensor on 'cuda'): it would train on "
                                       "the CPU there too; nothing to predict for the GPU")
                 expandable = expandable_from_env(dict(os.environ))  # the code may set it itself
-                self.summary.update(allocator=replay(self.result, expandable), unmeasured=self.result["unmeasured"])
+                self.summary.update(allocator=replay(self.result, expandable),
+                                    unmeasured=self.result["unmeasured"] + self._rank_notes())
             return True
         if exc_type is None:
             raise ShadowError(f"the code ran {self.steps} {'marked' if self.marked else 'optimizer'} step(s) and ended "
@@ -168,6 +177,16 @@ class Shadow:
         where = user_line(tb) or "the loop"
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ShadowError(f"the shadow run stopped at {self.tracker.op}, {where}: {exc_type.__name__}: {reason}") from None
+
+    def _rank_notes(self):
+        """What a rank's prediction assumes of NCCL over several ranks (patches.UNMEASURED), per
+        strategy the model was wrapped in."""
+        if not self.world_size or self.world_size < 2:
+            return []
+        n, kinds = self.world_size, script_strategies(self.model)
+        return [f"{kind} on NCCL over {n} ranks: {UNMEASURED[kind]}" for kind in kinds] or [
+            f"collectives on NCCL over {n} ranks: their outputs as the fake process group makes them; NCCL's "
+            "own buffers outside PyTorch's allocator"]
 
     # -- what the session hooks
     def _hook(self, torch):
@@ -210,8 +229,18 @@ class Shadow:
         form = torch.Tensor.__format__
         patch(torch.Tensor, "__format__", lambda t, spec: t.item().__format__(spec) if t.dim() == 0 else form(t, spec))
 
+        update = torch.amp.GradScaler.update
+
+        def scaler_update(scaler, *args, **kwargs):  # GradScaler.update after its step is that step's
+            session.updating = True
+            try:
+                return update(scaler, *args, **kwargs)
+            finally:
+                session.updating = False
+        patch(torch.amp.GradScaler, "update", scaler_update)
+
         def on_op(func):  # the first op after an optimizer step, zero_grad not called first: the step ends
-            if session.pending and func.namespace != "profiler":  # (the step's own record_function exit)
+            if session.pending and not session.updating and func.namespace != "profiler":  # (record_function's exit)
                 session._boundary()
         self.tracker.on_op = on_op
 
@@ -354,12 +383,13 @@ def _filled(shape, value):
     return [_filled(shape[1:], value) for _ in range(shape[0])]
 
 
-def shadow(device="cpu", step=2, assume=None, gpu="H100"):
+def shadow(device="cpu", step=2, assume=None, gpu="H100", world_size=None, rank=0):
     """`with memory_audit.shadow() as s:` around a training script's own code (module docstring).
     device: "cpu", or "cuda" for the code run on one `gpu` (shadow_gpu: no GPU needed).
     assume: {"file.py:205" or "nonzero": rows, a fraction of the mask, or [rows, ...] per step}, the
-    sizes of data-dependent shapes (known_values)."""
-    return Shadow(device=device, step=step, assume=assume, gpu=gpu)
+    sizes of data-dependent shapes (known_values). world_size, rank: the code run as that rank of a
+    torchrun job on `world_size` GPUs (device="cuda"; shadow_dist.script_ranks)."""
+    return Shadow(device=device, step=step, assume=assume, gpu=gpu, world_size=world_size, rank=rank)
 
 
 def predict_loop(make, step, inputs=None, audited=1, assume=None):

@@ -1,0 +1,131 @@
+"""A user's script shadow-run as one rank of a torchrun job on GPUs this machine does not have
+(`shadow(device="cuda", world_size=N, rank=R)`, `predict-script --gpu --world_size`;
+shadow_dist.script_ranks): its own init_process_group, DDP, FSDP2 and tensor parallelism on the
+fake process group. train.py itself, run as a user's script at world size 1, against the H100
+audits of the same three strategies on NCCL (snapshots/examples/nccl-ws1; no rule of the
+script path was read from them)."""
+
+import json
+import os
+import runpy
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+NCCL = os.path.join(ROOT, "snapshots", "examples", "nccl-ws1")
+TRAIN_ARGS = ["config/audit_cpu_tiny.py", "--dtype=float16", "--batch_size=12", "--gradient_accumulation_steps=1",
+              "--dataset=synthetic", "--device=cuda"]
+
+
+def _measured(parallel):
+    with open(os.path.join(NCCL, parallel, "meta.json")) as f:
+        phases = json.load(f)["phases"]
+    return {"steady_state": phases["step2_start"]["memory_allocated"],
+            "before_backward": phases["step2_before_backward"]["memory_allocated"],
+            "end": phases["step2_end"]["memory_allocated"],
+            "peak": max(p["max_memory_allocated"] for p in phases.values()),
+            "reserved": phases["step2_end"]["memory_reserved"]}
+
+
+def _train_py(parallel, world_size=1, rank=0):
+    from memory_audit.prediction.shadow_script import shadow
+    argv, path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = ["train.py", *TRAIN_ARGS, f"--parallel={parallel}"], [ROOT]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with shadow(device="cuda", gpu="H100", world_size=world_size, rank=rank) as s:
+            runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        os.chdir(cwd)
+    return s
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "tp"])
+def test_train_py_as_a_script_is_the_nccl_audit_of_its_rank(parallel):
+    """train.py --parallel=ddp|fsdp|tp run as written (its own init_process_group("nccl"), DDP,
+    fully_shard, parallelize_module) on a fake group of one: step 2's start, end, peak and
+    memory_reserved() are the H100 audit's to the byte. Before backward the script's shadow
+    marks the moment at `.backward()`, where train.py's audit marks it before its next batch is
+    fetched and before GradScaler scales the loss: the two batch tensors on the GPU (12 x 64
+    int64 each) and the scaled loss's 512 B block later, exactly."""
+    s = _train_py(parallel)
+    got, measured = s.summary["allocator"], _measured(parallel)
+    for key in ("steady_state", "end", "peak", "reserved"):
+        assert got[key] == measured[key], (parallel, key, got[key], measured[key])
+    assert got["before_backward"] - measured["before_backward"] == 2 * 12 * 64 * 8 + 512
+    assert not any("NCCL" in u for u in s.summary["unmeasured"])  # one rank: no collective over several
+
+
+def test_a_users_fsdp2_script_on_eight_ranks(tmp_path):
+    """A user's FSDP2 script (init_process_group("nccl"), init_device_mesh("cuda"), fully_shard
+    per block and at the root) as rank 5 of 8: each weight and AdamW moment is its 1/8 shard,
+    the output says what it assumes of NCCL over 8 ranks, and --world_size without --gpu or a
+    rank outside the job is one line."""
+    script = tmp_path / "fsdp_train.py"
+    script.write_text(FSDP_SCRIPT)
+    p = run_cli("predict-script", "--gpu=H100", "--world_size=8", "--rank=5", "--json", str(script))
+    assert p.returncode == 0, p.stderr[-2000:]
+    summary = json.loads(p.stdout)
+    lines = summary["lines"]
+    assert lines["weights/emb.weight"] == 1000 * 64 * 4 // 8
+    assert lines["optimizer/exp_avg/emb.weight"] == lines["optimizer/exp_avg_sq/emb.weight"] == 1000 * 64 * 4 // 8
+    assert lines["weights/blocks.0.fc.weight"] == 256 * 64 * 4 // 8
+    assert [u.split(":")[0] for u in summary["unmeasured"]] == ["fsdp on NCCL over 8 ranks"]
+    for args, says in ((["--world_size=8", str(script)], "give --gpu=NAME too"),
+                       (["--gpu=H100", "--world_size=8", "--rank=8", str(script)], "0 <= rank < world_size")):
+        p = run_cli("predict-script", *args)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
+
+
+FSDP_SCRIPT = '''
+import os, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.fc, self.proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d=64, n=4, vocab=1000):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+model = Net().cuda()
+for b in model.blocks:
+    fully_shard(b, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x = torch.randint(0, 1000, (4, 32), device="cuda")
+for step in range(5):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(x, x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if dist.get_rank() == 0:
+        print(step, loss.item())
+dist.destroy_process_group()
+'''
