@@ -64,7 +64,8 @@ def _audit_parsers(sub):
                         "step 2's peak and where it goes, before it runs")
     ps.add_argument("script", help="the training script (.py), run as `python SCRIPT ARGS` would run it")
     ps.add_argument("script_args", nargs=argparse.REMAINDER, help="-- then the script's own arguments")
-    ps.add_argument("--step", type=int, default=2, help="the step recorded (counted by optimizer.step())")
+    ps.add_argument("--step", type=int, default=2, help="the step recorded, an index from 0 counted by "
+                    "optimizer.step(), as Audit(step=...) takes it (default 2, the third; train.py's --audit_step=2 is 1)")
     ps.add_argument("--gpu", default=None, metavar="NAME", help="predict the script on one CUDA GPU with no GPU here "
                     "(its CUDA rules were read on H100s: other GPUs take them as they are): what it puts on 'cuda' "
                     "is counted as the caching allocator counts it")

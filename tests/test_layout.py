@@ -11,7 +11,7 @@ PACKAGE = os.path.join(ROOT, "memory_audit")
 # the order data flows in; a module imports from its own side, the sides before it and the base
 ORDER = {"base": 0, "reading": 1, "recording": 2, "prediction": 3, "comparison": 4, "top": 5}
 BASE = ("schema", "text", "nodynamo", "nosympy", "_fastcore")
-TOP = ("cli", "__main__", "__init__")
+TOP = ("cli", "cli_args", "__main__", "__init__")
 
 
 def _modules():

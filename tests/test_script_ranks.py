@@ -7,8 +7,6 @@ script path was read from them)."""
 
 import json
 import os
-import runpy
-import sys
 
 import pytest
 
@@ -29,19 +27,14 @@ def _measured(parallel):
             "reserved": phases["step2_end"]["memory_reserved"]}
 
 
-def _train_py(parallel, world_size=1, rank=0):
-    from memory_audit.prediction.shadow_script import shadow
-    argv, path = sys.argv, list(sys.path)
-    sys.argv, sys.path[:0] = ["train.py", *TRAIN_ARGS, f"--parallel={parallel}"], [ROOT]
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        with shadow(device="cuda", gpu="H100", world_size=world_size, rank=rank) as s:
-            runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
-    finally:
-        sys.argv, sys.path[:] = argv, path
-        os.chdir(cwd)
-    return s
+def _train_py(parallel):
+    """predict-script --gpu=H100 --world_size=1 --step=1 train.py (step=1: train.py's 1-based audited
+    step 2, as shadow() counts from 0), in a process of its own: train.py sets signal handlers
+    and torch's global flags as it starts."""
+    p = run_cli("predict-script", "--gpu=H100", "--world_size=1", "--step=1", "--json", "train.py", "--",
+                *TRAIN_ARGS, f"--parallel={parallel}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout[p.stdout.rindex("\n{\n") + 1:])  # the JSON after train.py's own prints
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "tp"])
@@ -52,12 +45,12 @@ def test_train_py_as_a_script_is_the_nccl_audit_of_its_rank(parallel):
     marks the moment at `.backward()`, where train.py's audit marks it before its next batch is
     fetched and before GradScaler scales the loss: the two batch tensors on the GPU (12 x 64
     int64 each) and the scaled loss's 512 B block later, exactly."""
-    s = _train_py(parallel)
-    got, measured = s.summary["allocator"], _measured(parallel)
+    summary = _train_py(parallel)
+    got, measured = summary["allocator"], _measured(parallel)
     for key in ("steady_state", "end", "peak", "reserved"):
         assert got[key] == measured[key], (parallel, key, got[key], measured[key])
     assert got["before_backward"] - measured["before_backward"] == 2 * 12 * 64 * 8 + 512
-    assert not any("NCCL" in u for u in s.summary["unmeasured"])  # one rank: no collective over several
+    assert not any("NCCL" in u for u in summary["unmeasured"])  # one rank: no collective over several
 
 
 def test_a_users_fsdp2_script_on_eight_ranks(tmp_path):
@@ -79,6 +72,78 @@ def test_a_users_fsdp2_script_on_eight_ranks(tmp_path):
                        (["--gpu=H100", "--world_size=8", "--rank=8", str(script)], "0 <= rank < world_size")):
         p = run_cli("predict-script", *args)
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
+
+
+def test_a_users_ddp_script_on_two_ranks(tmp_path):
+    """A user's DDP script as rank 1 of 2: device_ids given positionally as written for the GPU,
+    each rank holding whole gradients and DDP's buckets; its own comm hook is listed as not run
+    (its buffers are not predicted), and find_unused_parameters=True, which the shadow cannot
+    run, stops in one line naming the script's line."""
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_SCRIPT)
+    plain = run_cli("predict-script", "--gpu=H100", "--world_size=2", "--rank=1", "--json", str(script), "--", "plain")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    summary = json.loads(plain.stdout)
+    assert summary["lines"]["weights/module.1.weight"] == 256 * 64 * 4  # DDP replicates the weights
+    assert summary["lines"]["grads/ddp_buckets"] >= sum(n * 4 for n in (1000 * 64, 256 * 64, 256, 1000 * 256, 1000))
+    assert [u.split(":")[0] for u in summary["unmeasured"]] == ["ddp on NCCL over 2 ranks"]
+    hooked = run_cli("predict-script", "--gpu=H100", "--world_size=2", "--rank=1", "--json", str(script), "--", "hook")
+    assert hooked.returncode == 0, hooked.stderr[-2000:]
+    noted = json.loads(hooked.stdout)
+    assert noted["allocator"] == summary["allocator"]
+    assert any(u.startswith("DDP's comm hook fp16_compress_hook not run") for u in noted["unmeasured"])
+    unused = run_cli("predict-script", "--gpu=H100", "--world_size=2", "--rank=1", str(script), "--", "find_unused")
+    assert unused.returncode == 2 and unused.stderr.count("\n") == 1, unused.stderr
+    assert "find_unused_parameters=True) is not shadow-run" in unused.stderr
+
+
+def test_a_rank_that_fails_puts_everything_back():
+    """A rank's shadow that stops: torch.distributed's group, DDP's and GradScaler's methods,
+    init_process_group and torchrun's environment are as they were, and a world size that is
+    not one node or nodes of 8, or a rank given alone, is refused in one line."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    import memory_audit
+    from memory_audit.prediction.shadow import ShadowError
+    before = (dist.init_process_group, dist.destroy_process_group, DistributedDataParallel.__init__,
+              DistributedDataParallel.register_comm_hook, torch.amp.GradScaler.update, os.environ.get("RANK"))
+    with pytest.raises(ShadowError):
+        with memory_audit.shadow(device="cuda", world_size=4, rank=2):
+            assert os.environ["RANK"] == "2" and os.environ["LOCAL_WORLD_SIZE"] == "4"
+            x = torch.randn(4, device="cuda")
+            x[x > 0]  # a data-dependent size with none given: the shadow stops here
+    assert not dist.is_initialized()
+    assert before == (dist.init_process_group, dist.destroy_process_group, DistributedDataParallel.__init__,
+                      DistributedDataParallel.register_comm_hook, torch.amp.GradScaler.update, os.environ.get("RANK"))
+    for kwargs, says in ((dict(world_size=12), "nodes of 8"), (dict(rank=3), "world_size an int"),
+                         (dict(world_size=2, rank=2), "0 <= rank < world_size")):
+        with pytest.raises(ShadowError, match=says):
+            memory_audit.shadow(device="cuda", **kwargs)
+
+
+DDP_SCRIPT = '''
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+dist.init_process_group("nccl")
+local = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1000)).cuda()
+ddp = DDP(model, [local], find_unused_parameters=sys.argv[1] == "find_unused")
+if sys.argv[1] == "hook":
+    ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+x = torch.randint(0, 1000, (4, 32), device="cuda")
+for step in range(4):
+    loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), x.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+'''
 
 
 FSDP_SCRIPT = '''

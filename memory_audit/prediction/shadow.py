@@ -10,8 +10,8 @@ a GPU, shadow_cuda's (autocast, kernel choices) and rules/cuda.py's, one per op,
 the CUDA traces it was read from; a CUDA step's whole process is then
 played through the caching allocator's model (shadow_allocator). Eager: one process, or one rank
 of a torchrun strategy on either device (shadow_dist; on a GPU FSDP2's own streams, patches.py);
-torch.compile is not in it. shadow_script.py shadow-runs a user's own code (and shadow_loop.py
-a make/step loop through it) with the same tracker and rules.
+torch.compile is not in it. shadow_script.py shadow-runs a user's own code (and predict_loop a
+make/step loop through it) with the same tracker and rules.
 
 run() returns plain data: the step's events [(action, key, bytes, id)] in order (and on CUDA the
 history before it), what is live when it starts, the phase positions, the peak; replayed()
@@ -29,6 +29,7 @@ from .shadow_names import held_names, lines, name_grads, naming, snapshot  # noq
 from .patches import cpu_rules, fsdp_on_gpu, meta, no_init, propagation_unseen, storage_resizes
 from .shadow_blocks import block_tags, module_labels
 from .shadow_tracker import Tracker, dispatch_mode
+from .shadow_error import ShadowError  # noqa: F401 (read as shadow.ShadowError)
 
 def _held(state, scaler):
     """What the loop itself holds between steps, by the names an audit gives it."""
@@ -90,10 +91,6 @@ def collector_paused():
     finally:
         if was:
             gc.enable()
-
-
-class ShadowError(ValueError):
-    """The step could not run on fake tensors; str() names the last op and the reason."""
 
 
 def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False,

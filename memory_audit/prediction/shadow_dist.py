@@ -71,6 +71,14 @@ def rank_of(cfg):
         _forget_meshes()
 
 
+def node_size(world_size):
+    """GPUs per node of a torchrun job of `world_size` ranks: one node of up to 8, else nodes of 8."""
+    if world_size > 8 and world_size % 8:
+        raise ValueError(f"world_size={world_size}: a job is shadow-run on one node of up to 8 GPUs or on "
+                         "nodes of 8 (a multiple of 8)")
+    return min(world_size, 8)
+
+
 @contextlib.contextmanager
 def script_ranks(world_size, rank, tracker):
     """A user's script shadow-run as rank `rank` of `world_size`, as torchrun starts it on one
@@ -83,9 +91,10 @@ def script_ranks(world_size, rank, tracker):
     unseen (patches.propagation_unseen)."""
     import torch.distributed as dist
     from .patches import fsdp_on_gpu, patched, propagation_unseen, storage_resizes
-    per_node = min(world_size, 8)
+    per_node = node_size(world_size)
     env = {"RANK": rank, "LOCAL_RANK": rank % per_node, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": per_node,
-           "GROUP_RANK": rank // per_node, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
+           "GROUP_RANK": rank // per_node, "GROUP_WORLD_SIZE": world_size // per_node, "ROLE_RANK": rank,
+           "ROLE_WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
     cfg = {"parallel": "script", "world_size": world_size, "rank": rank}
@@ -114,9 +123,9 @@ def script_strategies(model):
             found.add("fsdp")
         if isinstance(m, torch.nn.parallel.DistributedDataParallel):
             found.add("ddp")
-    for p in model.parameters():
-        if isinstance(p, DTensor) and ("fsdp" not in found or p.device_mesh.ndim > 1
-                                       or any(pl != Shard(0) for pl in p.placements)):
+    for p in model.parameters():  # FSDP2 shards dim 0 (and replicates it across HSDP's groups)
+        shards = [pl for pl in getattr(p, "placements", ()) if isinstance(pl, Shard)]
+        if isinstance(p, DTensor) and ("fsdp" not in found or len(shards) > 1 or any(pl.dim != 0 for pl in shards)):
             found.add("tp")
     return sorted(found)
 
@@ -171,15 +180,28 @@ def script_ddp(tracker):
     reducer's reads on host twins, its all-reduce handed back by the fake group. The module's
     meta parameters stand for one GPU's, so device_ids and output_device (that GPU) are left to
     the module's own device."""
+    import inspect
     from torch.nn.parallel import DistributedDataParallel
     from .patches import patched
-    init = DistributedDataParallel.__init__
+    init, register = DistributedDataParallel.__init__, DistributedDataParallel.register_comm_hook
+    signature = inspect.signature(init)
 
-    def made(ddp, module, *args, device_ids=None, output_device=None, **kwargs):
+    def made(ddp, *args, **kwargs):
+        given = signature.bind(ddp, *args, **kwargs).arguments
+        given.pop("device_ids", None), given.pop("output_device", None)
+        for option in ("find_unused_parameters", "static_graph"):
+            if given.get(option):
+                from .shadow_error import ShadowError
+                raise ShadowError(f"DistributedDataParallel({option}=True) is not shadow-run: its reducer reads "
+                                  "which parameters backward used, on values fake tensors do not hold")
         with reducer_reads(tracker), real_inputs():  # its host reads real, as train.py's shadow's
-            _buckets(tracker, init, ddp, module, *args, **kwargs)
-        _shadowed(ddp, module, tracker, host=real_inputs)
-    with patched([(DistributedDataParallel, "__init__", made)]):
+            _buckets(tracker, init, **given)
+        _shadowed(ddp, given["module"], tracker, host=real_inputs, register=register)
+
+    def hooked(ddp, state, hook):  # the script's own comm hook is not run: the fake group hands buckets back
+        tracker.unmeasured.add(f"DDP's comm hook {getattr(hook, '__name__', hook)!s} not run: its buffers (a "
+                               "compressed copy of each bucket) are not in the prediction")
+    with patched([(DistributedDataParallel, "__init__", made), (DistributedDataParallel, "register_comm_hook", hooked)]):
         yield
 
 
@@ -199,20 +221,33 @@ def real_inputs():
         mode.allow_non_fake_inputs = allowed
 
 
-def _shadowed(ddp, model, tracker, host=contextlib.nullcontext):
+def _shadowed(ddp, model, tracker, host=contextlib.nullcontext, register=None):
     """A DDP made on the shadow's tensors, as the fake group and the tracker need it (`host`: the
-    context its reducer's own reads run in)."""
-    ddp.register_comm_hook(None, _handed_back)
+    context its reducer's own reads run in). Its all-reduce is handed back by the fake group
+    (_handed_back), registered now, or, where `register` is given (a user's script, which may
+    register a hook of its own after construction: noted and not run, script_ddp), with it at the
+    first forward."""
+    if register is None:
+        ddp.register_comm_hook(None, _handed_back)
     gpu = ddp.device_type == "meta"  # a GPU's: the runtime timers (CUDA events: no memory) have no
     if gpu:  # meta kind, and the 1/world_size scalar is a host tensor there (no scaled hook)
         ddp.logger = _Untimed(ddp.logger)
     forward, syncs = ddp._pre_forward, [False]
 
     def pre_forward(*args, **kwargs):  # the bucket rebuild of the second step reads its indices
+        if register is not None and not getattr(ddp, "_shadow_hooked", False):
+            ddp._shadow_hooked = True
+            register(ddp, None, _handed_back)
         syncs[0] = ddp.require_backward_grad_sync  # this forward's backward reduces (not no_sync)
         with reducer_reads(tracker), host():
             return _buckets(tracker, forward, *args, **kwargs)
     ddp._pre_forward = pre_forward
+    post = ddp._post_forward
+
+    def post_forward(*args, **kwargs):  # find_unused_parameters' graph walk, static_graph's reads
+        with reducer_reads(tracker), host():
+            return post(*args, **kwargs)
+    ddp._post_forward = post_forward
 
     def scaled(param):  # the reducer's 1/world_size for this gradient, a wrapped scalar and its cast
         if syncs[0]:

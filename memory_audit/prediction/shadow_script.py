@@ -10,13 +10,14 @@
 
 Every tensor made inside is fake (FakeTensorMode: shapes, dtypes and storage sizes, no memory)
 and every allocation and free goes through the shadow's tracker, and nothing is restructured
-(shadow_loop.predict_loop runs a `make`/`step` pair through it). Python's own lifetimes apply: a loss rebound
+(predict_loop below runs a `make`/`step` pair through it). Python's own lifetimes apply: a loss rebound
 in the next step is freed when the new one exists, as in a real run.
 
 Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is the
 module called at top level in a forward that holds the most of its parameters, the last such). A step ends when `zero_grad()`
 (the optimizer's or a module's) written below its optimizer step follows it before any other
-op (a GradScaler's update() between them is the step's), else at that step's optimizer step (a zero_grad written above it starts the next step); step `audited` (2, as train.py audits) is recorded as an Audit records it
+op (a GradScaler's update() between them is the step's), else at that step's optimizer step (a zero_grad written above it starts the next step); step `audited` (an index from 0, as `Audit(step=...)` takes it: 2 is the third step; train.py's
+1-based `audit_step=2` is index 1) is recorded as an Audit records it
 (its before-backward moment at its last `.backward()`), and the loop is stopped as it ends: the
 `with` block is left there, the exception that stopped it swallowed.
 
@@ -40,7 +41,7 @@ from .shadow_loop import LoopLedger, above, call_site, fake_ident, merged, loop_
 from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
-from .shadow_dist import script_ranks, script_strategies
+from .shadow_dist import node_size, script_ranks, script_strategies
 from .patches import UNMEASURED, LibraryBranches, cpu_rules, fake_modules
 from .shadow_blocks import module_labels
 from .shadow_tracker import Tracker, dispatch_mode
@@ -56,6 +57,9 @@ class _Marked:
 
     def __enter__(self):
         s = self.session
+        if not s.marked and s.steps:
+            raise ShadowError("s.step() marks every step or none: the code ran optimizer steps before its first "
+                              "marked one")
         s.marked = True
         if s.steps == s.audited:
             s._begin(self.held)
@@ -86,10 +90,16 @@ class Shadow:
     def __init__(self, device="cpu", step=2, assume=None, gpu="H100", world_size=None, rank=0):
         if device not in ("cpu", "cuda"):
             raise ShadowError(f"shadow(device={device!r}): the shadow runs a user's code for 'cpu' or 'cuda'")
-        if world_size is not None and (device != "cuda" or not isinstance(world_size, int) or world_size < 1
-                                       or not isinstance(rank, int) or not 0 <= rank < world_size):
+        if (world_size is None and rank != 0) or (world_size is not None and (
+                device != "cuda" or not isinstance(world_size, int) or world_size < 1
+                or not isinstance(rank, int) or not 0 <= rank < world_size)):
             raise ShadowError(f"shadow(world_size={world_size!r}, rank={rank!r}): ranks are shadow-run on a GPU "
                               "(device='cuda'), world_size an int >= 1 and 0 <= rank < world_size")
+        if world_size is not None:
+            try:
+                node_size(world_size)
+            except ValueError as e:
+                raise ShadowError(str(e)) from None
         self.world_size, self.rank = world_size, rank
         if not isinstance(step, int) or step < 1:
             raise ShadowError(f"shadow(step={step!r}): the audited step must be an int >= 1 (step 0 makes the optimizer's state)")
@@ -99,7 +109,6 @@ class Shadow:
         except ValueError as e:
             raise ShadowError(str(e)) from None
         self.result = self.summary = self.given = None  # given: {name: tensor} the code names (predict_loop's inputs)
-        self.placeholders, self.marked, self.updating = [], False, False
 
     # -- entering and leaving
     def __enter__(self):
@@ -110,6 +119,7 @@ class Shadow:
         from ..recording.loop_names import LoopNames
         self.tracker = tracker = Tracker()
         tracker.naming = True
+        self.placeholders, self.marked, self.updating = [], False, False
         self.phases, self.made, self.pre = {}, {}, None
         self.steps, self.pending, self.optimizer, self.model = 0, False, None, None
         self.step_site, self.ended = None, False
@@ -229,15 +239,16 @@ class Shadow:
         form = torch.Tensor.__format__
         patch(torch.Tensor, "__format__", lambda t, spec: t.item().__format__(spec) if t.dim() == 0 else form(t, spec))
 
-        update = torch.amp.GradScaler.update
-
-        def scaler_update(scaler, *args, **kwargs):  # GradScaler.update after its step is that step's
-            session.updating = True
-            try:
-                return update(scaler, *args, **kwargs)
-            finally:
-                session.updating = False
-        patch(torch.amp.GradScaler, "update", scaler_update)
+        def scaler_update(update):  # GradScaler.update after its step is that step's
+            def call(scaler, *args, **kwargs):
+                session.updating = True
+                try:
+                    return update(scaler, *args, **kwargs)
+                finally:
+                    session.updating = False
+            return call
+        for scaler in _scalers(torch):
+            patch(scaler, "update", scaler_update(scaler.update))
 
         def on_op(func):  # the first op after an optimizer step, zero_grad not called first: the step ends
             if session.pending and not session.updating and func.namespace != "profiler":  # (record_function's exit)
@@ -339,9 +350,14 @@ class Shadow:
                      "the move makes new ones; make it after the move)") if self.device["type"] == "cuda" else ""
             raise ShadowError("the optimizer stepped, but no module holding its parameters ran a forward before it: "
                               "shadow() follows a model's forward, loss, backward and optimizer step" + moved)
-        self.model = top
-        self.made["labels"] = module_labels(top, self.tracker, root=type(top).__name__.lower())
-        self.found.watch(top)
+        self.use(top)
+
+    def use(self, model, optimizer=None):
+        """The model (and optimizer) the loop trains, where the code says which (predict_loop's
+        make()); else found at the first optimizer step."""
+        self.model, self.optimizer = model, optimizer or self.optimizer
+        self.made["labels"] = module_labels(model, self.tracker, root=type(model).__name__.lower())
+        self.found.watch(model)
 
     def _named(self, held):
         return held_names(self.model, self.optimizer, merged(self.found.tensors(self.given), held))
@@ -363,6 +379,21 @@ class Shadow:
             tracker.phase = "optimizer"
             if self.model is not None:
                 name_grads(tracker, self.model)
+
+
+def _scalers(torch):
+    """GradScaler and the subclasses that define their own update() (FSDP's ShardedGradScaler)."""
+    found, todo = [], [torch.amp.GradScaler]
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: F401 (a subclass)
+    except ImportError:
+        pass
+    while todo:
+        cls = todo.pop()
+        if "update" in vars(cls):
+            found.append(cls)
+        todo += cls.__subclasses__()
+    return found
 
 
 def _device(device, gpu):
@@ -405,6 +436,7 @@ def predict_loop(make, step, inputs=None, audited=1, assume=None):
     (summary["placeholders"], summary["sizes"]; `assume`: shadow()'s)."""
     with Shadow(step=audited, assume=assume) as s:
         model, optimizer, *batch = make()
+        s.use(model, optimizer)  # the model make() returns, not one found from the forward's calls
         s.given = dict(zip(inputs or (), batch))
         kept = {}
         for _ in range(audited + 1):
