@@ -336,6 +336,22 @@ def cmd_viz(args):
     for path, what in write_viz(args.path, args.phase, args.view, args.out, args.detail, span):
         print(f"wrote {path}: {what}")
 
+def _script_totals(args, summary):
+    """predict-script's table of the recorded step's totals (on a GPU as memory_allocated() and
+    memory_reserved() count them)."""
+    counted = summary.get("allocator") or summary
+    rows = [("steady state (its start)", counted["steady_state"]), ("before backward", counted["before_backward"]),
+            ("peak", counted["peak"]), ("end", counted["end"])]
+    if args.gpu:
+        rows.append(("reserved (memory_reserved())", counted["reserved"]))
+    where = f"CUDA on one {args.gpu}" if args.gpu else "CPU"
+    if args.world_size:
+        where = f"rank {args.rank} of {args.world_size} {args.gpu}s"
+    print(table((f"step {args.step}, counted from 0 ({where}, fake tensors)", "bytes", "MiB"),
+                [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows if v is not None]))
+    return counted
+
+
 def cmd_predict_script(args):
     """Shadow-run a training script as written (prediction/shadow_script.py) and print step 2."""
     import runpy
@@ -369,16 +385,7 @@ def cmd_predict_script(args):
     if args.json:
         print(json.dumps({k: v for k, v in summary.items()}, indent=1, default=str))
         return
-    counted = summary.get("allocator") or summary  # on a GPU: as memory_allocated() counts it
-    rows = [("steady state (step 2's start)", counted["steady_state"]), ("before backward", counted["before_backward"]),
-            ("peak", counted["peak"]), ("end", counted["end"])]
-    if args.gpu:
-        rows.append(("reserved (memory_reserved())", counted["reserved"]))
-    where = f"CUDA on one {args.gpu}" if args.gpu else "CPU"
-    if args.world_size:
-        where = f"rank {args.rank} of {args.world_size} {args.gpu}s"
-    print(table((f"step {args.step} ({where}, fake tensors)", "bytes", "MiB"),
-                [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows if v is not None]))
+    counted = _script_totals(args, summary)
     if args.gpu:
         dev = summary["device"]
         need = counted["reserved"] + dev["outside_pytorch"]

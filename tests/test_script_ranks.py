@@ -68,6 +68,10 @@ def test_a_users_fsdp2_script_on_eight_ranks(tmp_path):
     assert lines["optimizer/exp_avg/emb.weight"] == lines["optimizer/exp_avg_sq/emb.weight"] == 1000 * 64 * 4 // 8
     assert lines["weights/blocks.0.fc.weight"] == 256 * 64 * 4 // 8
     assert [u.split(":")[0] for u in summary["unmeasured"]] == ["fsdp on NCCL over 8 ranks"]
+    text = run_cli("predict-script", "--gpu=H100", "--world_size=8", "--rank=5", str(script))
+    assert text.returncode == 0, text.stderr[-2000:]
+    assert f"| peak | {summary['allocator']['peak']:,} |" in text.stdout and "rank 5 of 8 H100s" in text.stdout
+    assert "of 79.18 GiB: fits" in text.stdout and "not measured on a GPU: fsdp on NCCL over 8 ranks" in text.stdout
     for args, says in ((["--world_size=8", str(script)], "give --gpu=NAME too"),
                        (["--gpu=H100", "--world_size=8", "--rank=8", str(script)], "0 <= rank < world_size")):
         p = run_cli("predict-script", *args)
