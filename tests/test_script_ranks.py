@@ -1,6 +1,6 @@
 """A user's script shadow-run as one rank of a torchrun job on GPUs this machine does not have
 (`shadow(device="cuda", world_size=N, rank=R)`, `predict-script --gpu --world_size`;
-shadow_dist.script_ranks): its own init_process_group, DDP, FSDP2 and tensor parallelism on the
+shadow_ranks.script_ranks): its own init_process_group, DDP, FSDP2 and tensor parallelism on the
 fake process group. train.py itself, run as a user's script at world size 1, against the H100
 audits of the same three strategies on NCCL (snapshots/examples/nccl-ws1; no rule of the
 script path was read from them)."""

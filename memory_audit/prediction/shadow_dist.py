@@ -71,65 +71,6 @@ def rank_of(cfg):
         _forget_meshes()
 
 
-def node_size(world_size):
-    """GPUs per node of a torchrun job of `world_size` ranks: one node of up to 8, else nodes of 8."""
-    if world_size > 8 and world_size % 8:
-        raise ValueError(f"world_size={world_size}: a job is shadow-run on one node of up to 8 GPUs or on "
-                         "nodes of 8 (a multiple of 8)")
-    return min(world_size, 8)
-
-
-@contextlib.contextmanager
-def script_ranks(world_size, rank, tracker):
-    """A user's script shadow-run as rank `rank` of `world_size`, as torchrun starts it on one
-    node of up to 8 GPUs: torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...); the fake
-    process group made first (rank_of), so the script's own init_process_group (any backend, any
-    rendezvous) finds it made and its destroy_process_group leaves it for the shadow to destroy;
-    DDP made as train.py's shadow makes it (script_ddp); FSDP2 on the GPU's path
-    (patches.fsdp_on_gpu: meta device, a pool per stream; its
-    unsharded parameters' resize_ seen: storage_resizes); DTensor's sharding propagation
-    unseen (patches.propagation_unseen)."""
-    import torch.distributed as dist
-    from .patches import fsdp_on_gpu, patched, propagation_unseen, storage_resizes
-    per_node = node_size(world_size)
-    env = {"RANK": rank, "LOCAL_RANK": rank % per_node, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": per_node,
-           "GROUP_RANK": rank // per_node, "GROUP_WORLD_SIZE": world_size // per_node, "ROLE_RANK": rank,
-           "ROLE_WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    cfg = {"parallel": "script", "world_size": world_size, "rank": rank}
-    given = [(dist, "init_process_group", lambda *a, **k: None), (dist, "destroy_process_group", lambda *a, **k: None)]
-    try:
-        with rank_of(cfg), patched(given), fsdp_on_gpu({"parallel": "fsdp"}, tracker), storage_resizes(tracker), \
-                propagation_unseen(tracker, cfg), script_ddp(tracker):
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def script_strategies(model):
-    """The torchrun strategies a user's model was wrapped in, as patches.UNMEASURED names them:
-    "fsdp" (a module fully_shard made), "ddp" (DistributedDataParallel around it), "tp" (a
-    parameter sharded other than FSDP2's dim-0 shards)."""
-    import torch
-    from torch.distributed.tensor import DTensor, Shard
-    found = set()
-    for m in model.modules():
-        if type(m).__name__.startswith("FSDP"):
-            found.add("fsdp")
-        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
-            found.add("ddp")
-    for p in model.parameters():  # FSDP2 shards dim 0 (and replicates it across HSDP's groups)
-        shards = [pl for pl in getattr(p, "placements", ()) if isinstance(pl, Shard)]
-        if isinstance(p, DTensor) and ("fsdp" not in found or len(shards) > 1 or any(pl.dim != 0 for pl in shards)):
-            found.add("tp")
-    return sorted(found)
-
-
 def _forget_meshes():
     """Clear DTensor's caches (Python's and the C++ fast path's sharding propagation): they key on
     meshes by their layout, not their process groups, so a second shadow run in one process (a
@@ -170,58 +111,11 @@ def wrap(model, cfg, tracker):
         return model
     from torch.nn.parallel import DistributedDataParallel
     with reducer_reads(tracker):
-        ddp = _buckets(tracker, DistributedDataParallel, model, gradient_as_bucket_view=cfg.get("ddp_bucket_view", False))
-    return _shadowed(ddp, model, tracker)
+        ddp = buckets(tracker, DistributedDataParallel, model, gradient_as_bucket_view=cfg.get("ddp_bucket_view", False))
+    return ddp_shadowed(ddp, model, tracker)
 
 
-@contextlib.contextmanager
-def script_ddp(tracker):
-    """DistributedDataParallel as a user's script builds it, made as wrap() makes train.py's: its
-    reducer's reads on host twins, its all-reduce handed back by the fake group. The module's
-    meta parameters stand for one GPU's, so device_ids and output_device (that GPU) are left to
-    the module's own device."""
-    import inspect
-    from torch.nn.parallel import DistributedDataParallel
-    from .patches import patched
-    init, register = DistributedDataParallel.__init__, DistributedDataParallel.register_comm_hook
-    signature = inspect.signature(init)
-
-    def made(ddp, *args, **kwargs):
-        given = signature.bind(ddp, *args, **kwargs).arguments
-        given.pop("device_ids", None), given.pop("output_device", None)
-        for option in ("find_unused_parameters", "static_graph"):
-            if given.get(option):
-                from .shadow_error import ShadowError
-                raise ShadowError(f"DistributedDataParallel({option}=True) is not shadow-run: its reducer reads "
-                                  "which parameters backward used, on values fake tensors do not hold")
-        with reducer_reads(tracker), real_inputs():  # its host reads real, as train.py's shadow's
-            _buckets(tracker, init, **given)
-        _shadowed(ddp, given["module"], tracker, host=real_inputs, register=register)
-
-    def hooked(ddp, state, hook):  # the script's own comm hook is not run: the fake group hands buckets back
-        tracker.unmeasured.add(f"DDP's comm hook {getattr(hook, '__name__', hook)!s} not run: its buffers (a "
-                               "compressed copy of each bucket) are not in the prediction")
-    with patched([(DistributedDataParallel, "__init__", made), (DistributedDataParallel, "register_comm_hook", hooked)]):
-        yield
-
-
-@contextlib.contextmanager
-def real_inputs():
-    """Inside: the running FakeTensorMode takes real tensors (the reducer's host reads) as inputs,
-    making them fake, as a shadow without one (train.py's on a GPU: meta tensors) does."""
-    import torch
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    if mode is None:
-        yield
-        return
-    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
-    try:
-        yield
-    finally:
-        mode.allow_non_fake_inputs = allowed
-
-
-def _shadowed(ddp, model, tracker, host=contextlib.nullcontext, register=None):
+def ddp_shadowed(ddp, model, tracker, host=contextlib.nullcontext, register=None):
     """A DDP made on the shadow's tensors, as the fake group and the tracker need it (`host`: the
     context its reducer's own reads run in). Its all-reduce is handed back by the fake group
     (_handed_back), registered now, or, where `register` is given (a user's script, which may
@@ -240,7 +134,7 @@ def _shadowed(ddp, model, tracker, host=contextlib.nullcontext, register=None):
             register(ddp, None, _handed_back)
         syncs[0] = ddp.require_backward_grad_sync  # this forward's backward reduces (not no_sync)
         with reducer_reads(tracker), host():
-            return _buckets(tracker, forward, *args, **kwargs)
+            return buckets(tracker, forward, *args, **kwargs)
     ddp._pre_forward = pre_forward
     post = ddp._post_forward
 
@@ -274,7 +168,7 @@ class _Untimed:
         return getattr(self._logger, name)
 
 
-def _buckets(tracker, fn, *args, **kwargs):
+def buckets(tracker, fn, *args, **kwargs):
     """fn(...), what it made and still holds when it returns named grads/ddp_buckets: DDP's
     construction and its forward's bucket rebuild keep only the buckets (their staging copies
     are let go inside), which audits name so from the stack (attribute.distributed_name)."""

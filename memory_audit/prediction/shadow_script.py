@@ -41,8 +41,8 @@ from .shadow_loop import LoopLedger, above, call_site, fake_ident, merged, loop_
 from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
-from .shadow_dist import node_size, script_ranks, script_strategies
-from .patches import UNMEASURED, LibraryBranches, cpu_rules, fake_modules
+from .shadow_ranks import node_size, script_notes, script_ranks
+from .patches import LibraryBranches, cpu_rules, fake_modules
 from .shadow_blocks import module_labels
 from .shadow_tracker import Tracker, dispatch_mode
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
@@ -175,7 +175,7 @@ class Shadow:
                                       "the CPU there too; nothing to predict for the GPU")
                 expandable = expandable_from_env(dict(os.environ))  # the code may set it itself
                 self.summary.update(allocator=replay(self.result, expandable),
-                                    unmeasured=self.result["unmeasured"] + self._rank_notes())
+                                    unmeasured=self.result["unmeasured"] + script_notes(self.model, self.world_size))
             return True
         if exc_type is None:
             raise ShadowError(f"the code ran {self.steps} {'marked' if self.marked else 'optimizer'} step(s) and ended "
@@ -187,16 +187,6 @@ class Shadow:
         where = user_line(tb) or "the loop"
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ShadowError(f"the shadow run stopped at {self.tracker.op}, {where}: {exc_type.__name__}: {reason}") from None
-
-    def _rank_notes(self):
-        """What a rank's prediction assumes of NCCL over several ranks (patches.UNMEASURED), per
-        strategy the model was wrapped in."""
-        if not self.world_size or self.world_size < 2:
-            return []
-        n, kinds = self.world_size, script_strategies(self.model)
-        return [f"{kind} on NCCL over {n} ranks: {UNMEASURED[kind]}" for kind in kinds] or [
-            f"collectives on NCCL over {n} ranks: their outputs as the fake process group makes them; NCCL's "
-            "own buffers outside PyTorch's allocator"]
 
     # -- what the session hooks
     def _hook(self, torch):
@@ -419,7 +409,7 @@ def shadow(device="cpu", step=2, assume=None, gpu="H100", world_size=None, rank=
     device: "cpu", or "cuda" for the code run on one `gpu` (shadow_gpu: no GPU needed).
     assume: {"file.py:205" or "nonzero": rows, a fraction of the mask, or [rows, ...] per step}, the
     sizes of data-dependent shapes (known_values). world_size, rank: the code run as that rank of a
-    torchrun job on `world_size` GPUs (device="cuda"; shadow_dist.script_ranks)."""
+    torchrun job on `world_size` GPUs (device="cuda"; shadow_ranks.script_ranks)."""
     return Shadow(device=device, step=step, assume=assume, gpu=gpu, world_size=world_size, rank=rank)
 
 
