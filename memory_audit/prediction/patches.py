@@ -106,14 +106,8 @@ def no_init():
     """torch.nn.init's in-place initialisers as no-ops (a fake weight has no values to set)."""
     from torch.nn import init
     names = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
-    saved = {n: getattr(init, n) for n in names}
-    for n in names:
-        setattr(init, n, lambda tensor, *a, **k: tensor)
-    try:
+    with patched([(init, n, lambda tensor, *a, **k: tensor) for n in names]):
         yield
-    finally:
-        for n, f in saved.items():
-            setattr(init, n, f)
 
 
 UNMEASURED = {  # what a CUDA rank's shadow assumes of its strategy's collectives under NCCL over several
@@ -152,20 +146,12 @@ def fsdp_on_gpu(cfg, tracker):
 
     def get_handle(device_type):
         return streams if device_type == "meta" else handle(device_type)
-    saved = [(m, "_get_device_handle", getattr(m, "_get_device_handle"))
-             for m in (_fsdp_collectives, _fsdp_param_group, _fsdp_state, _fsdp_init)]
-    saved += [(_fully_shard, "_get_device_from_mesh", _fully_shard._get_device_from_mesh),
-              (_fsdp_param_group.FSDPParamGroup, "_validate_no_meta_params",
-               _fsdp_param_group.FSDPParamGroup._validate_no_meta_params)]
-    for m, name, _ in saved[:4]:
-        setattr(m, name, get_handle)
-    _fully_shard._get_device_from_mesh = lambda mesh: torch.device("meta")
-    _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
-    try:
+    triples = [(m, "_get_device_handle", get_handle) for m in (_fsdp_collectives, _fsdp_param_group, _fsdp_state,
+                                                                _fsdp_init)]
+    triples += [(_fully_shard, "_get_device_from_mesh", lambda mesh: torch.device("meta")),
+                (_fsdp_param_group.FSDPParamGroup, "_validate_no_meta_params", lambda self: None)]
+    with patched(triples):
         yield
-    finally:
-        for m, name, f in saved:
-            setattr(m, name, f)
 
 
 class _Streams:

@@ -67,10 +67,11 @@ def script_strategies(model):
     "fsdp" (a module fully_shard made), "ddp" (DistributedDataParallel around it), "tp" (a
     parameter sharded other than FSDP2's dim-0 shards)."""
     import torch
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
     found = set()
     for m in model.modules():
-        if type(m).__name__.startswith("FSDP"):
+        if isinstance(m, FSDPModule):
             found.add("fsdp")
         if isinstance(m, torch.nn.parallel.DistributedDataParallel):
             found.add("ddp")
