@@ -362,13 +362,34 @@ def test_unique_of_known_values_is_sized_and_of_data_stops_in_one_line():
     assert "\n" not in str(e.value) and "_unique2" in str(e.value) and "test_known_values.py:" in str(e.value)
 
 
-@pytest.mark.parametrize("model_cls", ["Head", "Gathered", "Permuted"])
+class CrossAttended(nn.Module):
+    """Whisper's decoder in small: positions from `arange(T).repeat(B, 1)` (repeat's host-side
+    permutation, rules/cpu.py) and SDPA from 10 queries over 24 keys of a memory (CPU flash
+    attention's buffers sized by the key's length, not the query's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(40, 16), nn.Embedding(10, 16)
+        self.memory, self.q = nn.Parameter(torch.randn(1, 2, 24, 8)), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 40)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.embed(ids) + self.pos(torch.arange(T).repeat(B, 1))
+        q = self.q(x).view(B, T, 2, 8).transpose(1, 2)
+        kv = self.memory.expand(B, -1, -1, -1)
+        a = F.scaled_dot_product_attention(q, kv, kv)
+        return self.head(a.transpose(1, 2).reshape(B, T, 16))
+
+
+@pytest.mark.parametrize("model_cls", ["Head", "Gathered", "Permuted", "CrossAttended"])
 def test_step_2_event_by_event(tmp_path, model_cls):
     """Every event of step 2 as the audit has it: Head, a CPU layer norm of a bf16 input with an
     fp32 weight (fp32 mean and rstd, where the fake kernel says bf16); Gathered, indexing's
     backward, zeros.index_put_(indices, grad, accumulate=True), out of place for a fake tensor (the
     output takes the zeros' memory); Permuted, layer norm's copies of a non-contiguous input in
-    forward and backward (X and dY)."""
+    forward and backward (X and dY); CrossAttended, repeat's permutation and cross-attention's
+    flash buffers."""
     model_cls = globals()[model_cls]
     m, events = _audited(tmp_path, model_cls)
     with memory_audit.shadow() as s:

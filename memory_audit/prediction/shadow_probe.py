@@ -112,16 +112,18 @@ def flash_cpu_buffers(func, args):
     no mask): per thread, forward an accumulate-type buffer of qS*kvS + 2*qS + qS*head and, for
     bf16/fp16, qS*kvS of the input's type; backward 2*qS*kvS of each, then the calling thread's
     row sums (qS; the other threads' are made where the CPU profiler does not see them). qS is
-    32, 64 from T=192, 256 from T=768; kvS is min(T, 512)."""
+    32, 64 from the query's length 192, 256 from 768, and at most that length; kvS is min(the key's
+    length, 512) (cross-attention: Whisper's decoder over its encoder, 12 queries and 32 keys,
+    scripts/user_loops.py; tests/test_known_values.py's CrossAttended)."""
     import torch
     ops = torch.ops.aten
     forward = func is ops._scaled_dot_product_flash_attention_for_cpu.default
     if not forward and func is not ops._scaled_dot_product_flash_attention_for_cpu_backward.default:
         return []
-    q = args[0] if forward else args[1]
+    q, k = (args[0], args[1]) if forward else (args[1], args[2])
     T, head = q.shape[2], q.shape[3]
     qs = min(T, 256 if T >= 768 else 64 if T >= 192 else 32)
-    kvs, threads, low = min(T, 512), torch.get_num_threads(), q.dtype in (torch.bfloat16, torch.float16)
+    kvs, threads, low = min(k.shape[2], 512), torch.get_num_threads(), q.dtype in (torch.bfloat16, torch.float16)
     if forward:
         out = [4 * threads * (qs * kvs + 2 * qs + qs * head)]
         return out + ([threads * qs * kvs * q.element_size()] if low else [])

@@ -7,7 +7,7 @@ arguments; their signatures are the device's (rules/cuda.py, rules/cpu.py say th
   before    what the kernel allocates before its outputs and frees before it returns
   after     what it allocates after its outputs and frees before it returns
   events    (before, after): temporaries that interleave with the outputs, as ("alloc", bytes) |
-            ("free", k) (k: the k-th alloc of both lists together) (CUDA)
+            ("free", k) (k: the k-th alloc of both lists together)
   outputs   [(tensor, bytes or None)] of the result in the order the device allocates them (CUDA)
   outside   where the call lies outside the shapes the rule was measured at: (the rule's name
             in SAMPLES, the call's shape in words), else None (CUDA)

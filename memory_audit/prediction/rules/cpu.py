@@ -11,6 +11,8 @@ snapshots/results/random/user-loops-54591.txt). Parts on CPU:
   after    f(args, out) -> [bytes] made after the outputs, in order, and freed in reverse as the
            op returns (before anything made ahead of the outputs); skipped where the kernel was
            probed (shadow_probe asks it for its own buffers)
+  events   f(args) -> (before, after): temporaries made and freed around the outputs in an order
+           of their own, as ("alloc", bytes) | ("free", k) (k: the k-th alloc of both lists)
 The tracker's own rules (wrapped scalars, mixed-dtype casts, a foreach op's per-tensor scalars,
 CPU mean's divide, reduced losses, layer norm's fp32 statistics, kernel probes) are machinery
 over many ops and stay in shadow_tracker. Plain Python until a rule is called.
@@ -103,3 +105,18 @@ def embedding_backward_copies(args, out):
     """indices.contiguous() then grad.contiguous() where they are not, after the output (random
     loops of scripts/any_model_check.py, seeds 982210 and 312884, at b401c0b)."""
     return [_copy(t) for t in (args[1], args[0]) if not t.is_contiguous()]
+
+
+@rule("cpu", "aten.repeat.default", "events")
+def repeat_permutation(args):
+    """After its output, repeat builds the permutation of its unfolded dims on the host: arange(n)
+    and arange(n) + n (the n a wrapped int64 scalar, freed at once), stacked (2n), then freed
+    (the sum, the range, the stack last); n = len(repeats), nothing where a repeat is 0.
+    Whisper's decoder positions (`arange(T).repeat(B, 1)`: the 16 B first divergence of
+    scripts/user_loops.py's whisper, user-loops-54591.txt), then CPU audits of repeat at 1-4
+    dims, 0-dim and empty inputs, bf16; tests/test_known_values.py's CrossAttended, event by event)."""
+    n = len(args[1])
+    if 0 in args[1]:
+        return (), ()
+    return (), [("alloc", 8 * n), ("alloc", 8), ("alloc", 8 * n), ("free", 1), ("alloc", 16 * n),
+                ("free", 2), ("free", 0), ("free", 3)]
