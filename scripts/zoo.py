@@ -64,6 +64,8 @@ def draw(rng, size="tiny"):
                     heads=12 if big else rng.choice([1, 2, 4]), patch=16 if big else rng.choice([4, 8, 16]))
         if lib == "tv" and name == "squeezenet1_1":
             spec["image"] = max(spec["image"], 64)
+        if lib in ("timm", "tv"):  # BatchNorm in training needs two values per channel (1 x 1 maps)
+            spec["batch"] = max(spec["batch"], 2)
     else:  # gru, lstm, moe
         spec.update(width=768 if big else rng.choice([16, 32, 64]), layers=12 if big else rng.randint(1, 3),
                     seq=512 if big else rng.randint(4, 64), vocab=50257 if big else rng.randint(50, 2000),

@@ -7,7 +7,7 @@ model's nonzero sizes are taken from the audited run's own kernel, as a user giv
 --assume. The seed is new each run and printed; --seed replays it. Loops whose library is not
 installed are skipped (one line each).
 
-    python scripts/zoo_check.py [--n=20] [--seed=S] [--out=rows.jsonl]
+    python scripts/zoo_check.py [--n=20] [--seed=S] [--out=rows.jsonl] [--libs=timm,tv] [--only=3,17]
 """
 
 import argparse
@@ -92,13 +92,19 @@ def main():
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--libs", default=None, help="run only these libraries' loops of the draw (hf,timm,tv,plain)")
+    ap.add_argument("--only", default=None, help="run only these indices of the draw (3,17)")
     args = ap.parse_args()
+    libs = set(args.libs.split(",")) if args.libs else None
+    only = {int(i) for i in args.only.split(",")} if args.only else None
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 20)
     print(f"seed {seed} (replay: --seed={seed}), torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     done = exact = lines_exact = tracker_exact = 0
     rows = []
     out = open(args.out, "a") if args.out else None
     for i, spec in enumerate(zoo.specs(seed, args.n)):
+        if libs is not None and spec["lib"] not in libs or only is not None and i not in only:
+            continue
         lib = zoo.missing(spec)
         if lib:
             print(f"{i:3d} skipped ({lib} not installed): {zoo.describe(spec)}", flush=True)

@@ -344,6 +344,39 @@ def test_ctc_loss_takes_its_shapes_from_a_real_run_at_known_lengths():
     assert len(sizes) == 3 and sizes[0]["shape"] == [[3], [3, 30, 17]]  # 2 x the longest target (8) + 1
 
 
+class Acoustic(nn.Module):
+    """A small CTC acoustic model: (B, T) ids in, (T, B, V) log-probabilities out."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(40, 16), nn.Linear(16, 12)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).log_softmax(-1).transpose(0, 1)
+
+
+def ctc_lists(model, ids):
+    """CTC with its lengths as Python lists, zero_infinity (ATen writes them into a tensor)."""
+    return F.ctc_loss(model(ids), torch.randint(1, 12, (3, 4)), [10, 8, 6], [4, 3, 2], zero_infinity=True)
+
+
+def ctc_tensors(model, ids):
+    """CTC with tensor lengths, summed (a real tensor takes the lists' path; a fake one did not)."""
+    return F.ctc_loss(model(ids), torch.randint(1, 12, (3, 4)), torch.tensor([10, 9, 6]), torch.tensor([4, 4, 1]),
+                      reduction="sum")
+
+
+@pytest.mark.parametrize("loss_of", [ctc_lists, ctc_tensors])
+def test_ctc_loss_runs_as_on_real_tensors(tmp_path, loss_of):
+    """torch.ctc_loss in the shadow takes the path real tensors take (patches.ctc_as_on_real_tensors):
+    the peak and every line of the three phases are the audit's, lists or tensors."""
+    loop(Acoustic, str(tmp_path / "r"), loss_of=loss_of)
+    m = measure(str(tmp_path / "r"))
+    with memory_audit.shadow() as s:
+        loop(Acoustic, steps=100, loss_of=loss_of)
+    _same(s, m)
+
+
 def test_unique_of_known_values_is_sized_and_of_data_stops_in_one_line():
     def run(known):
         with memory_audit.shadow() as s:

@@ -92,7 +92,8 @@ def test_what_users_write_to_reach_the_gpu():
             opt.zero_grad()
     lines = s.summary["lines"]
     assert w.is_leaf and lines["activations/loop/leaf0"] == 2 * 2 * 4  # w, on the GPU
-    assert lines["activations/_to_copy"] == 3 * 2 * 4  # x's device copy: its host and pinned copies no memory
+    assert lines["activations/to"] == 3 * 2 * 4  # x's device copy, by the call that made it (loop_calls): its
+    # host and pinned copies no memory
     assert lines["weights/weight"] == 2 * 2 * 4 and lines["weights/bias"] == 2 * 4
     from memory_audit.prediction.shadow import ShadowError
     with pytest.raises(ShadowError, match="made before model.to"):  # a known limit, said in one line

@@ -264,6 +264,40 @@ def meta():
 
 
 @contextlib.contextmanager
+def ctc_as_on_real_tensors(known):
+    """torch.ctc_loss on CPU as it runs on real tensors, where the lengths are known (Python
+    lists, or tensors whose values known_values knows): ATen takes a subclass's tensor lengths
+    through a composite path (other ops, other saved tensors), and with list lengths it writes
+    them into a new tensor's data, which a fake tensor has not (the run stopped there). The real
+    path, as CPU audits show it: _ctc_loss at the lengths, zero_infinity's zeros, == inf and
+    where, then the mean over the target lengths (a tensor of the result's dtype, clamped) or the
+    sum (scripts/user_loops.py's two CTC loops, user-loops-54591.txt; tests/test_known_values.py)."""
+    import torch
+    original = torch.ctc_loss
+
+    def lengths(x):
+        if isinstance(x, torch.Tensor):
+            v = known.value(x)
+            return None if v is None or v.dim() != 1 else [int(i) for i in v.tolist()]
+        return [int(i) for i in x]
+
+    def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+        il, tl = lengths(input_lengths), lengths(target_lengths)
+        if log_probs.device.type != "cpu" or log_probs.dim() != 3 or il is None or tl is None:
+            return original(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+        res = torch._ctc_loss(log_probs, targets.to(log_probs.device, torch.long), il, tl, blank, zero_infinity)[0]
+        if zero_infinity:
+            zero = torch.zeros((), dtype=res.dtype)
+            res = torch.where(res == float("inf"), zero, res)
+            del zero
+        if reduction == 1:  # mean
+            return (res / torch.tensor(tl, dtype=res.dtype).clamp_min(1)).mean()
+        return res.sum() if reduction == 2 else res
+    with patched([(torch, "ctc_loss", ctc_loss)]):
+        yield
+
+
+@contextlib.contextmanager
 def fake_modules():
     """nn.Module._apply and Tensor.__deepcopy__ for modules of fake tensors (fake_apply,
     same_mode_deepcopy), while a user's code runs in the shadow."""

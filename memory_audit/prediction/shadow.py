@@ -248,7 +248,7 @@ def end_step(tracker, names):
     tracker.recording = False
     for sid, name in names.items():
         if sid in tracker.live:
-            tracker.allocs[tracker.live[sid][0]][0] = name
+            tracker.allocs[tracker.live[sid][0]][0] = tracker.end_names[tracker.live[sid][0]] = name
 
 
 def step_result(tracker, pre, phases):
@@ -291,6 +291,7 @@ def step_result(tracker, pre, phases):
         out["streams"] = dict(tracker.streams)
     if tracker.naming:
         out["saved"] = dict(tracker.saved_names)
+        out["made"], out["end"] = dict(tracker.made_names), dict(tracker.end_names)
     if tracker.tagging:  # each allocation's block and each event's (history, then step)
         out["blocks"] = {"allocs": {aid: tracker.block_of(aid) for aid in tracker.allocs}, "events": blocks}
         out["micro"] = {"allocs": dict(tracker.micro_tags), "events": micros}

@@ -40,14 +40,28 @@ def _scalar_allocs(tracker, key, value, like, exists=False, again=False):
     return scalar, tracker.alloc(f"{key}/scalar_cast", like.element_size())[0], second
 
 
+_TORCH_DISTRIBUTED_TENSOR = None  # torch's own distributed/tensor/ folder (set at the first call)
+
+
 def _under_python_mode():
     """Whether the op reached the tracker through SAC's dispatch mode (torch.utils.checkpoint's
-    __torch_dispatch__ on the Python stack): its arguments were re-parsed there."""
+    __torch_dispatch__ on the Python stack): its arguments were re-parsed there. Not where
+    DTensor's own code called it on the way (its redistribution's divide of a Replicate bias into
+    Partial: SAC's mode is off inside its handler, the number is wrapped once; tp-sp with SAC,
+    tests/test_distributed.py's random torchrun config at seed 674815)."""
+    import os
     import sys
+    global _TORCH_DISTRIBUTED_TENSOR
+    if _TORCH_DISTRIBUTED_TENSOR is None:
+        import torch
+        _TORCH_DISTRIBUTED_TENSOR = os.path.join(os.path.dirname(torch.__file__), "distributed", "tensor", "")
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "__torch_dispatch__" and code.co_filename.endswith(("utils/checkpoint.py", "utils\\checkpoint.py")):
+        name = code.co_filename
+        if name.startswith(_TORCH_DISTRIBUTED_TENSOR):
+            return False
+        if code.co_name == "__torch_dispatch__" and name.endswith(("utils/checkpoint.py", "utils\\checkpoint.py")):
             return True
         frame = frame.f_back
     return False

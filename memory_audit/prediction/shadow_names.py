@@ -116,13 +116,17 @@ def address(storage):
 
 
 def lines(result, phase="step2_before_backward"):
-    """{name: bytes} live at a phase of the shadow's step, named as an audit names them: what
-    is live when the step starts by the loop's names, what the audited forward made by the
-    audit's (result["saved"]: run(..., names=True)), the rest by the shadow's own keys. A
-    result without names (names=False, or a repeated step: shadow_repeat) raises ValueError."""
+    """{name: bytes} live at a phase of the shadow's step, named as an audit names them
+    (attribute.block_namer's order): at the step's end what the loop holds then
+    (result["end"]), what the audited forward made by the audit's names (result["saved"]:
+    run(..., names=True)), what is live when the step starts by the loop's names then, what else
+    the code made by its call (result["made"]: loop_calls), the rest by the shadow's own keys.
+    A result without names (names=False, or a repeated step: shadow_repeat) raises ValueError."""
     if "saved" not in result:
         raise ValueError("this shadow run was made without names (run(..., names=True); a repeated step has none)")
-    saved = result["saved"]
+    saved, made = result["saved"], result.get("made", {})
+    end = result.get("end", {}) if phase == "step2_end" else {}
+    pre = {aid: key for aid, key, _ in result["pre"]}
     live = {aid: (key, nbytes) for aid, key, nbytes in result["pre"]}
     for action, key, nbytes, aid in result["events"][:result["phases"][phase]]:
         if action == "alloc":
@@ -132,7 +136,7 @@ def lines(result, phase="step2_before_backward"):
     out = {}
     for aid, (key, nbytes) in live.items():
         if nbytes:
-            name = saved.get(aid, key)
+            name = end.get(aid) or saved.get(aid) or pre.get(aid) or made.get(aid) or key
             out[name] = out.get(name, 0) + nbytes
     return out
 

@@ -35,17 +35,18 @@ import os
 import warnings
 
 from .shadow import ShadowError, begin_step, end_step, step_result
-from .shadow_names import held_names, name_grads
+from .shadow_names import address, held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, checked_assume
 from .shadow_loop import LoopLedger, above, call_site, fake_ident, merged, loop_summary, user_line
 from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
 from .shadow_ranks import node_size, script_notes, script_ranks
-from .patches import LibraryBranches, cpu_rules, fake_modules
+from .patches import LibraryBranches, cpu_rules, ctc_as_on_real_tensors, fake_modules
 from .shadow_blocks import module_labels
 from .shadow_tracker import Tracker, dispatch_mode
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
+from ..recording.loop_calls import LoopCalls
 
 
 
@@ -146,6 +147,11 @@ class Shadow:
                 stack.enter_context(cpu_rules(tracker))
             self.known = KnownValues(tracker=tracker, assume=self.assume, where=user_line)
             stack.enter_context(self.known.watching())
+            stack.enter_context(ctc_as_on_real_tensors(self.known))
+            # what else the code made, as an audit names it: on top of the shadow's own function
+            # modes (a GPU's device and kernel choices), so that it sees the calls the code makes
+            self.calls = stack.enter_context(LoopCalls(ident=address))
+            stack.callback(self.calls.remove)
             stack.callback(self._unhook)
             self._hook(torch)
         except BaseException:
@@ -216,8 +222,18 @@ class Shadow:
         self._saved = {}
 
         def patch(owner, name, new):
-            self._saved[(owner, name)] = getattr(owner, name)
-            setattr(owner, name, new)
+            original = self._saved[(owner, name)] = getattr(owner, name)
+            active = []
+
+            def once(*args, **kwargs):  # a torch-function mode (loop_calls) hands the call back to it
+                if active:  # once: the second time it is torch's own
+                    return original(*args, **kwargs)
+                active.append(True)
+                try:
+                    return new(*args, **kwargs)
+                finally:
+                    active.pop()
+            setattr(owner, name, once)
         backward = torch.Tensor.backward
         patch(torch.Tensor, "backward", lambda t, *a, **k: self._backward(backward, t, *a, **k))
         for owner in (torch.optim.Optimizer, torch.nn.Module):
@@ -318,6 +334,7 @@ class Shadow:
         if self.steps == self.audited:  # the audited step starts
             self._begin(held or {})
         elif self.steps == self.audited + 1:  # it ends: the loop stops here
+            self._made()
             end_step(self.tracker, self._named(merged(self.found.held(), held or {})))
             self.ended = True
             raise _Stopped()
@@ -327,7 +344,8 @@ class Shadow:
         if self.model is None:
             raise ShadowError(f"step {self.audited} started before any optimizer step: shadow() finds the model "
                               "at the first one (the step that makes the optimizer's state)")
-        self.pre = begin_step(self.tracker, self._named(merged(self.found.held(), held)), self.phases)
+        self.pre = begin_step(self.tracker, {**self._made_now(), **self._named(merged(self.found.held(), held))},
+                              self.phases)
         self.made["ledger"] = LoopLedger(self.tracker, self.model)
 
     def _found_model(self):
@@ -346,11 +364,25 @@ class Shadow:
         """The model (and optimizer) the loop trains, where the code says which (predict_loop's
         make()); else found at the first optimizer step."""
         self.model, self.optimizer = model, optimizer or self.optimizer
+        self.calls.watch(model, self.optimizer)
         self.made["labels"] = module_labels(model, self.tracker, root=type(model).__name__.lower())
         self.found.watch(model)
 
     def _named(self, held):
         return held_names(self.model, self.optimizer, merged(self.found.tensors(self.given), held))
+
+    def _made_now(self):
+        """{storage: name} of what else the code made and is live now, by its call (loop_calls):
+        where the shadow's own key is an op's (what the shadow stands in for itself, DDP's
+        buckets, cuBLAS's workspaces, keeps its name, as the audit's rules name those first)."""
+        live, allocs = self.tracker.live, self.tracker.allocs
+        return {sid: name for sid, name in self.calls.names().items()
+                if sid in live and allocs[live[sid][0]][0].startswith(("activations/", "temporary/"))}
+
+    def _made(self):
+        """_made_now() kept for the phases' lines."""
+        for sid, name in self._made_now().items():
+            self.tracker.made_names.setdefault(self.tracker.live[sid][0], name)
 
     def _backward(self, original, t, *args, **kwargs):
         tracker = self.tracker
@@ -362,6 +394,7 @@ class Shadow:
             self.found.note_loss(t)
         if audited:
             self.made["ledger"].name(t, self._named({}), self._named(self.found.held()))
+            self._made()
         tracker.phase = "backward"
         try:
             return original(t, *args, **kwargs)

@@ -262,6 +262,7 @@ def block_namer(snap, meta=None, phase=None):
     for trace in snap.get("device_traces", []):
         workspaces.update(trace_workspaces(trace, meta))
 
+    made = {r["data_ptr"]: r["name"] for r in (meta or {}).get("phases", {}).get(phase, {}).get("made", [])}
     seen = set()  # allocations the trace saw made (and not freed since)
     if meta is None:
         for trace in snap.get("device_traces", []):
@@ -276,6 +277,8 @@ def block_namer(snap, meta=None, phase=None):
             return kept, "frames:distributed"
         if block.get("address") in workspaces:
             return workspaces[block["address"]], "workspace"
+        if block.get("address") in made:  # what the code made that nothing above names (loop_calls)
+            return made[block["address"]], "made"
         if meta is None:  # a snapshot from elsewhere: fall back to its stacks
             nm, rule = name_from_frames(block.get("frames") or [])
             if nm:

@@ -23,6 +23,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from .loop_calls import LoopCalls
 from .loop_names import LoopNames
 from .recorder import AuditError, AuditRecording, named_tensors, saved_tensor_ledger, distributed_info, indexed_device
 
@@ -63,6 +64,7 @@ class Audit:
         self._hooks = []
         self._graphs = self._compile_ctx = None  # compiled: the partitioner's saved values
         self._found = LoopNames()  # the batch, the model's output and the loss, found without being told
+        self._calls = None  # what else the code made, by the call that made it (eager loops)
         self.recording = AuditRecording(out_dir, device, config or {}, max_entries=max_entries, defer_cpu=compiled,
                                         cpu_timeline=cpu_timeline)
         self.recording.predicted = _prediction(predicted)
@@ -97,6 +99,7 @@ class Audit:
                                                     wrappers=self.recording.compiled_wrappers))
         else:
             self._found.watch(model)
+            self._watch_calls(model)
         self.recording.show_cpu([t for _, t in named_tensors(model, optimizer, scaler)])
         self.recording.distributed = distributed_info(model)
         config = self.recording.config
@@ -195,7 +198,18 @@ class Audit:
     def _phase(self, name, dump=True):
         held = self._found.held()
         self.recording.phase(name, self.model, self.optimizer, self.scaler, self._current_tensors(),
-                             dump=dump, held=held)
+                             dump=dump, held=held, made=self._calls.entries() if self._calls is not None else None)
+
+    def _watch_calls(self, model):
+        self._unwatch_calls()
+        calls = LoopCalls()
+        calls.watch(model, self.optimizer)
+        self._calls = calls.__enter__()
+
+    def _unwatch_calls(self):
+        if self._calls is not None:
+            calls, self._calls = self._calls, None
+            calls.close()
 
     def _start_ledger(self):
         stack, saved = ExitStack(), []
@@ -239,6 +253,7 @@ class Audit:
         self._hooks = []
         if self.state == "done":
             self._found.remove()
+            self._unwatch_calls()
         if self.state == "done" and self._compile_ctx is not None:
             self._compile_ctx.close()
             self._compile_ctx = None

@@ -27,6 +27,7 @@ import weakref
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import nodynamo
 from ..schema import MARKER_PREFIX, META_SCHEMA_VERSION, PHASES, RECOMPUTE_LABEL
@@ -391,6 +392,7 @@ class _SavedStorages:
         self.stack = stack  # the modules running now, innermost last
         self.ident = ident or storage_ptr
         self.first_seen = {}  # storage data_ptr -> record, in forward order
+        self.alive = {}  # storage data_ptr -> a weak reference to the storage recorded there
         self.impls = {}  # storage data_ptr -> the storage (its C++ address) first seen there
         self.weak = []  # weak references to what was saved: their grad_fns find the graph without a loss
 
@@ -399,10 +401,12 @@ class _SavedStorages:
         st = t.untyped_storage()
         ptr = self.ident(st)
         first_seen, impls, stack = self.first_seen, self.impls, self.stack
-        if impls.setdefault(ptr, st._cdata) != st._cdata:  # the first storage here was resized away
-            del first_seen[ptr], impls[ptr]  # (FSDP2 frees an unsharded weight a matmul saved)
+        if impls.setdefault(ptr, st._cdata) != st._cdata or (ptr in self.alive and self.alive[ptr].expired()):
+            first_seen.pop(ptr, None)  # the first storage here was resized away (FSDP2 frees an unsharded
+            impls.pop(ptr, None)  # weight a matmul saved) or freed, and the address taken again
         if ptr not in first_seen:
             impls[ptr] = st._cdata
+            self.alive[ptr] = StorageWeakRef(st)
             first_seen[ptr] = {"module": module or (stack[-1] if stack else None), "data_ptr": ptr, "device": str(t.device),
                                "nbytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
                                "shape": list(t.shape)}
@@ -480,6 +484,10 @@ def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
 
     def label(loss=None, held=None):
         """Name each saved storage; `held` maps a module path to an output the caller keeps."""
+        for ptr in [p for p, ref in saved.alive.items() if ref.expired()]:  # freed since: its address may
+            first_seen.pop(ptr, None)  # be another storage's now (CPU's malloc, a shadow's C++ objects)
+            impls.pop(ptr, None)
+            del saved.alive[ptr]
         for module, t in (held or {}).items():
             stack.append(module)
             record(t, held=True)
@@ -712,16 +720,19 @@ class AuditRecording:
             self._write_cpu_snapshots()
 
     # -- phases
-    def phase(self, name, model, optimizer=None, scaler=None, tensors=None, dump=True, held=None):
+    def phase(self, name, model, optimizer=None, scaler=None, tensors=None, dump=True, held=None, made=None):
         """Register every named tensor by address and dump a snapshot now.
 
         dump=False records the registry and the position in the trace only (used after
         backward, so that gradients that die at zero_grad still get their names). held: {name:
         tensor} the loop holds, named only where nothing else (registry, saved tensors) names it.
+        made: registry entries of what the code made (loop_calls.LoopCalls), named last.
         """
         registry = build_registry(model, optimizer, scaler, tensors)
         info = {"file": f"{name}.pickle" if dump else None, "registry": registry,
                 "held": [_tensor_entry(k, t) for k, t in (held or {}).items() if torch.is_tensor(t)]}
+        if made:
+            info["made"] = made
         if self.cuda:
             torch.cuda.synchronize(self.device)
             info.update(self._cuda_stats())
