@@ -119,3 +119,25 @@ def test_the_audit_leaves_no_mode_or_hook_behind_even_on_error(tmp_path):
     assert torch.overrides._get_current_function_mode_stack() == []
     assert len(_global_optimizer_post_hooks) == hooks and not model._forward_pre_hooks
     assert optimizer._optimizer_step_post_hooks == {}
+
+
+def test_torch_compile_traces_through_it_in_one_graph():
+    """Under torch.compile the mode steps aside: a compiled function the audited code calls is one
+    graph, as without the audit (it broke at the naming's own Python before)."""
+    from memory_audit.recording.loop_calls import LoopCalls
+
+    def f(x):
+        return (x.sin() + 1).cos().sum()
+    with LoopCalls():
+        explained = torch._dynamo.explain(f)(torch.randn(4))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_a_call_whose_output_has_no_storage_to_name_runs_unnamed():
+    """Sparse and nested outputs have no storage to name: the call runs and nothing is named."""
+    from memory_audit.recording.loop_calls import LoopCalls
+    with LoopCalls() as calls:
+        s = torch.randn(3, 3).to_sparse()
+        n = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+        assert s.is_sparse and n.is_nested
+    assert {e["name"] for e in calls.entries()} <= {"activations/randn"}  # the dense inputs at most
