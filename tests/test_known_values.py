@@ -377,6 +377,29 @@ def test_ctc_loss_runs_as_on_real_tensors(tmp_path, loss_of):
     _same(s, m)
 
 
+def integer_ops(model, ids):
+    """Scalar overloads that wrap their number (remainder, fmod, &, |, ^, <<, >>) on the batch and
+    the logits, feeding the loss."""
+    shifted = ((ids % 7) & 3 | 1) ^ 2
+    shifted = (shifted << 1) >> 1
+    return F.cross_entropy((torch.fmod(model(ids), 1.5) % 2.0).movedim(-1, 1), shifted)
+
+
+def test_scalar_overloads_that_wrap_their_number(tmp_path):
+    """x % 5, torch.fmod(x, 1.5), x & 3, x << 1, ...: each wraps its number in a 0-dim tensor (and
+    casts it to a float operand's dtype) around its output, as the shadow's events have it."""
+    m, events = _audited_with(tmp_path, integer_ops)
+    with memory_audit.shadow() as s:
+        loop(Head, steps=100, loss_of=integer_ops)
+    _same(s, m)
+    assert first_divergence(events, s.result["events"]) is None
+
+
+def _audited_with(tmp_path, loss_of):
+    loop(Head, str(tmp_path / "r"), loss_of=loss_of)
+    return measure(str(tmp_path / "r")), step_events(str(tmp_path / "r"))
+
+
 def test_unique_of_known_values_is_sized_and_of_data_stops_in_one_line():
     def run(known):
         with memory_audit.shadow() as s:

@@ -141,3 +141,45 @@ def test_a_call_whose_output_has_no_storage_to_name_runs_unnamed():
         n = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
         assert s.is_sparse and n.is_nested
     assert {e["name"] for e in calls.entries()} <= {"activations/randn"}  # the dense inputs at most
+
+
+class Flow(nn.Module):
+    """A flow trained through a method of its own (flow.log_prob(x)): its forward is never called,
+    only its layers are, each holding part of the parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+
+    def log_prob(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x
+        return -(x ** 2).sum(-1)
+
+
+def flow_loop(audit_dir=None, steps=3):
+    torch.manual_seed(0)
+    model = Flow()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    audit = Audit(model, optimizer, out_dir=audit_dir, step=2) if audit_dir else None
+    for step in range(steps):
+        with audit.step(step) if audit else _nothing():
+            loss = -model.log_prob(torch.randn(4, 6)).mean()
+            if audit:
+                audit.before_backward(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    if audit:
+        audit.close()
+
+
+def test_a_model_trained_through_a_method_is_found_by_its_parameters(tmp_path):
+    """The shadow takes as the model the module holding all the optimizer's parameters (here not
+    called itself), as the Audit is given it: every line as the audit's."""
+    flow_loop(str(tmp_path / "r"))
+    m = measure(str(tmp_path / "r"))
+    with memory_audit.shadow() as s:
+        flow_loop(steps=10)
+    _same(s, m)
+    assert "activations/layers.2/addmm.mat1" in s.summary["phase_lines"]["step2_before_backward"]

@@ -17,7 +17,11 @@ from .rules import cpu as cpu_rules  # noqa: F401 -- its rules register themselv
 _MIXED = frozenset(("add", "sub", "mul", "div"))
 # ops whose Scalar overload the CPU kernels run as the Tensor one, on a wrapped 0-dim tensor
 _COMPARISONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge"))
-_WRAPS_SCALAR = _COMPARISONS | frozenset(("add", "sub", "mul", "div", "rsub"))
+# ... and the Scalar overloads that wrap their number as the integer and bitwise ops do (a triplet
+# loop's `(a + b) % 5`: scripts/user_loops_b.py; remainder, fmod, &, |, ^, <<, >> by CPU audits)
+_WRAPS_SCALAR = _COMPARISONS | frozenset(("add", "sub", "mul", "div", "rsub", "remainder", "fmod", "bitwise_and",
+                                          "bitwise_or", "bitwise_xor", "__and", "__or", "__xor", "__lshift",
+                                          "__rshift"))
 
 
 def _scalar_bytes(value):

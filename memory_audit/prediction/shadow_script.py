@@ -353,6 +353,8 @@ class Shadow:
         held = [(sum(id(p) in params for p in m.parameters()), i, m) for i, m in enumerate(self._tops)]
         count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)  # ties: the last called
         self._tops = {}
+        if count and count < len(params):  # the model's parts called from a method of its own
+            top = _owner(params, top)  # (flow.log_prob(x)): the module that holds them all
         if not count:
             moved = (" (on a GPU shadow, an optimizer made before model.to('cuda') holds the host Parameters: "
                      "the move makes new ones; make it after the move)") if self.device["type"] == "cuda" else ""
@@ -402,6 +404,20 @@ class Shadow:
             tracker.phase = "optimizer"
             if self.model is not None:
                 name_grads(tracker, self.model)
+
+
+def _owner(params, called):
+    """The module holding every one of `params` (ids) with the fewest parameters, among the live
+    ones (a model whose forward is not called, whose parts are); `called` where none does."""
+    import gc
+    import torch
+    best = None
+    for m in gc.get_objects():
+        if isinstance(m, torch.nn.Module):
+            own = {id(p) for p in m.parameters()}
+            if params <= own and (best is None or len(own) < best[0]):
+                best = (len(own), m)
+    return called if best is None else best[1]
 
 
 def _scalers(torch):
