@@ -838,7 +838,8 @@ def check(fn):
         gc.collect()
 
 
-def main():
+def main(loops=None):
+    """Run `loops` (this file's LOOPS by default; scripts/user_loops_b.py passes its own)."""
     global SEED
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=None)
@@ -846,7 +847,8 @@ def main():
     args = ap.parse_args()
     SEED = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 20)
     print(f"seed {SEED} (replay: --seed={SEED}); torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    loops = LOOPS if not args.only else [f for f in LOOPS if f.__name__[6:] in args.only.split(",")]
+    loops = loops or LOOPS
+    loops = loops if not args.only else [f for f in loops if f.__name__[6:] in args.only.split(",")]
     results = []
     for fn in loops:
         try:

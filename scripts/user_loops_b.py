@@ -9,10 +9,7 @@ tool stops it after step 2).
     python scripts/user_loops_b.py [--seed=S] [--only=name,name]
 """
 
-import argparse
 import math
-import random
-import traceback
 
 import torch
 from torch import nn
@@ -477,34 +474,7 @@ LOOPS = [train_vae_kl, train_gan_two_opt, train_triplet_siamese, train_pixelshuf
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--only", default=None)
-    args = ap.parse_args()
-    harness.SEED = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 20)
-    SEED = harness.SEED
-    print(f"seed {SEED} (replay: --seed={SEED}); torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    loops = LOOPS if not args.only else [f for f in LOOPS if f.__name__[6:] in args.only.split(",")]
-    results = []
-    for fn in loops:
-        try:
-            name, ok, text = harness.check(fn)
-        except Exception as e:  # the harness itself
-            name, ok, text = fn.__name__[6:], None, f"HARNESS {type(e).__name__}: {e}\n{traceback.format_exc()}"
-        results.append((name, ok, text))
-        print(f"RESULT {name}: {text}", flush=True)
-    print("\n==== per-loop results ====")
-    for name, ok, text in results:
-        print(f"{'OK  ' if ok else 'MISS' if ok is False else 'FAIL'} {name}: {text}")
-    exact = sum(ok is True for _, ok, _ in results)
-    miss = sum(ok is False for _, ok, _ in results)
-    fail = sum(ok is None for _, ok, _ in results)
-    print(f"seed {SEED}: {len(results)} loops; peak and every line exact {exact}, miss {miss}, failed {fail}")
-    stats = harness.STATS
-    n = len(stats)
-    print(f"of the {n} that ran on both sides: peak exact {sum(s[0] for s in stats)}/{n}, every line of the three "
-          f"phases equal {sum(s[1] for s in stats)}/{n}, event sequence identical {sum(s[2] for s in stats)}/{n}, "
-          f"audit 0 unattributed {sum(s[3] for s in stats)}/{n}")
+    harness.main(LOOPS)  # its seed, --only and printout
 
 
 if __name__ == "__main__":
