@@ -402,8 +402,8 @@ class _SavedStorages:
         ptr = self.ident(st)
         first_seen, impls, stack = self.first_seen, self.impls, self.stack
         if impls.setdefault(ptr, st._cdata) != st._cdata or (ptr in self.alive and self.alive[ptr].expired()):
-            first_seen.pop(ptr, None)  # the first storage here was resized away (FSDP2 frees an unsharded
-            impls.pop(ptr, None)  # weight a matmul saved) or freed, and the address taken again
+            self.forget(ptr)  # the first storage here was resized away (FSDP2 frees an unsharded weight a
+            # matmul saved) or freed, and the address taken again
         if ptr not in first_seen:
             impls[ptr] = st._cdata
             self.alive[ptr] = StorageWeakRef(st)
@@ -416,6 +416,16 @@ class _SavedStorages:
                 first_seen[ptr]["held"] = True
             if t.grad_fn is not None:
                 self.weak.append(weakref.ref(t))
+
+    def forget(self, ptr):
+        for d in (self.first_seen, self.impls, self.alive):
+            d.pop(ptr, None)
+
+    def drop_freed(self):
+        """Forget the storages freed since they were recorded: their address may be another
+        storage's now (CPU's malloc, a shadow run's C++ objects)."""
+        for ptr in [p for p, ref in self.alive.items() if ref.expired()]:
+            self.forget(ptr)
 
 
 def storage_ptr(storage):
@@ -432,11 +442,10 @@ def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
     its nodes); its inputs are (`checkpoint.input`), and so are the outputs SAC keeps
     (`<op>.sac_output`). Tensors saved outside the model (the loop's loss) have module None.
     `ident`: how a storage is told apart (_SavedStorages; each record's "data_ptr" holds it), for
-    the shadow run's tensors without memory. There every saved tensor is read raw, as the hooks
-    packed it (unpacking dispatches a detach per tensor that needs a gradient, and a shadow run
-    must see no op the step does not run: FSDP2's LayerNorm weights were not all-gathered again
-    in backward after it), and recomputations are labelled by `recomputing(context, module)`
-    instead (a context around the recompute context; a profiler range would be an op too).
+    the shadow run's tensors without memory. There every saved tensor is read raw (unpacking
+    dispatches a detach per tensor that needs a gradient, an op the step does not run: FSDP2's
+    LayerNorm weights were not all-gathered again in backward after it), and recomputations are
+    labelled by `recomputing(context, module)` instead (a profiler range would be an op too).
     """
     stack = []
     saved = _SavedStorages(stack, ident)
@@ -484,10 +493,7 @@ def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
 
     def label(loss=None, held=None):
         """Name each saved storage; `held` maps a module path to an output the caller keeps."""
-        for ptr in [p for p, ref in saved.alive.items() if ref.expired()]:  # freed since: its address may
-            first_seen.pop(ptr, None)  # be another storage's now (CPU's malloc, a shadow's C++ objects)
-            impls.pop(ptr, None)
-            del saved.alive[ptr]
+        saved.drop_freed()
         for module, t in (held or {}).items():
             stack.append(module)
             record(t, held=True)
