@@ -155,7 +155,7 @@ def cpu_op(tracker, func, args, kwargs, key):
         held.append(tracker.alloc(f"{key}/{name}" if name else _buffer(key), nbytes)[0])
     before, after = rule["events"](args) if "events" in rule else ((), ())
     made = []  # a kernel's temporaries that interleave with its outputs, made and freed in order
-    _kernel_events(tracker, key, before, made)
+    play_events(tracker, _buffer(key), before, made)
     per_tensor = _foreach_scalars(func, args)
     for j, (value, t) in enumerate(per_tensor):  # the CPU foreach loop: one op per tensor
         ids = [i for i in reversed(_scalar_allocs(tracker, key, value, t)[:2]) if i is not None]
@@ -172,7 +172,7 @@ def cpu_op(tracker, func, args, kwargs, key):
     for t in tree_leaves(out):
         if isinstance(t, torch.Tensor):
             tracker.add(t.untyped_storage(), key, reduced if t is out else t.numel() * 4 if any(t is u for u in stats) else None)
-    _kernel_events(tracker, key, after, made)
+    play_events(tracker, _buffer(key), after, made)
     if "after" in rule and not probed:  # made after the outputs, freed in reverse (a probed kernel answered itself)
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in rule["after"](args, out)][::-1]
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
@@ -221,11 +221,12 @@ def _reduced_loss_bytes(func, args, kwargs, out):
     return math.prod(torch.broadcast_shapes(args[0].shape, args[1].shape)) * out.element_size()
 
 
-def _kernel_events(tracker, key, events, made):
-    """("alloc", bytes) | ("free", k): the k-th of `made`, the allocations these events made."""
+def play_events(tracker, name, events, made):
+    """("alloc", bytes) | ("free", k): the k-th of `made`, the allocations these events made (each
+    under `name`), on either device's path."""
     for action, n in events:
         if action == "alloc":
-            made.append(tracker.alloc(_buffer(key), n)[0])
+            made.append(tracker.alloc(name, n)[0])
         else:
             tracker.free(made[n])
 

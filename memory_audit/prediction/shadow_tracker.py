@@ -336,7 +336,7 @@ def _device_op(tracker, func, args, kwargs, key):
         tracker.unmeasured.add(outside)
     before, after = shadow_cuda.kernel_events(func, args) or ((), ())
     made = []  # a kernel's temporaries that interleave with its outputs, made and freed in order
-    _kernel_events(tracker, key, before, made)
+    shadow_cpu.play_events(tracker, f"{key}/kernel_temporary", before, made)
     cache = tracker.meta_cache
     out = func(*args, **kwargs) if cache is None else cache.call(func, args, kwargs)
     outs = shadow_cuda.outputs(func, out)
@@ -346,7 +346,7 @@ def _device_op(tracker, func, args, kwargs, key):
             tracker.forget(t.untyped_storage())  # (torch.tensor(1.0, device="cpu") in foreach AdamW)
             continue
         tracker.add(t.untyped_storage(), key, nbytes, tag)
-    _kernel_events(tracker, key, after, made)
+    shadow_cpu.play_events(tracker, f"{key}/kernel_temporary", after, made)
     held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
     if tracker.workspace_bytes and short_name(func) in shadow_cuda.GEMMS and any(t.device.type != "cpu" for t, _ in outs):
         thread = "backward" if tracker.phase == "backward" else "main"
@@ -354,15 +354,6 @@ def _device_op(tracker, func, args, kwargs, key):
         if tracker.lt_workspace_bytes and short_name(func) == "addmm":  # a bias epilogue: cuBLASLt's own
             tracker.hold(("cublaslt", thread), "workspace/cublaslt", tracker.lt_workspace_bytes)
     return out, held, []
-
-
-def _kernel_events(tracker, key, events, made):
-    """("alloc", bytes) | ("free", k): the k-th of `made`, the allocations these events made."""
-    for action, n in events:
-        if action == "alloc":
-            made.append(tracker.alloc(f"{key}/kernel_temporary", n)[0])
-        else:
-            tracker.free(made[n])
 
 
 def _summing(tracker):
