@@ -354,10 +354,9 @@ def _script_totals(args, summary):
 
 def cmd_predict_script(args):
     """Shadow-run a training script as written (prediction/shadow_script.py) and print step 2."""
-    import runpy
     from .prediction.shadow import snapshot
     from .prediction.shadow_allocator import snapshot as gpu_snapshot
-    from .prediction.shadow_script import shadow
+    from .prediction.shadow_depth import shadow_file
     from .prediction.known_values import parse_assume
     script = args.script
     if not os.path.isfile(script) or not script.endswith(".py"):
@@ -366,18 +365,9 @@ def cmd_predict_script(args):
         raise ValueError("--world_size: ranks are shadow-run for a GPU; give --gpu=NAME too")
     if args.trace and os.path.exists(args.trace) and not args.trace.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {args.trace}: not a .pickle file")
-    assume = parse_assume(args.assume)
     rest = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
-    argv, path = sys.argv, list(sys.path)
-    sys.argv, sys.path[:0] = [script, *rest], [os.path.dirname(os.path.abspath(script))]
-    try:
-        with shadow(device="cuda" if args.gpu else "cpu", gpu=args.gpu, step=args.step, assume=assume,
-                    world_size=args.world_size, rank=args.rank) as s:
-            runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        raise ValueError(f"{script} exited (code {e.code}) before its step {args.step} ended") from None
-    finally:
-        sys.argv, sys.path[:] = argv, path
+    s = shadow_file(script, rest, device="cuda" if args.gpu else "cpu", gpu=args.gpu, step=args.step,
+                    assume=parse_assume(args.assume), world_size=args.world_size, rank=args.rank)
     summary = s.summary
     if args.trace:
         with open(args.trace, "wb") as f:
@@ -386,6 +376,8 @@ def cmd_predict_script(args):
         print(json.dumps({k: v for k, v in summary.items()}, indent=1, default=str))
         return
     counted = _script_totals(args, summary)
+    if getattr(s, "depth_note", None) == "repeated":
+        print(summary["source"])
     if args.gpu:
         dev = summary["device"]
         need = counted["reserved"] + dev["outside_pytorch"]

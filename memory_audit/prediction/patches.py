@@ -15,6 +15,8 @@ context manager that says why and puts back what it replaced.
   meta              fused AdamW allowed on meta tensors, as on CUDA tensors
   fake_modules      nn.Module._apply and Tensor.__deepcopy__ for modules of fake tensors (a
                     user's code run as written: shadow_script)
+  cut_lists         nn.ModuleList and nn.Sequential given their modules through a function that
+                    may keep fewer (shadow_depth: a deep model's equal blocks run at depths 3 and 4)
   LibraryBranches   a library's checks for tracing answered False (NOT_A_TRACE), and on a GPU
                     shadow its device-type branches taken for "cuda" (META_IS_CUDA)
   patched           (owner, name, new) triples set for a block, put back on every exit (the
@@ -421,6 +423,25 @@ class LibraryBranches:
                 if held is original and (owner, name) not in self.saved:
                     self.saved[(owner, name)] = original
                     setattr(owner, name, as_cuda)
+
+
+@contextlib.contextmanager
+def cut_lists(take):
+    """nn.ModuleList(modules) and nn.Sequential(*modules) built from take(modules), which may keep
+    fewer of them (shadow_depth.Cut: a deep model's equal blocks shadow-run at depths 3 and 4,
+    the step repeated to its own depth). Sequential from an OrderedDict is left as it is."""
+    import collections
+    from torch import nn
+    module_list, sequential = nn.ModuleList.__init__, nn.Sequential.__init__
+
+    def list_init(self, modules=None):
+        module_list(self, None if modules is None else take(list(modules)))
+
+    def sequential_init(self, *args):
+        whole = len(args) == 1 and isinstance(args[0], collections.OrderedDict)
+        sequential(self, *(args if whole else take(list(args))))
+    with patched([(nn.ModuleList, "__init__", list_init), (nn.Sequential, "__init__", sequential_init)]):
+        yield
 
 
 def _as_cuda(original):

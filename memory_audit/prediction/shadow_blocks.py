@@ -1,7 +1,7 @@
 """Where a shadow run's op runs: the module (module_labels: tracker.label, the innermost module
 path, which names what the op makes) and the transformer block (block_tags, op_block: each
 allocation and event tagged with its block transformer.h.N, so shadow_repeat can repeat a deep
-step's equal blocks).
+step's equal blocks; mark_blocks: the same for any model's list of equal blocks).
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -33,8 +33,10 @@ def op_block(tracker, args):
     if tracker.phase == "backward":  # a recomputation's early stop leaves the module label stale
         node = torch._C._current_autograd_node()
         return None if node is None else node.metadata.get(_BLOCK)
+    if tracker.in_block:  # a forward inside a block the hooks of mark_blocks watch
+        return tracker.in_block[-1]
     if tracker.label:
-        return label_block(tracker.label)
+        return tracker.block_label(tracker.label)
     if tracker.phase != "optimizer":
         return None
     found = None
@@ -98,4 +100,38 @@ def block_tags(model, tracker):
                 todo.extend(f for f, _ in node.next_functions)
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post))
+    return handles
+
+
+def mark_blocks(blocks, tracker):
+    """block_tags for any model's list of equal blocks (shadow_depth): as block N's forward
+    runs, tracker.in_block names it (op_block), its parameters and buffers are tagged N, and the
+    autograd nodes it made are tagged as it returns (walked from its outputs back to the nodes
+    of its inputs, positional or keyword). Returns the hook handles."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+    handles = []
+    for n, block in enumerate(blocks):
+        def pre(mod, args, kwargs, n=n):
+            for t in list(mod.parameters()) + list(mod.buffers()):
+                entry = tracker.live.get(t.untyped_storage()._cdata)
+                if entry is not None:
+                    tracker.tags[entry[0]] = n
+            for t in tree_leaves((args, kwargs)):
+                node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+                if node is not None:
+                    node.metadata.setdefault(_BLOCK, None)  # where the walk stops
+            tracker.in_block.append(n)
+
+        def post(_m, _a, _k, out=None, n=n):  # out: None where the forward raised (always_call)
+            tracker.in_block.pop()
+            todo = [getattr(t, "grad_fn", None) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            while todo:
+                node = todo.pop()
+                if node is None or _BLOCK in node.metadata:
+                    continue
+                node.metadata[_BLOCK] = n
+                todo.extend(f for f, _ in node.next_functions)
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True, always_call=True))
     return handles

@@ -29,7 +29,13 @@ micro-step, so none is renamed.
 import itertools
 import re
 
-_BLOCK = re.compile(r"((?:^|[./])h\.)(\d+)(?=[./]|$)")
+_BLOCK = re.compile(r"((?:^|[./])h\.)(\d+)(?=[./]|$)")  # nanoGPT's transformer.h.N
+
+
+def block_pattern(path):
+    """The pattern of the block numbers in keys for blocks held at module path `path`
+    (a user's model's list of equal blocks: shadow_depth)."""
+    return re.compile(r"((?:^|[./])" + re.escape(path) + r"\.)(\d+)(?=[./]|$)")
 SOURCE = (3, 4)  # the depths shadow-run
 _SEP = "\x00"  # joins a run's key templates (no key holds it)
 
@@ -50,11 +56,12 @@ def micro_repeatable(cfg):
 CHANNELS = ("blocks", "micro")  # what a run's events are tagged with (shadow.run(..., blocks=True))
 
 
-def expand(r3, r4, n, channel="blocks", carry=True):
+def expand(r3, r4, n, channel="blocks", carry=True, pattern=_BLOCK):
     """run()'s result for `n` blocks (channel "blocks") or micro-steps ("micro") from the
     results of 3 and 4 (run(..., blocks=True)), or None where the repeat rule does not hold
-    (module docstring). carry: the other channel's tags are carried over, for a second expansion."""
-    source = _Source(r3, channel)
+    (module docstring). carry: the other channel's tags are carried over, for a second expansion.
+    pattern: the block numbers in keys (block_pattern)."""
+    source = _Source(r3, channel, pattern)
     four = source.emit(4, {})
     if four is None:
         return None
@@ -73,18 +80,19 @@ class _Source:
     """The 3-block (3-micro-step) run read once: its events, their runs by block, each
     allocation's block, first event and counterparts in the other blocks."""
 
-    def __init__(self, r, channel):
-        self.r, self.channel = r, channel
+    def __init__(self, r, channel, pattern=_BLOCK):
+        self.r, self.channel, self.pattern = r, channel, pattern
         self.events = r["history"] + r["events"]
         self.start = len(r["history"])
         self.blocks = r[channel]["allocs"]
         self.marks = {phase: self.start + i for phase, i in r["phases"].items()}
         self.made = {e[3]: i for i, e in enumerate(self.events) if e[0] == "alloc"}  # id -> its alloc's index
-        self.match = _Matcher(self.events, self.blocks, relative=channel == "blocks")
+        self.match = _Matcher(self.events, self.blocks, pattern if channel == "blocks" else None)
         self.runs = [(tag, len(list(g))) for tag, g in itertools.groupby(r[channel]["events"])]
         self.names = {}  # (allocation, block) -> its key there
         self.templates = {}  # allocation -> _template() of its key
         self.early = {aid: i < self.start for aid, i in self.made.items()} if channel == "micro" else None
+        self.pre_names = {aid: name for aid, name, _ in r.get("pre", ())}  # what step 2's start names
 
     def _across(self, aid, i):
         """Event i frees (or makes) micro-step allocation `aid` in the other step than the one
@@ -100,7 +108,7 @@ class _Source:
                 self.names[k] = key
             else:
                 if src not in self.templates:
-                    self.templates[src] = _template(key, block)
+                    self.templates[src] = _template(key, block, self.pattern)
                 fmt, offsets = self.templates[src]
                 self.names[k] = fmt.format(*[layer + o for o in offsets])
         return self.names[k]
@@ -178,7 +186,7 @@ class _Source:
                 parts.append(self.key(*p).replace("{", "{{").replace("}", "}}"))
                 continue
             if p not in self.templates:
-                self.templates[p] = _template(self.events[self.made[p]][1], 1)
+                self.templates[p] = _template(self.events[self.made[p]][1], 1, self.pattern)
             fmt, holes = self.templates[p]
             parts.append(fmt)
             offsets += [d + o for o in holes]
@@ -252,11 +260,12 @@ class _Matcher:
     """The allocation of one block that plays the same part as another block's: the same key
     (block number aside) and bytes, the same ordinal among those."""
 
-    def __init__(self, events, blocks, relative=True):
+    def __init__(self, events, blocks, pattern=_BLOCK):
+        """pattern: the block numbers in keys, read relative to the block (None: keys hold none)."""
         self.by_role, self.role = {}, {}
         for action, key, nbytes, aid in events:
             if action == "alloc" and blocks.get(aid) is not None:
-                role = (_role(key, blocks[aid]) if relative else key, nbytes)
+                role = (_role(key, blocks[aid], pattern) if pattern else key, nbytes)
                 group = self.by_role.setdefault((blocks[aid], role), [])
                 self.role[aid] = (role, len(group))
                 group.append(aid)
@@ -267,7 +276,7 @@ class _Matcher:
         return group[i] if i < len(group) else None
 
 
-def _template(key, block):
+def _template(key, block, pattern=_BLOCK):
     """(format string, offsets) that rename block `block`'s key for any block `layer`:
     fmt.format(*[layer + o for o in offsets]), each block number in it moved by the same
     amount (a recomputation's first op carries the label the previous recomputation's early
@@ -277,12 +286,12 @@ def _template(key, block):
     def hole(m):
         offsets.append(int(m.group(2)) - block)
         return m.group(1) + "{}"
-    return _BLOCK.sub(hole, key.replace("{", "{{").replace("}", "}}")), offsets
+    return pattern.sub(hole, key.replace("{", "{{").replace("}", "}}")), offsets
 
 
-def _role(key, block):
+def _role(key, block, pattern=_BLOCK):
     """A key with its block numbers relative to `block`."""
-    return _BLOCK.sub(lambda m: f"{m.group(1)}{int(m.group(2)) - block:+d}", key)
+    return pattern.sub(lambda m: f"{m.group(1)}{int(m.group(2)) - block:+d}", key)
 
 
 def _growth(four, r4, channel="blocks"):
@@ -305,15 +314,31 @@ def _growth(four, r4, channel="blocks"):
     return growth
 
 
+def _renamed(source, name, src, key):
+    """`name`, which the source run gave allocation `src`, for `key`, a copy of src: its block
+    numbers moved as the key's are."""
+    own = source.events[source.made[src]][1]
+    if name is None or name == own:
+        return key
+    moved, was = source.pattern.search(key), source.pattern.search(own)
+    if key == own or moved is None or was is None:
+        return name if key == own else key
+    shift = int(moved.group(2)) - int(was.group(2))
+    return source.pattern.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + shift}", name)
+
+
+NAMED = ("saved", "made", "end")  # a named run's {allocation: name} dicts (shadow.step_result)
+
+
 def _result(source, events, sources, phases, carry=True):
     """shadow.run()'s dict from the expanded process: the history before step 2, its events,
     what is live when it starts, the phases, the peak, and (carry) the other channel's tags."""
     start = phases["step2_start"]
     history, step = events[:start], events[start:]
     live = {}
-    for action, key, nbytes, aid in history:
+    for (action, key, nbytes, aid), (src, _) in zip(history, sources):
         if action == "alloc":
-            live[aid] = (aid, key, nbytes)
+            live[aid] = (aid, _renamed(source, source.pre_names.get(src), src, key), nbytes)
         else:
             live.pop(aid, None)
     pre = list(live.values())
@@ -322,6 +347,11 @@ def _result(source, events, sources, phases, carry=True):
                                     initial=0))
     out = {"events": step, "history": history, "pre": pre, "start_bytes": start_bytes,
            "phases": {p: i - start for p, i in phases.items()}, "peak": start_bytes + peak, "repeated": True}
+    for named in NAMED:  # the audit's names of what the copies stand for
+        if named in source.r:
+            given = source.r[named]
+            out[named] = {aid: _renamed(source, given[src], src, key) for (action, key, _, aid), (src, _) in
+                          zip(events, sources) if action == "alloc" and src in given}
     for other in CHANNELS:
         if carry and other != source.channel and other in source.r:
             tags = source.r[other]

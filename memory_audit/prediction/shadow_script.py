@@ -42,7 +42,8 @@ from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
 from .shadow_ranks import node_size, script_notes, script_ranks
-from .patches import LibraryBranches, cpu_rules, ctc_as_on_real_tensors, fake_modules
+from .patches import LibraryBranches, cpu_rules, ctc_as_on_real_tensors, cut_lists, fake_modules
+from .shadow_depth import Cut
 from .shadow_blocks import module_labels
 from .shadow_tracker import Tracker, dispatch_mode
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
@@ -88,7 +89,7 @@ class Shadow:
     "placeholders" (the data-dependent reads answered without data), "sizes" (the data-dependent
     shapes' sizes taken, with where from) and "steps" (optimizer steps seen)."""
 
-    def __init__(self, device="cpu", step=2, assume=None, gpu="H100", world_size=None, rank=0):
+    def __init__(self, device="cpu", step=2, assume=None, gpu="H100", world_size=None, rank=0, depth=None):
         if device not in ("cpu", "cuda"):
             raise ShadowError(f"shadow(device={device!r}): the shadow runs a user's code for 'cpu' or 'cuda'")
         if (world_size is None and rank != 0) or (world_size is not None and (
@@ -110,6 +111,7 @@ class Shadow:
         except ValueError as e:
             raise ShadowError(str(e)) from None
         self.result = self.summary = self.given = None  # given: {name: tensor} the code names (predict_loop's inputs)
+        self.depth = depth  # a deep model's equal blocks cut to this many (shadow_depth), or None
 
     # -- entering and leaving
     def __enter__(self):
@@ -134,6 +136,10 @@ class Shadow:
             stack.enter_context(nosympy.stood_in())
             stack.enter_context(fake_modules())
             self.branches = stack.enter_context(LibraryBranches(gpu=self.device["type"] == "cuda"))
+            self.cut = Cut(self.depth, tracker)
+            if self.depth is not None:
+                stack.enter_context(cut_lists(self.cut.take))
+                stack.callback(self.cut.remove)
             stack.enter_context(FakeTensorMode())
             if self.world_size is not None:  # torchrun's rank: the process group made for the script
                 stack.enter_context(script_ranks(self.world_size, self.rank, tracker))
@@ -171,17 +177,7 @@ class Shadow:
         finally:
             self._stack.close()
         if stopped:
-            self.result = step_result(self.tracker, self.pre, self.phases)
-            self.summary = dict(loop_summary(self.result), steps=self.steps, placeholders=self.placeholders,
-                                sizes=self.known.sizes, device=self.device,
-                                source="shadow(): the user's code on fake tensors")
-            if self.device["type"] == "cuda":  # as memory_allocated() and memory_reserved() count it
-                if not self.result["history"] and not self.result["events"]:
-                    raise ShadowError("the code put nothing on the GPU (no tensor on 'cuda'): it would train on "
-                                      "the CPU there too; nothing to predict for the GPU")
-                expandable = expandable_from_env(dict(os.environ))  # the code may set it itself
-                self.summary.update(allocator=replay(self.result, expandable),
-                                    unmeasured=self.result["unmeasured"] + script_notes(self.model, self.world_size))
+            self.summarize(step_result(self.tracker, self.pre, self.phases))
             return True
         if exc_type is None:
             raise ShadowError(f"the code ran {self.steps} {'marked' if self.marked else 'optimizer'} step(s) and ended "
@@ -194,6 +190,21 @@ class Shadow:
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ShadowError(f"the shadow run stopped at {self.tracker.op}, {where}: {exc_type.__name__}: {reason}") from None
 
+    def summarize(self, result, repeated=None):
+        """self.result and self.summary from the audited step's run() dict (step_result's, or
+        shadow_depth's built at the model's depth: `repeated` says from what)."""
+        source = "shadow(): the user's code on fake tensors" + (f" ({repeated})" if repeated else "")
+        self.result = result
+        self.summary = dict(loop_summary(result), steps=self.steps, placeholders=self.placeholders,
+                            sizes=self.known.sizes, device=self.device, source=source)
+        if self.device["type"] == "cuda":  # as memory_allocated() and memory_reserved() count it
+            if not result["history"] and not result["events"]:
+                raise ShadowError("the code put nothing on the GPU (no tensor on 'cuda'): it would train on "
+                                  "the CPU there too; nothing to predict for the GPU")
+            expandable = expandable_from_env(dict(os.environ))  # the code may set it itself
+            self.summary.update(allocator=replay(result, expandable),
+                                unmeasured=result["unmeasured"] + script_notes(self.model, self.world_size))
+
     # -- what the session hooks
     def _hook(self, torch):
         from torch.nn.modules import module as module_mod
@@ -205,6 +216,8 @@ class Shadow:
                 return
             if session._depth == 0:
                 session.branches.apply()  # a library imported by now (lazily, by the forward itself)
+                if session.tracker.phase == "optimizer" and session.model in (None, mod):
+                    session.tracker.phase = "forward"  # the next micro-step's forward, as loop_calls has it
             if session._depth == 0 and session.model is None:  # the last call last
                 session._tops.pop(mod, None)
                 session._tops[mod] = None
@@ -366,6 +379,7 @@ class Shadow:
         """The model (and optimizer) the loop trains, where the code says which (predict_loop's
         make()); else found at the first optimizer step."""
         self.model, self.optimizer = model, optimizer or self.optimizer
+        self.cut.place(model)
         self.calls.watch(model, self.optimizer)
         self.made["labels"] = module_labels(model, self.tracker, root=type(model).__name__.lower())
         self.found.watch(model)

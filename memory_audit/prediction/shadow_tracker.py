@@ -81,6 +81,8 @@ class Tracker:
         self.tags = {}  # allocation id -> the block (transformer.h.N) it belongs to, or None
         self.event_tags = []  # parallel to events: the block of the op a free happened in (or None)
         self.context = None  # the block of the op running (or last run), or None
+        self.in_block = []  # the blocks whose forward is running, innermost last (shadow_depth's hooks)
+        self.block_label = label_block  # a key or module path -> the block it names, or None
         self.micro = None  # the micro-step running (shadow.py sets it), or None: the second channel
         self.micro_tags = {}  # allocation id -> the micro-step it was made in
         self.event_micro = []  # parallel to events: the micro-step a free happened in (or None)
@@ -170,7 +172,7 @@ class Tracker:
         """An allocation's block: the one it was made in, else the one its name says (a
         parameter's optimizer state made by an op with no tensor of the block)."""
         tag = self.tags.get(aid)
-        return label_block(self.allocs[aid][0]) if tag is None else tag
+        return self.block_label(self.allocs[aid][0]) if tag is None else tag
 
     def tag_of(self, t):
         """The block of a tensor's storage, or None."""
