@@ -25,9 +25,9 @@ def __getattr__(name):  # the recorder (and torch) only for those who record
         from .recording.recorder import AuditError
         return AuditError
     if name == "shadow":
-        from .prediction.shadow_script import shadow
+        from .prediction.shadow_entry import shadow
         return shadow
     if name == "predict_loop":
-        from .prediction.shadow_script import predict_loop
+        from .prediction.shadow_entry import predict_loop
         return predict_loop
     raise AttributeError(f"module 'memory_audit' has no attribute {name!r}")

@@ -356,7 +356,7 @@ def cmd_predict_script(args):
     """Shadow-run a training script as written (prediction/shadow_script.py) and print step 2."""
     from .prediction.shadow import snapshot
     from .prediction.shadow_allocator import snapshot as gpu_snapshot
-    from .prediction.shadow_depth import shadow_file
+    from .prediction.shadow_entry import shadow_file
     from .prediction.known_values import parse_assume
     script = args.script
     if not os.path.isfile(script) or not script.endswith(".py"):

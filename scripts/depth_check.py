@@ -155,7 +155,7 @@ def draw(rng):
 
 def shadow_runs(script, argv):
     """(the whole run's Shadow, shadow_depth.predicted's, seconds of each) for a script."""
-    from memory_audit.prediction.shadow_depth import shadow_file
+    from memory_audit.prediction.shadow_entry import shadow_file
     kw = dict(device="cuda", gpu="H100", step=2)
     with contextlib.redirect_stdout(io.StringIO()):
         t = time.perf_counter()

@@ -6,11 +6,11 @@ import contextlib
 import io
 
 import pytest
-import torch
 from torch import nn
 
 from memory_audit.prediction.shadow import ShadowError
-from memory_audit.prediction.shadow_depth import alike, shadow_file
+from memory_audit.prediction.shadow_depth import alike
+from memory_audit.prediction.shadow_entry import shadow_file
 
 SCRIPT = """
 import torch

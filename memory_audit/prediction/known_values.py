@@ -342,3 +342,29 @@ def _tensors(args, kwargs, tensor_type):
         elif isinstance(a, (list, tuple)):
             out += [t for t in a if isinstance(t, tensor_type)]
     return out
+
+
+def answered_read(name, original, answer, placeholders, where):
+    """Tensor.<name> (item, tolist, __bool__, ...) for a shadow run: the real answer where the
+    fake tensor knows it (a constant), else a placeholder (`answer`, or zeros for item and
+    tolist), noted in `placeholders` with where() (the user's line)."""
+    import torch
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    def read(t, *args, **kwargs):
+        try:
+            return original(t, *args, **kwargs)
+        except DataDependentOutputException:
+            value = answer
+            if name in ("item", "tolist"):
+                zero = False if t.dtype is torch.bool else 0.0 if t.dtype.is_floating_point else 0
+                value = zero if name == "item" else _filled(list(t.shape), zero)
+            placeholders.append({"read": f"Tensor.{name}()", "answer": value, "where": where() or "torch"})
+            return value
+    return read
+
+
+def _filled(shape, value):
+    if not shape:
+        return value
+    return [_filled(shape[1:], value) for _ in range(shape[0])]

@@ -18,11 +18,9 @@ Plain Python until a shadow run starts: torch is imported inside the functions.
 
 import contextlib
 import io
-import os
 import sys
 
 from .shadow_blocks import mark_blocks
-from .shadow_error import ShadowError
 from .shadow_repeat import SOURCE, block_pattern, expand
 
 DEEP = 12  # the fewest blocks cut: two shallow runs (3 and 4 blocks, the rest of the model twice)
@@ -113,29 +111,6 @@ class Cut:
     def remove(self):
         for h in self.handles:
             h.remove()
-
-
-def shadow_file(script, argv=(), repeat=True, **shadow_kw):
-    """The exited Shadow of the script at path `script` run as __main__ with sys.argv
-    [script, *argv] under Shadow(**shadow_kw) (`predict-script`). repeat: on one GPU (device
-    "cuda", no world_size), a deep model's equal blocks repeated (predicted())."""
-    import runpy
-    from .shadow_script import Shadow
-
-    def run(depth=None):
-        saved_argv, saved_path = sys.argv, list(sys.path)
-        sys.argv, sys.path[:0] = [script, *argv], [os.path.dirname(os.path.abspath(script))]
-        try:
-            with Shadow(depth=depth, **shadow_kw) as s:
-                runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            raise ShadowError(f"{script} exited (code {e.code}) before its step {shadow_kw.get('step', 2)} "
-                              "ended") from None
-        finally:
-            sys.argv, sys.path[:] = saved_argv, saved_path
-        return s
-    one_gpu = shadow_kw.get("device") == "cuda" and shadow_kw.get("world_size") is None
-    return predicted(run) if repeat and one_gpu else run()
 
 
 def predicted(run):

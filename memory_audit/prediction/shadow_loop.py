@@ -123,3 +123,44 @@ def loop_summary(result):
             "before_backward": at.get("step2_before_backward"), "peak": result["peak"], "end": levels[-1],
             "lines": start, "phase_lines": phase_lines, "peak_categories": peak_categories(result),
             "probed": result.get("probed", []), "unprobed": result.get("unprobed", [])}
+
+
+def owning_module(params, called):
+    """The module holding every one of `params` (ids) with the fewest parameters, among the live
+    ones (a model whose forward is not called, whose parts are); `called` where none does."""
+    import gc
+    import torch
+    best = None
+    for m in gc.get_objects():
+        if issubclass(type(m), torch.nn.Module):  # (type(): a dead weak proxy raises on isinstance)
+            own = {id(p) for p in m.parameters()}
+            if params <= own and (best is None or len(own) < best[0]):
+                best = (len(own), m)
+    return called if best is None else best[1]
+
+
+def scaler_classes(torch):
+    """GradScaler and the subclasses that define their own update() (FSDP's ShardedGradScaler)."""
+    found, todo = [], [torch.amp.GradScaler]
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: F401 (a subclass)
+    except ImportError:
+        pass
+    while todo:
+        cls = todo.pop()
+        if "update" in vars(cls):
+            found.append(cls)
+        todo += cls.__subclasses__()
+    return found
+
+
+def loop_device(device, gpu):
+    """ledger.device_facts for the device the code is shadow-run for (the torch it will run under
+    is taken to be this one's)."""
+    import torch
+    from .ledger import GPUS, device_facts, gpu_name
+    if device == "cpu":
+        return device_facts("cpu", torch_version=torch.__version__.split("+")[0])
+    if gpu_name(gpu) is None:
+        raise ValueError(f"gpu={gpu!r}: not a GPU the shadow knows ({', '.join(GPUS)})")
+    return device_facts("cuda", gpu=gpu_name(gpu), torch_version=torch.__version__.split("+")[0], env=dict(os.environ))

@@ -10,7 +10,7 @@
 
 Every tensor made inside is fake (FakeTensorMode: shapes, dtypes and storage sizes, no memory)
 and every allocation and free goes through the shadow's tracker, and nothing is restructured
-(predict_loop below runs a `make`/`step` pair through it). Python's own lifetimes apply: a loss rebound
+(shadow_entry.py: the ways in; predict_loop runs a `make`/`step` pair through it). Python's own lifetimes apply: a loss rebound
 in the next step is freed when the new one exists, as in a real run.
 
 Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is the
@@ -36,8 +36,9 @@ import warnings
 
 from .shadow import ShadowError, begin_step, end_step, step_result
 from .shadow_names import address, held_names, name_grads
-from .known_values import DataDependentShape, KnownValues, checked_assume
-from .shadow_loop import LoopLedger, above, call_site, fake_ident, merged, loop_summary, user_line
+from .known_values import DataDependentShape, KnownValues, answered_read, checked_assume
+from .shadow_loop import (LoopLedger, above, call_site, fake_ident, loop_device, loop_summary, merged, owning_module,
+                          scaler_classes, user_line)
 from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
@@ -48,7 +49,6 @@ from .shadow_blocks import module_labels
 from .shadow_tracker import Tracker, dispatch_mode
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from ..recording.loop_calls import LoopCalls
-
 
 
 class _Marked:
@@ -107,7 +107,7 @@ class Shadow:
             raise ShadowError(f"shadow(step={step!r}): the audited step must be an int >= 1 (step 0 makes the optimizer's state)")
         try:
             self.audited, self.assume = step, checked_assume(assume)
-            self.device = _device(device, gpu)
+            self.device = loop_device(device, gpu)
         except ValueError as e:
             raise ShadowError(str(e)) from None
         self.result = self.summary = self.given = None  # given: {name: tensor} the code names (predict_loop's inputs)
@@ -254,7 +254,8 @@ class Shadow:
             patch(owner, "zero_grad", lambda obj, *a, _zero=zero, **k: self._zero_grad(_zero, obj, *a, **k))
         for name, answer in (("item", None), ("tolist", None), ("__bool__", False), ("__float__", 0.0),
                              ("__int__", 0)):
-            patch(torch.Tensor, name, self._read(name, getattr(torch.Tensor, name), answer))
+            read = answered_read(name, getattr(torch.Tensor, name), answer, self.placeholders, user_line)
+            patch(torch.Tensor, name, read)
         form = torch.Tensor.__format__
         patch(torch.Tensor, "__format__", lambda t, spec: t.item().__format__(spec) if t.dim() == 0 else form(t, spec))
 
@@ -266,7 +267,7 @@ class Shadow:
                 finally:
                     session.updating = False
             return call
-        for scaler in _scalers(torch):
+        for scaler in scaler_classes(torch):
             patch(scaler, "update", scaler_update(scaler.update))
 
         def on_op(func):  # the first op after an optimizer step, zero_grad not called first: the step ends
@@ -282,26 +283,6 @@ class Shadow:
         self.found.remove()
         for h in self.made.get("labels", []):
             h.remove()
-
-    def _read(self, name, original, answer):
-        """A data-dependent read: the real answer where the fake tensor knows it (a constant),
-        else a placeholder, noted with the user's line."""
-        import torch
-        from torch._subclasses.fake_tensor import DataDependentOutputException
-        session = self
-
-        def read(t, *args, **kwargs):
-            try:
-                return original(t, *args, **kwargs)
-            except DataDependentOutputException:
-                value = answer
-                if name in ("item", "tolist"):
-                    zero = False if t.dtype is torch.bool else 0.0 if t.dtype.is_floating_point else 0
-                    value = zero if name == "item" else _filled(list(t.shape), zero)
-                session.placeholders.append({"read": f"Tensor.{name}()", "answer": value,
-                                             "where": user_line() or "torch"})
-                return value
-        return read
 
     # -- steps
     def _stepped(self, optimizer, args, kwargs):
@@ -367,7 +348,7 @@ class Shadow:
         count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)  # ties: the last called
         self._tops = {}
         if count and count < len(params):  # the model's parts called from a method of its own
-            top = _owner(params, top)  # (flow.log_prob(x)): the module that holds them all
+            top = owning_module(params, top)  # (flow.log_prob(x)): the module that holds them all
         if not count:
             moved = (" (on a GPU shadow, an optimizer made before model.to('cuda') holds the host Parameters: "
                      "the move makes new ones; make it after the move)") if self.device["type"] == "cuda" else ""
@@ -418,89 +399,3 @@ class Shadow:
             tracker.phase = "optimizer"
             if self.model is not None:
                 name_grads(tracker, self.model)
-
-
-def _owner(params, called):
-    """The module holding every one of `params` (ids) with the fewest parameters, among the live
-    ones (a model whose forward is not called, whose parts are); `called` where none does."""
-    import gc
-    import torch
-    best = None
-    for m in gc.get_objects():
-        if issubclass(type(m), torch.nn.Module):  # (type(): a dead weak proxy raises on isinstance)
-            own = {id(p) for p in m.parameters()}
-            if params <= own and (best is None or len(own) < best[0]):
-                best = (len(own), m)
-    return called if best is None else best[1]
-
-
-def _scalers(torch):
-    """GradScaler and the subclasses that define their own update() (FSDP's ShardedGradScaler)."""
-    found, todo = [], [torch.amp.GradScaler]
-    try:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: F401 (a subclass)
-    except ImportError:
-        pass
-    while todo:
-        cls = todo.pop()
-        if "update" in vars(cls):
-            found.append(cls)
-        todo += cls.__subclasses__()
-    return found
-
-
-def _device(device, gpu):
-    """ledger.device_facts for the device the code is shadow-run for (the torch it will run under
-    is taken to be this one's)."""
-    import torch
-    from .ledger import GPUS, device_facts, gpu_name
-    if device == "cpu":
-        return device_facts("cpu", torch_version=torch.__version__.split("+")[0])
-    if gpu_name(gpu) is None:
-        raise ValueError(f"gpu={gpu!r}: not a GPU the shadow knows ({', '.join(GPUS)})")
-    return device_facts("cuda", gpu=gpu_name(gpu), torch_version=torch.__version__.split("+")[0], env=dict(os.environ))
-
-
-def _filled(shape, value):
-    if not shape:
-        return value
-    return [_filled(shape[1:], value) for _ in range(shape[0])]
-
-
-def shadow(device="cpu", step=2, assume=None, gpu="H100", world_size=None, rank=0):
-    """`with memory_audit.shadow() as s:` around a training script's own code (module docstring).
-    device: "cpu", or "cuda" for the code run on one `gpu` (shadow_gpu: no GPU needed).
-    assume: {"file.py:205" or "nonzero": rows, a fraction of the mask, or [rows, ...] per step}, the
-    sizes of data-dependent shapes (known_values). world_size, rank: the code run as that rank of a
-    torchrun job on `world_size` GPUs (device="cuda"; shadow_ranks.script_ranks)."""
-    return Shadow(device=device, step=step, assume=assume, gpu=gpu, world_size=world_size, rank=rank)
-
-
-def predict_loop(make, step, inputs=None, audited=1, assume=None):
-    """The shadow run of a loop (issue #28; CPU): `make()` builds (model, optimizer, *batch) on
-    fake tensors; `step(model, optimizer, *batch)` is one training step (forward, loss, backward,
-    optimizer step, zero_grad) and returns what the loop keeps until the next step (its loss,
-    or {name: tensor}: named by its keys where nothing else names it). Steps 0..audited run;
-    step `audited` is recorded as Audit(step=...) records it. `inputs`: names for the batch, as
-    the loop would give them with `audit.step(i, tensors=...)`. Returns the audited step's
-    result (run()'s dict; lines() reads any phase) with "summary" (loop_summary); raises
-    ShadowError (one line, naming the op and the loop's line) for a step fake tensors cannot
-    run. Reads of values and data-dependent sizes are answered as shadow() answers them
-    (summary["placeholders"], summary["sizes"]; `assume`: shadow()'s)."""
-    with Shadow(step=audited, assume=assume) as s:
-        model, optimizer, *batch = make()
-        s.use(model, optimizer)  # the model make() returns, not one found from the forward's calls
-        s.given = dict(zip(inputs or (), batch))
-        kept = {}
-        for _ in range(audited + 1):
-            with s.step(kept):
-                out = step(model, optimizer, *batch)
-                kept.clear()  # the previous step's, let go as a rebinding loop lets it go
-                kept.update({"temporary/loop/loss": out} if _is_tensor(out) else dict(out or {}))
-                del out
-    return dict(s.result, summary=dict(s.summary, source="predict_loop: the loop's shadow run on fake tensors"))
-
-
-def _is_tensor(value):
-    import torch
-    return isinstance(value, torch.Tensor)
