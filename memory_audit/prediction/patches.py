@@ -8,8 +8,8 @@ context manager that says why and puts back what it replaced.
                     unsharded parameter's memory with it; no op the dispatcher sees)
   rng_states        torch.get_rng_state counted (checkpointing saves the CPU generator's state)
   no_init           torch.nn.init's initialisers as no-ops (a fake weight has no values to set)
-  fsdp_on_gpu       FSDP2's GPU code path on meta tensors (its device, its device handle: the
-                    streams of _Streams, and its meta-parameter check), with UNMEASURED's notes
+  fsdp_on_gpu       FSDP2's GPU path on meta tensors (its device, its device handle: the streams
+                    of shadow_streams, its meta-parameter check), with UNMEASURED's notes
   propagation_unseen  DTensor's sharding propagation on fake tensors of the global shapes left
                     out of the tracker (a real run does it in a FakeTensorMode of its own)
   meta              fused AdamW allowed on meta tensors, as on CUDA tensors
@@ -22,11 +22,12 @@ context manager that says why and puts back what it replaced.
   patched           (owner, name, new) triples set for a block, put back on every exit (the
                     GPU shadow's torch.cuda and autocast stand-ins: shadow_gpu, shadow_autocast)
 The hooks shadow_script's session itself sets (backward, zero_grad, value reads) are its own
-instruments, as an Audit's hooks are, and stay with it.
-Plain Python until a shadow run starts: torch is imported inside.
+instruments, as an Audit's hooks are, and stay with it. Plain Python until a shadow run starts.
 """
 
 import contextlib
+
+from .shadow_streams import Streams
 
 
 @contextlib.contextmanager
@@ -129,7 +130,7 @@ UNMEASURED = {  # what a CUDA rank's shadow assumes of its strategy's collective
 def fsdp_on_gpu(cfg, tracker):
     """Inside: a torchrun strategy's CUDA step on meta tensors, each assumption about NCCL's
     collectives over several ranks noted in tracker.unmeasured (UNMEASURED). FSDP2 takes the GPU's path: its device
-    is "meta" rather than the mesh's; its device handle is _Streams (each stream FSDP2 makes an
+    is "meta" rather than the mesh's; its device handle is shadow_streams.Streams (each stream FSDP2 makes an
     id, `stream(s)` that id for the allocations made inside, events and waits nothing: the shadow
     runs in program order, as the caching allocator frees without record_stream); and its check
     that no parameter is on the meta device is off (the shadow's weights are all meta)."""
@@ -143,7 +144,7 @@ def fsdp_on_gpu(cfg, tracker):
     import torch
     from torch.distributed.fsdp._fully_shard import (_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state,
                                                      _fully_shard)
-    streams = _Streams(tracker)
+    streams = Streams(tracker)
     handle = _fsdp_init._get_device_handle
 
     def get_handle(device_type):
@@ -154,71 +155,6 @@ def fsdp_on_gpu(cfg, tracker):
                 (_fsdp_param_group.FSDPParamGroup, "_validate_no_meta_params", lambda self: None)]
     with patched(triples):
         yield
-
-
-class _Streams:
-    """torch.cuda's stream API as FSDP2 calls it, for a shadow on meta tensors: Stream() a new
-    id, stream(s) makes it the one the tracker's allocations are made on (tracker.stream: the
-    caching allocator keeps a pool per stream), events and waits nothing."""
-
-    def __init__(self, tracker):
-        self.tracker, self.made = tracker, 0
-
-    def Stream(self, priority=0):
-        self.made += 1
-        return _Stream(self.made)
-
-    def current_stream(self):
-        return _Stream(self.tracker.stream)
-
-    def current_device(self):
-        return 0
-
-    def Event(self, *args, **kwargs):
-        return _Event()
-
-    @contextlib.contextmanager
-    def stream(self, s):
-        outer = self.tracker.stream
-        self.tracker.stream = outer if s is None else s.id
-        try:
-            yield
-        finally:
-            self.tracker.stream = outer
-
-
-class _Event:
-    def record(self, stream=None):
-        return self
-
-    def wait(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class _Stream:
-    def __init__(self, sid):
-        self.id = sid
-
-    def __eq__(self, other):
-        return isinstance(other, _Stream) and other.id == self.id
-
-    def __hash__(self):
-        return hash(self.id)
-
-    def record_event(self, event=None):
-        return event or _Event()
-
-    def wait_event(self, event):
-        pass
-
-    def wait_stream(self, stream):
-        pass
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ import contextlib
 
 from . import patches, shadow_cuda
 from .shadow_autocast import autocast, recomputed
+from .shadow_streams import Stream
 
 
 # -- the pieces on_gpu enters
@@ -89,16 +90,6 @@ def devices():
         torch.nn.Module.cuda, torch.nn.Module.to = saved
 
 
-class _Stream:
-    """The current stream, as far as code asks it without a GPU: no graph is being captured."""
-
-    def is_capturing(self):
-        return False
-
-    def synchronize(self):
-        return None
-
-
 @contextlib.contextmanager
 def cuda_module(gpu, total_memory, capability):
     """torch.cuda (and torch.accelerator) answering as one `gpu` would (without CUDA, torch.cuda
@@ -115,13 +106,13 @@ def cuda_module(gpu, total_memory, capability):
         "get_device_capability": lambda *a, **k: cap, "get_device_properties": lambda *a, **k: props,
         "synchronize": lambda *a, **k: None, "empty_cache": lambda: None, "manual_seed": lambda *a: None,
         "manual_seed_all": lambda *a: None, "set_device": lambda *a: None, "reset_peak_memory_stats": lambda *a: None,
-        "is_initialized": lambda: True, "current_stream": lambda *a, **k: _Stream(),
+        "is_initialized": lambda: True, "current_stream": lambda *a, **k: Stream(),
         "is_current_stream_capturing": lambda: False,
     }
     accelerator = {  # torch.accelerator, the device-generic way code picks its device
         "is_available": lambda *a, **k: True, "current_accelerator": lambda *a, **k: torch.device("cuda"),
         "device_count": lambda: 1, "current_device_index": lambda: 0, "synchronize": lambda *a, **k: None,
-        "current_stream": lambda *a, **k: _Stream(),  # the optimizers ask whether a graph is being captured
+        "current_stream": lambda *a, **k: Stream(),  # the optimizers ask whether a graph is being captured
     }
     owners = [(torch.cuda, answers)] + ([(torch.accelerator, accelerator)] if hasattr(torch, "accelerator") else [])
     with patches.patched([(owner, name, fn) for owner, table in owners for name, fn in table.items() if hasattr(owner, name)]):

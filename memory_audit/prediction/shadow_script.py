@@ -252,10 +252,9 @@ class Shadow:
         for owner in (torch.optim.Optimizer, torch.nn.Module):
             zero = owner.zero_grad
             patch(owner, "zero_grad", lambda obj, *a, _zero=zero, **k: self._zero_grad(_zero, obj, *a, **k))
-        for name, answer in (("item", None), ("tolist", None), ("__bool__", False), ("__float__", 0.0),
-                             ("__int__", 0)):
-            read = answered_read(name, getattr(torch.Tensor, name), answer, self.placeholders, user_line)
-            patch(torch.Tensor, name, read)
+        for name, answer in (("item", None), ("tolist", None), ("__bool__", False), ("__float__", 0.0), ("__int__", 0)):
+            patch(torch.Tensor, name, answered_read(name, getattr(torch.Tensor, name), answer, self.placeholders,
+                                                    user_line))
         form = torch.Tensor.__format__
         patch(torch.Tensor, "__format__", lambda t, spec: t.item().__format__(spec) if t.dim() == 0 else form(t, spec))
 

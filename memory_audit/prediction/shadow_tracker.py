@@ -1,46 +1,13 @@
 """What the shadow run sees: a dispatch mode that records allocations and frees in order.
 
 Each op's outputs whose storage it has not seen are an allocation of storage.nbytes() bytes; a
-weakref on that storage gives the moment it is freed. The rules below add what the dispatcher
+weakref on that storage gives the moment it is freed. Rules add what the dispatcher
 cannot see, each measured on CPU audits (shadow.py runs the step). What one op's kernel makes
 before and after its outputs is a rule of its own in rules/cpu.py (layer norm's buffers and
 copies, CPU flash attention's work buffers, _safe_softmax's temporaries, softmax's and
 embedding's copies of non-contiguous inputs); the rules over many ops (shadow_cpu.py applies
-the CPU ones, with rules/cpu.py's and the kernel probes, to each op of a CPU step):
-  inplace_accumulate  autograd's gradient sum (an add during backward whose first operand, not a
-                      view and contiguous, dies with it) reuses that operand's memory; autograd
-                      decides so only for a tensor Python has never seen, so watching prevents it;
-                      so does CPU math SDPA's mask add (in place on real tensors: cpu_rules); a
-                      DTensor's sum (run on its shards) never: autograd steals only a gradient
-                      with storage of its own
-  wrapped_scalar      a Python number passed for a Tensor argument (and the Scalar overloads of
-                      the arithmetic and comparison ops) is an 8 B CPU tensor (1 B for a bool)
-                      made before the op and freed after it unless its autograd node saves it;
-                      a cast of it to the op's dtype lives while the output is made; a CPU
-                      _foreach_ op with a Scalar(List) runs that op tensor by tensor; under
-                      SAC's dispatch mode the number is wrapped a second time before the cast
-                      and freed after it
-  dtype_cast          a CPU elementwise op on two dtypes (fp32 residual + bf16 branch) copies
-                      the other-dtype operand to the common dtype while the output is made
-  rng_state           torch.get_rng_state() (checkpointing, per region with dropout) is a real
-                      tensor the generator makes: counted when made, freed when let go
-  mean_divide         CPU mean is a sum divided in place by the element count, a wrapped int64
-                      scalar and its cast, made after the output, freed in reverse; in bf16/fp16
-                      the sum runs in fp32 (an fp32 result, the input cast to fp32) first
-  kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
-                      CPUs with native bf16): their own buffers asked of the kernel (shadow_probe)
-  gloo_collectives    under torchrun on CPU, gloo's buffers in the collectives and CPU _chunk_cat's
-                      padded copies of uneven gradients (shadow_dist.gloo_buffers, chunk_cat_pads)
-  storage_resize      untyped_storage().resize_ (FSDP2's unsharded parameters: freed with
-                      resize_(0), made again with resize_(n)) frees the storage's allocation and
-                      makes one of the new size; no op the dispatcher sees
-  layer_norm_stats    CPU layer norm of a bf16 (fp16) input with an fp32 weight makes fp32 mean
-                      and rstd, where the fake kernel says the input's dtype
-  reduced_loss        CPU mse, smooth_l1, soft_margin and binary cross-entropy losses reduce in
-                      their element-wise buffer, which stays the 0-dim result's storage
-  index_accumulate    indexing's backward (zeros.index_put_(indices, grad, accumulate=True)) is
-                      in place in a real run, out of place for a tensor subclass: folded as
-                      inplace_accumulate folds a gradient sum
+the CPU ones, with rules/cpu.py's and the kernel probes, to each op of a CPU step) are listed
+in shadow_cpu's docstring, with the module each lives in.
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -100,7 +67,7 @@ class Tracker:
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
         self.on_op = None  # called with each op before it runs (shadow_script's step boundaries), or None
-        self.stream = 0  # the stream allocations are made on (a CUDA step's FSDP2: patches._Streams)
+        self.stream = 0  # the stream allocations are made on (a CUDA step's FSDP2: shadow_streams.Streams)
         self.streams = {}  # allocation id -> its stream, where not the default one (0)
         self.stand_in = None  # the name of the op the next one stands in for (known_values: nonzero as nonzero_static)
 
