@@ -1,7 +1,8 @@
 """The ways into a shadow run of a user's own code (shadow_script.Shadow is the session):
-`with memory_audit.shadow() as s:` around the code, `predict_loop(make, step)` for a loop given
-as two functions, and `shadow_file(script, argv)` for a script file run as __main__
-(`predict-script`; on one GPU a deep model's equal blocks repeated: shadow_depth).
+`with memory_audit.shadow() as s:` around the code (`with s.step(held):` marking its steps where
+the code says them: shadow_loop.MarkedStep), `predict_loop(make, step)` for a loop given as two functions, and
+`shadow_file(script, argv)` for a script file run as __main__ (`predict-script`; on one GPU a
+deep model's equal blocks repeated: shadow_depth).
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 

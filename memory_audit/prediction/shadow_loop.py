@@ -2,7 +2,7 @@
 through it): the audit's saved-tensor ledger over the audited step (LoopLedger), the loop's
 names merged with the model's, the user's own lines (user_line: where a read or a stop is
 reported; call_site/above: where a zero_grad is written against the optimizer step) and the
-summary an Audit keeps (loop_summary).
+summary an Audit keeps (loop_summary), and a step the code marks itself (MarkedStep).
 """
 
 import contextlib
@@ -12,9 +12,38 @@ import traceback
 
 from .shadow_names import address, lines, live_names
 from .shadow import step_levels
+from .shadow_error import ShadowError
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memory_audit/
 _LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python", "<frozen", _HERE)
+
+
+class MarkedStep:
+    """One step whose bounds the code marks (`with s.step(held):`, Shadow.step; predict_loop's
+    steps)."""
+
+    def __init__(self, session, held):
+        self.session, self.held = session, held
+
+    def __enter__(self):
+        s = self.session
+        if not s.marked and s.steps:
+            raise ShadowError("s.step() marks every step or none: the code ran optimizer steps before its first "
+                              "marked one")
+        s.marked = True
+        if s.steps == s.audited:
+            s._begin(self.held)
+        s.tracker.phase = "forward"
+        return self.held
+
+    def __exit__(self, exc_type, exc, tb):
+        s = self.session
+        if exc_type is None:
+            s.steps += 1
+            if s.steps == s.audited + 1:  # the audited step ends: the loop stops here
+                s._boundary(self.held)
+            s.known.new_step()
+        return False
 
 
 def _user_frame(frames):

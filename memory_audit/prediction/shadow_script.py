@@ -37,8 +37,8 @@ import warnings
 from .shadow import ShadowError, begin_step, end_step, step_result
 from .shadow_names import address, held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, answered_read, checked_assume
-from .shadow_loop import (LoopLedger, above, call_site, fake_ident, loop_device, loop_summary, merged, owning_module,
-                          scaler_classes, user_line)
+from .shadow_loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged,
+                          owning_module, scaler_classes, user_line)
 from .ledger import expandable_from_env
 from .shadow_allocator import replay
 from .shadow_gpu import on_gpu
@@ -49,33 +49,6 @@ from .shadow_blocks import module_labels
 from .shadow_tracker import Tracker, dispatch_mode
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from ..recording.loop_calls import LoopCalls
-
-
-class _Marked:
-    """One step whose bounds the code marks (Shadow.step)."""
-
-    def __init__(self, session, held):
-        self.session, self.held = session, held
-
-    def __enter__(self):
-        s = self.session
-        if not s.marked and s.steps:
-            raise ShadowError("s.step() marks every step or none: the code ran optimizer steps before its first "
-                              "marked one")
-        s.marked = True
-        if s.steps == s.audited:
-            s._begin(self.held)
-        s.tracker.phase = "forward"
-        return self.held
-
-    def __exit__(self, exc_type, exc, tb):
-        s = self.session
-        if exc_type is None:
-            s.steps += 1
-            if s.steps == s.audited + 1:  # the audited step ends: the loop stops here
-                s._boundary(self.held)
-            s.known.new_step()
-        return False
 
 
 class _Stopped(BaseException):
@@ -233,20 +206,28 @@ class Shadow:
                           module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True),
                           optim_mod.register_optimizer_step_post_hook(self._stepped)]
         self._saved = {}
+        self._instrument(torch)
 
-        def patch(owner, name, new):
-            original = self._saved[(owner, name)] = getattr(owner, name)
-            active = []
+    def _set(self, owner, name, new):
+        """owner.name is `new` until _unhook; a torch-function mode (loop_calls) that hands the
+        call back reaches the original (once: the second time it is torch's own)."""
+        original = self._saved[(owner, name)] = getattr(owner, name)
+        active = []
 
-            def once(*args, **kwargs):  # a torch-function mode (loop_calls) hands the call back to it
-                if active:  # once: the second time it is torch's own
-                    return original(*args, **kwargs)
-                active.append(True)
-                try:
-                    return new(*args, **kwargs)
-                finally:
-                    active.pop()
-            setattr(owner, name, once)
+        def once(*args, **kwargs):
+            if active:
+                return original(*args, **kwargs)
+            active.append(True)
+            try:
+                return new(*args, **kwargs)
+            finally:
+                active.pop()
+        setattr(owner, name, once)
+
+    def _instrument(self, torch):
+        """The session's instruments on the code's calls: backward, zero_grad, the value reads,
+        GradScaler.update, and the step's end at the first op after an optimizer step."""
+        session, patch = self, self._set
         backward = torch.Tensor.backward
         patch(torch.Tensor, "backward", lambda t, *a, **k: self._backward(backward, t, *a, **k))
         for owner in (torch.optim.Optimizer, torch.nn.Module):
@@ -317,7 +298,7 @@ class Shadow:
         them, as `with audit.step(i):` does (then every step is marked so, and the optimizer's
         steps mark none). held: {name: tensor} the loop keeps across the bounds (the last step's
         output and loss), read as the step starts and as it ends: the body may update it."""
-        return _Marked(self, {} if held is None else held)
+        return MarkedStep(self, {} if held is None else held)
 
     def _boundary(self, held=None):
         """A step has ended (its optimizer step, and zero_grad if that came next; or a marked
