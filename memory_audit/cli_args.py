@@ -149,5 +149,5 @@ def _outside_help():
 
 
 def _grid_help():
-    from .comparison.sweep import GRIDS
-    return f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/comparison/sweep.py)"
+    from .comparison.grids import GRIDS
+    return f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/comparison/grids.py)"

@@ -4,7 +4,8 @@ import json
 import os
 
 from conftest import PLAIN_BF16_ENV, ROOT, assert_repredicted_exactly, committed_rows, run_cli
-from memory_audit.comparison.sweep import accuracy_rows, accuracy_table, grid
+from memory_audit.comparison.grids import grid
+from memory_audit.comparison.sweep import accuracy_rows, accuracy_table
 
 
 def _sweep(tmp_path, name, rows=None):

@@ -4,7 +4,6 @@ One row per configuration is appended to snapshots/results/<device>.jsonl. A run
 of memory or crashes is a result too (status "oom" / "error"), and the sweep goes on.
 """
 
-import itertools
 import json
 import os
 import re
@@ -13,88 +12,11 @@ import sys
 import time
 
 from ..reading.loader import is_recorded
+from .grids import grid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _product(**axes):
-    keys = list(axes)
-    return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
-
-
-def grid(name):
-    """A named list of train.py override dicts."""
-    if name == "cpu-small":
-        sizes = [dict(preset="cpu-tiny"), dict(preset="cpu-tiny", n_layer=1, n_head=4, n_embd=64, block_size=32)]
-        rows = []
-        for size, batch in zip(sizes, (2, 3)):
-            for c in _product(dtype=["float32", "bfloat16"], attention=["manual", "sdpa"], activation=["gelu", "relu"]):
-                rows.append(dict(size, batch_size=batch, device="cpu", **c))
-        return rows
-    if name == "gpt2-sizes":
-        sizes = [("gpt2", 12), ("gpt2-medium", 12), ("gpt2-large", 8), ("gpt2-xl", 4)]
-        return [dict(preset=p, batch_size=b, **c) for p, b in sizes
-                for c in _product(dtype=["float16", "bfloat16"], attention=["manual", "sdpa"])]
-    if name == "variants":
-        base = dict(preset="gpt2", batch_size=12, dtype="float16", attention="manual")
-        return [dict(base, gradient_accumulation_steps=4), dict(base, set_to_none=False),
-                dict(base, optimizer_impl="foreach"), dict(base, keep_logits=False, set_to_none=False),
-                dict(base, dtype="float32", attention="sdpa", batch_size=4),
-                dict(base, dtype="float16", attention="sdpa"),
-                dict(preset="gpt2-large", batch_size=10, dtype="float16", attention="manual")]
-    if name == "cpu-ac":  # every checkpointing mode, both attentions, fp32 and bf16, and every 2nd block
-        rows = [dict(preset="cpu-tiny", batch_size=2, device="cpu", activation_checkpointing=m, **c)
-                for m in ("none", "full", "selective", "sac")
-                for c in _product(attention=["manual", "sdpa"], dtype=["float32", "bfloat16"])]
-        return rows + [dict(preset="cpu-tiny", batch_size=2, device="cpu", n_layer=3, dtype="float32",
-                            activation_checkpointing=m, ac_every=2) for m in ("none", "full", "selective", "sac")]
-    if name == "cpu-compile-budget":  # torch.compile's activation memory budget, cpu-tiny
-        return [dict(preset="cpu-tiny", batch_size=2, device="cpu", compile=True, activation_memory_budget=b)
-                for b in COMPILE_BUDGETS]
-    if name == "gpu-compile-budget":  # for a GPU: GPT-2 small fp16 compiled (manual attention)
-        return [dict(preset="gpt2", batch_size=12, dtype="float16", attention="manual", compile=True,
-                     activation_memory_budget=b) for b in (1.0, 0.5, 0.1)]
-    if name == "cpu-parallel":  # every torchrun strategy on cpu-tiny (and FSDP2 with checkpointing), gloo; a row per rank
-        base = dict(preset="cpu-tiny", batch_size=2, device="cpu", dtype="float32")
-        return [base, dict(base, nproc=2, parallel="ddp", gradient_accumulation_steps=2),
-                dict(base, nproc=2, parallel="fsdp", gradient_accumulation_steps=2),
-                dict(base, nproc=2, parallel="fsdp", gradient_accumulation_steps=4),
-                dict(base, nproc=2, parallel="tp"), dict(base, nproc=2, parallel="tp-sp"),
-                dict(base, nproc=4, parallel="fsdp+tp", tp_size=2, gradient_accumulation_steps=2),
-                dict(base, nproc=4, parallel="fsdp+tp-sp", tp_size=2, gradient_accumulation_steps=2),
-                dict(base, nproc=2, parallel="fsdp", activation_checkpointing="full", gradient_accumulation_steps=2),
-                dict(base, nproc=2, parallel="fsdp", activation_checkpointing="selective", gradient_accumulation_steps=4,
-                     n_embd=128, n_head=4, n_layer=3, dtype="bfloat16"),
-                dict(base, nproc=4, parallel="fsdp+tp-sp", tp_size=2, activation_checkpointing="full",
-                     gradient_accumulation_steps=2, n_head=4)]
-    if name == "cpu-long":  # sequences long enough (T=512, 8 heads) that the attention core's T^2 gradients are the peak
-        base = dict(preset="cpu-tiny", batch_size=2, device="cpu", block_size=512, n_head=8, attention="manual")
-        return ([dict(base, activation_checkpointing=m, dtype=d) for m in ("none", "full", "selective", "sac")
-                 for d in ("float32", "bfloat16")]
-                + [dict(base, activation_checkpointing=m, dropout=0.1) for m in ("none", "full", "selective", "sac")]
-                + [dict(base, attention="sdpa", dropout=0.1, activation_checkpointing=m) for m in ("none", "full")]
-                + [dict(base, dtype="float16", activation_checkpointing="full", bias=True),
-                   dict(base, activation_checkpointing="full", set_to_none=False, activation="relu"),
-                   dict(base, batch_size=1, block_size=256, n_head=4, activation_checkpointing="full"),
-                   dict(base, nproc=2, parallel="fsdp", activation_checkpointing="full", gradient_accumulation_steps=2),
-                   dict(base, nproc=2, parallel="tp-sp", activation_checkpointing="full", dtype="bfloat16"),
-                   dict(base, nproc=2, parallel="tp", dtype="bfloat16")])
-    if name == "smoke":  # one tiny CPU run, for tests
-        return [dict(preset="cpu-tiny", batch_size=2, device="cpu")]
-    if name == "gpu-long":  # for a GPU: cpu-long's attention-core peak on CUDA (autocast: fp32 softmax)
-        tiny = dict(preset="cpu-tiny", batch_size=2, block_size=512, n_head=8, attention="manual")
-        return ([dict(tiny, dtype=d, activation_checkpointing=m) for d in ("float16", "bfloat16", "float32")
-                 for m in ("none", "full", "selective")]
-                + [dict(preset="gpt2", batch_size=2, block_size=4096, dtype="float16", attention="manual",
-                        activation_checkpointing=m) for m in ("full", "selective")])
-    if name == "gpu-ac":  # for a GPU: GPT-2 small and medium, fp16, full and selective
-        return [dict(preset=p, batch_size=12, dtype="float16", attention=a, activation_checkpointing=m)
-                for p in ("gpt2", "gpt2-medium") for a in ("manual", "sdpa") for m in ("none", "full", "selective")]
-    raise ValueError(f"unknown grid {name!r}; one of {', '.join(GRIDS)}")
-
-
-GRIDS = ("cpu-small", "cpu-ac", "cpu-long", "cpu-compile-budget", "cpu-parallel", "gpt2-sizes", "variants", "gpu-ac", "gpu-long", "gpu-compile-budget", "smoke")
-COMPILE_BUDGETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
 # SAC op lists drawn by random_config: the default set ("", the key left out) and lists that keep less
