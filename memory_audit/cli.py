@@ -19,6 +19,30 @@ from .text import GiB, fmt_bytes, table
 
 # -- attribute --------------------------------------------------------------------------------
 
+def _print_attributed(phase, dev, r, by, last):
+    """attribute's table of one phase on one device (by "name" or by category), the step's peak
+    replayed from the trace (the last phase), and the largest unattributed blocks."""
+    print(f"\n{phase} (device {dev}): reserved {fmt_bytes(r['reserved_bytes'])}, "
+          f"allocated {fmt_bytes(r['allocated_bytes'])} in {r['blocks']} blocks")
+    if by == "name":
+        rows = sorted(r["lines"].items(), key=lambda kv: -kv[1])
+        print(table(("name", "bytes", "MiB"), [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows]))
+    else:
+        total = r["reserved_bytes"] or 1
+        print(table(("category", "bytes", "MiB", "share"),
+                    [(c, f"{v:,}", f"{v / 2**20:.2f}", f"{100 * v / total:.2f}%")
+                     for c, v in r["categories"].items() if v]))
+    pk = r.get("peak_in_trace") or {}
+    if last and pk.get("index") is not None:  # the step's peak, not only its end
+        cats = sorted((pk.get("categories") or {}).items(), key=lambda kv: -kv[1])
+        print(f"peak since step2_start (replayed from this trace): {fmt_bytes(pk['bytes'])} "
+              f"({pk['bytes']:,} B) at trace entry {pk['index']:,}: "
+              + ", ".join(f"{c} {fmt_bytes(v)}" for c, v in cats if v))
+    if r["unattributed"]:
+        print("largest unattributed blocks: " + "; ".join(
+            f"{b['size']:,} B at {b['frames'] or '(no frames)'} ({b['why']})" for b in r["unattributed"][:3]))
+
+
 def cmd_attribute(args):
     from .reading.attribute import attribute, check_against_meta
     from .reading.event_names import categorize_trace
@@ -46,25 +70,7 @@ def cmd_attribute(args):
                           f"{rp['unmatched_free_bytes']:,} B were freed that the trace never saw allocated",
                           file=sys.stderr)
             if not args.json:
-                print(f"\n{phase} (device {dev}): reserved {fmt_bytes(r['reserved_bytes'])}, "
-                      f"allocated {fmt_bytes(r['allocated_bytes'])} in {r['blocks']} blocks")
-                if args.by == "name":
-                    rows = sorted(r["lines"].items(), key=lambda kv: -kv[1])
-                    print(table(("name", "bytes", "MiB"), [(k, f"{v:,}", f"{v / 2**20:.2f}") for k, v in rows]))
-                else:
-                    total = r["reserved_bytes"] or 1
-                    print(table(("category", "bytes", "MiB", "share"),
-                                [(c, f"{v:,}", f"{v / 2**20:.2f}", f"{100 * v / total:.2f}%")
-                                 for c, v in r["categories"].items() if v]))
-                pk = r.get("peak_in_trace") or {}
-                if phase == pairs[-1][0] and pk.get("index") is not None:  # the step's peak, not only its end
-                    cats = sorted((pk.get("categories") or {}).items(), key=lambda kv: -kv[1])
-                    print(f"peak since step2_start (replayed from this trace): {fmt_bytes(pk['bytes'])} "
-                          f"({pk['bytes']:,} B) at trace entry {pk['index']:,}: "
-                          + ", ".join(f"{c} {fmt_bytes(v)}" for c, v in cats if v))
-                if r["unattributed"]:
-                    print("largest unattributed blocks: " + "; ".join(
-                        f"{b['size']:,} B at {b['frames'] or '(no frames)'} ({b['why']})" for b in r["unattributed"][:3]))
+                _print_attributed(phase, dev, r, args.by, last=phase == pairs[-1][0])
         if args.categorize:
             categorize_trace(snap, meta)
             dest = os.path.splitext(path)[0] + ".categorized.pickle"

@@ -188,6 +188,22 @@ def refresh_predictions(rec):
     return rec
 
 
+def _measured_totals(m):
+    """The step's measured totals from measure()'s dict: steady state, activations before
+    backward, the peak (max_memory_allocated, else the trace's replay) and reserved memory."""
+    start = m["phases"].get("step2_start", {})
+    bb = m["phases"].get("step2_before_backward", {})
+    end = m["phases"].get("step2_end", {})
+    peak = end.get("max_memory_allocated")
+    return {
+        "steady_state": start.get("memory_allocated") if start.get("memory_allocated") is not None
+        else start.get("attribution", {}).get("allocated_bytes"),
+        "activations": bb.get("attribution", {}).get("categories", {}).get("activations"),
+        "peak": peak if peak is not None else end.get("replay", {}).get("peak", {}).get("bytes"),
+        # the step's largest memory_reserved() (CUDA; segments are not released inside a step)
+        "reserved": max((i.get("memory_reserved") or 0 for i in m["meta"]["phases"].values()), default=0) or None}
+
+
 def reconcile(run_dir):
     """Predicted vs actual for one audit run: rows, category tables and the three totals."""
     m = measure(run_dir)
@@ -204,18 +220,9 @@ def reconcile(run_dir):
                            "reserved_bytes": attr["reserved_bytes"], "unattributed_bytes": attr["unattributed_bytes"],
                            "unattributed": attr["unattributed"], "balanced": attr["balanced"],
                            "rules": attr["rules"]}
-    start = m["phases"].get("step2_start", {})
-    bb = m["phases"].get("step2_before_backward", {})
     end = m["phases"].get("step2_end", {})
     rp = end.get("replay", {})
-    peak_actual = end.get("max_memory_allocated") if end.get("max_memory_allocated") is not None else rp.get("peak", {}).get("bytes")
-    totals = _totals_rows(pred, {
-        "steady_state": start.get("memory_allocated") if start.get("memory_allocated") is not None
-        else start.get("attribution", {}).get("allocated_bytes"),
-        "activations": bb.get("attribution", {}).get("categories", {}).get("activations"),
-        "peak": peak_actual,
-        # the step's largest memory_reserved() (CUDA; segments are not released inside a step)
-        "reserved": max((i.get("memory_reserved") or 0 for i in meta["phases"].values()), default=0) or None})
+    totals = _totals_rows(pred, _measured_totals(m))
     t = pred["totals"]
     formulas = published_formulas(meta["config"], dev["workspace_bytes"] * dev["workspaces"])
     replayed = rp.get("peak", {}).get("bytes")
