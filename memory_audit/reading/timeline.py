@@ -170,6 +170,35 @@ def _extreme_points(allocated, lo, buckets):
     return np.unique(np.concatenate(points)) + lo
 
 
+def _reserved(snap, act, size, device):
+    """reserved_at(i): memory_reserved() before trace entry i, from the segments at the end
+    back through the few segment entries (a running sum over those)."""
+    end_reserved = sum(s["total_size"] for s in snap["segments"] if s.get("device", 0) == device)
+    seg_at = np.flatnonzero(is_action(act, (A["segment_alloc"], A["segment_map"], A["segment_free"], A["segment_unmap"])))
+    seg_delta = np.where(is_action(act[seg_at], (A["segment_alloc"], A["segment_map"])), size[seg_at], -size[seg_at])
+    seg_run = np.r_[0, np.cumsum(seg_delta)] + end_reserved - int(seg_delta.sum())
+
+    def reserved_at(i):
+        return int(seg_run[np.searchsorted(seg_at, i, side="right")])
+    return reserved_at
+
+
+def _add_baseline(points, baseline, pre):
+    """What was live before the trace began (`baseline` bytes; by category from `pre`, the rest
+    unattributed where the snapshot's segments and trace disagree) added to each point."""
+    at_start = {}
+    for name, nbytes, _, _ in pre:
+        at_start[CATEGORIES[category_code(name)]] = at_start.get(CATEGORIES[category_code(name)], 0) + nbytes
+    if baseline != sum(at_start.values()):
+        at_start["unattributed"] = at_start.get("unattributed", 0) + baseline - sum(at_start.values())
+    for point in points:
+        point["allocated" if "allocated" in point else "bytes"] += baseline
+        cats = point["categories"]
+        for c, v in at_start.items():
+            cats[c] = cats.get(c, 0) + v
+        point["categories"] = {c: v for c, v in cats.items() if v}
+
+
 def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000, buckets=None, phases=None,
            reading=None):
     """Replay one device's trace.
@@ -197,15 +226,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
 
     end_allocated = sum(b["size"] for s in snap["segments"] if s.get("device", 0) == device
                         for b in s["blocks"] if b["state"] == "active_allocated")
-    end_reserved = sum(s["total_size"] for s in snap["segments"] if s.get("device", 0) == device)
-    # reserved bytes move only at the few segment entries: a running sum over those
-    seg_at = np.flatnonzero(is_action(act, (A["segment_alloc"], A["segment_map"], A["segment_free"], A["segment_unmap"])))
-    seg_delta = np.where(is_action(act[seg_at], (A["segment_alloc"], A["segment_map"])), size[seg_at], -size[seg_at])
-    seg_run = np.r_[0, np.cumsum(seg_delta)] + end_reserved - int(seg_delta.sum())
-
-    def reserved_at(i):
-        return int(seg_run[np.searchsorted(seg_at, i, side="right")])
-
+    reserved_at = _reserved(snap, act, size, device)
     # the phases this trace reaches (an earlier phase's snapshot stops before the later cuts)
     phase_index = {phase: cut for cut, _, phase in cuts if cut <= n} or dict(phases or {})
     start = phase_index.get(start_phase, 0)
@@ -226,17 +247,7 @@ def replay(snap, meta=None, device=0, start_phase="step2_start", max_points=4000
                 "categories": categories_at(len(points))}
     # what was live before the first entry (0 when recording began before any allocation)
     baseline = end_allocated - (int(allocated[-1]) if n else 0)
-    at_start = {}
-    for name, size, _, _ in pre:
-        at_start[CATEGORIES[category_code(name)]] = at_start.get(CATEGORIES[category_code(name)], 0) + size
-    if baseline != sum(at_start.values()):  # a snapshot whose segments and trace disagree
-        at_start["unattributed"] = at_start.get("unattributed", 0) + baseline - sum(at_start.values())
-    for point in series + ([peak] if peak_i is not None else []):
-        point["allocated" if "allocated" in point else "bytes"] += baseline
-        cats = point["categories"]
-        for c, v in at_start.items():
-            cats[c] = cats.get(c, 0) + v
-        point["categories"] = {c: v for c, v in cats.items() if v}
+    _add_baseline(series + ([peak] if peak_i is not None else []), baseline, pre)
     if peak_i is not None:
         peak["lines"] = _peak_lines(trace, peak_i, pair, block, cat, event_name, pre, unnamed)
         peak["action"] = trace.action(peak_i)
