@@ -91,13 +91,7 @@ def block_tags(model, tracker):
                 node.metadata.setdefault(_BLOCK, None)  # where the walk stops
 
         def post(_m, _a, out, n=n):
-            todo = [getattr(out, "grad_fn", None)]
-            while todo:
-                node = todo.pop()
-                if node is None or _BLOCK in node.metadata:
-                    continue
-                node.metadata[_BLOCK] = n
-                todo.extend(f for f, _ in node.next_functions)
+            _tag_nodes([getattr(out, "grad_fn", None)], n)
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post))
     return handles
@@ -125,13 +119,18 @@ def mark_blocks(blocks, tracker):
 
         def post(_m, _a, _k, out=None, n=n):  # out: None where the forward raised (always_call)
             tracker.in_block.pop()
-            todo = [getattr(t, "grad_fn", None) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            while todo:
-                node = todo.pop()
-                if node is None or _BLOCK in node.metadata:
-                    continue
-                node.metadata[_BLOCK] = n
-                todo.extend(f for f, _ in node.next_functions)
+            _tag_nodes([getattr(t, "grad_fn", None) for t in tree_leaves(out) if isinstance(t, torch.Tensor)], n)
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, with_kwargs=True, always_call=True))
     return handles
+
+
+def _tag_nodes(todo, n):
+    """Tag block n on the autograd nodes reachable from `todo` (None entries skipped), stopping at
+    nodes already tagged (an earlier block's, or a block input's None)."""
+    while todo:
+        node = todo.pop()
+        if node is None or _BLOCK in node.metadata:
+            continue
+        node.metadata[_BLOCK] = n
+        todo.extend(f for f, _ in node.next_functions)
