@@ -20,7 +20,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "scale_llama.py")
-CASES = (("Llama 1.5B, one H100", [], ["--size=1.5b"], 10.0),
+CASES = (("Llama 1.5B, one H100 (--repeat-blocks)", ["--repeat-blocks"], ["--size=1.5b"], 10.0),
          ("Llama 8B, FSDP2, rank 0 of 8 H100s", ["--world_size=8", "--rank=0"], ["--size=8b", "--fsdp"], 30.0))
 
 

@@ -372,8 +372,10 @@ def cmd_predict_script(args):
     if args.trace and os.path.exists(args.trace) and not args.trace.endswith(".pickle"):
         raise ValueError(f"--trace: refusing to overwrite {args.trace}: not a .pickle file")
     rest = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
-    s = shadow_file(script, rest, device="cuda" if args.gpu else "cpu", gpu=args.gpu, step=args.step,
-                    assume=parse_assume(args.assume), world_size=args.world_size, rank=args.rank)
+    if args.repeat_blocks and (not args.gpu or args.world_size is not None):
+        raise ValueError("--repeat-blocks: blocks are repeated for one GPU only; give --gpu=NAME without --world_size")
+    s = shadow_file(script, rest, repeat=args.repeat_blocks, device="cuda" if args.gpu else "cpu", gpu=args.gpu,
+                    step=args.step, assume=parse_assume(args.assume), world_size=args.world_size, rank=args.rank)
     summary = s.summary
     if args.trace:
         with open(args.trace, "wb") as f:

@@ -73,6 +73,10 @@ def _audit_parsers(sub):
                     "rank of a torchrun job on N GPUs (its init_process_group gets a fake group; FSDP2, tensor "
                     "parallelism)")
     ps.add_argument("--rank", type=int, default=0, help="with --world_size: which rank (default 0)")
+    ps.add_argument("--repeat-blocks", dest="repeat_blocks", action="store_true", help="with --gpu (one GPU): a "
+                    "deep model's list of 12+ equal blocks shadow-run with 3 and 4 of them and repeated (faster); "
+                    "wrong, unseen, where the script treats blocks by index after building them (freezing the "
+                    "first k, adapters on some): docs/any_model.md")
     ps.add_argument("--trace", default=None, metavar="FILE.pickle", help="write step 2 as a snapshot MemoryViz opens")
     ps.add_argument("--assume", action="append", default=[], metavar="KEY=SIZE",
                     help="the size of a data-dependent shape (nonzero, a boolean mask's index): KEY the line "

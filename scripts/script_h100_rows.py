@@ -1,6 +1,6 @@
 """The committed H100 rows against train.py shadow-run as a user's script (predict-script --gpu).
 
-    python scripts/script_h100_rows.py [--only=I,J]
+    python scripts/script_h100_rows.py [--only=I,J] [--repeat-blocks]
 
 For each row of snapshots/results/h100*.jsonl, `python -m memory_audit predict-script --gpu=H100
 --step=1 --json train.py -- <the row's config> --dataset=synthetic --device=cuda` in a process of
@@ -41,7 +41,10 @@ def diff(actual, predicted):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=None, help="comma-separated row numbers")
-    only = ap.parse_args().only
+    ap.add_argument("--repeat-blocks", dest="repeat_blocks", action="store_true",
+                    help="predict-script --repeat-blocks: the blocks of the deeper rows repeated from 3 and 4")
+    args = ap.parse_args()
+    only, repeat = args.only, ["--repeat-blocks"] if args.repeat_blocks else []
     only = None if only is None else {int(i) for i in only.split(",")}
     print("| row | config | start diff | peak measured | peak diff | reserved diff | s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -49,7 +52,7 @@ def main():
     for i, row in enumerate(rows()):
         if only is not None and i not in only:
             continue
-        cmd = [sys.executable, "-m", "memory_audit", "predict-script", "--gpu=H100", "--step=1", "--json", "train.py", "--",
+        cmd = [sys.executable, "-m", "memory_audit", "predict-script", "--gpu=H100", "--step=1", "--json", *repeat, "train.py", "--",
                *args_of(row["config"]), "--dataset=synthetic", "--device=cuda"]
         t = time.time()
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)

@@ -65,7 +65,7 @@ def runs(tmp_path, text=None, **fill):
         whole = shadow_file(str(script), repeat=False, **kw)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        built = shadow_file(str(script), **kw)
+        built = shadow_file(str(script), repeat=True, **kw)
     return whole, built, out.getvalue()
 
 
@@ -146,4 +146,26 @@ def test_a_script_that_exits_early_says_so(tmp_path):
     script.write_text(SCRIPT.format(width=32, drop=0.0, micro=1, n=12).replace('print("step", step)',
                                                                                'raise SystemExit(3)'))
     with pytest.raises(ShadowError, match=r"short.py exited \(code 3\) before its step 2 ended"):
-        shadow_file(str(script), device="cuda", gpu="H100", step=2)
+        shadow_file(str(script), repeat=True, device="cuda", gpu="H100", step=2)
+
+
+def test_an_inner_list_cut_first_runs_whole(tmp_path):
+    """Each block holds 12 alike experts, built before the stack's own list: the experts of
+    block 0 are the first list of 12, cut; the stack's list then holds it, and the step is the
+    whole run's (nothing repeated from a cut that stands for no block of the stack)."""
+    text = SCRIPT.format(width=32, drop=0.0, micro=1, n=12).replace(
+        "        self.drop = nn.Dropout({drop})".format(drop=0.0),
+        "        self.drop = nn.Dropout(0.0)\n        self.experts = nn.ModuleList([nn.Linear(16, 16) for _ in range(12)])").replace(
+        "return x + self.drop(", "return x + sum(e(x) for e in self.experts[:2]) + self.drop(")
+    whole, built, _ = runs(tmp_path, text=text)
+    assert built.depth_note == "every block run: the cut list is inside a deeper list's blocks"
+    assert canonical(built.result) == canonical(whole.result)
+
+
+def test_a_slice_of_the_cut_list_is_the_same_blocks(tmp_path):
+    """A forward that loops over a slice of its list (transformers' `self.layers[:n]`, a new
+    ModuleList of the same blocks each call) is repeated as the list itself is."""
+    text = SCRIPT.format(width=32, drop=0.0, micro=1, n=12).replace("for b in self.blocks:", "for b in self.blocks[:12]:")
+    whole, built, _ = runs(tmp_path, text=text)
+    assert built.depth_note == "repeated"
+    assert canonical(built.result) == canonical(whole.result)

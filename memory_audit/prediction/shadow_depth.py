@@ -11,8 +11,10 @@ does not hold (a block's run out of place, a size inside a block that depends on
 script failing with fewer blocks, the cut list not the trained model's) the script is run once
 more with every block. What the script prints in a cut run is not shown (it would describe a
 shallower model); the data-dependent reads and sizes listed are those of the 3-block run.
-Not seen: a parent's loop that treats its blocks by position with a period over 3 (checkpointing
-every 4th block): blocks 1 to 3 alike, the check passes and block 1's events stand for all.
+Not seen (the check passes, the step is wrong): code that treats blocks by index after building
+them beyond block 3 (freezing the first 6, adapters on some, checkpointing every 4th block), and
+memory outside the blocks growing faster than linearly with depth. Asked for, not by default
+(`predict-script --repeat-blocks`): the script runs up to three times in one process.
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -81,11 +83,18 @@ class Cut:
     def __init__(self, depth, tracker):
         self.depth, self.tracker = depth, tracker
         self.n = self.kept = self.path = self.pattern = None
-        self.handles = []
+        self.handles, self.inner = [], False
 
     def take(self, modules):
-        """patches.cut_lists' function: the modules a list is built from, cut or not."""
-        if self.n is not None or len(modules) < DEEP or not alike(modules):
+        """patches.cut_lists' function: the modules a list is built from, cut or not. A list built
+        later whose modules hold the cut one made it an inner list (an MoE block's experts): the
+        cut stands for nothing the step repeats (place() then finds no path)."""
+        if self.n is not None:
+            kept = {id(b) for b in self.kept}  # (a slice of the cut list is the same blocks: no inner list)
+            self.inner = self.inner or any(id(m) not in kept and any(s is self.kept[0] for s in m.modules())
+                                           for m in modules if hasattr(m, "modules"))
+            return modules
+        if len(modules) < DEEP or not alike(modules):
             return modules
         self.n, self.kept = len(modules), modules[:self.depth]
         self.handles = mark_blocks(self.kept, self.tracker)
@@ -95,7 +104,7 @@ class Cut:
 
     def place(self, model):
         """The model the loop trains is known: where the kept blocks sit in it."""
-        if self.kept is None:
+        if self.kept is None or self.inner:
             return
         names = {id(m): name for name, m in model.named_modules()}
         first = names.get(id(self.kept[0]), "")
@@ -126,7 +135,7 @@ def predicted(run):
         return s3
     why = "the script failed with 3 blocks"
     if s3 is not None:
-        why = "the cut list is not the trained model's"
+        why = "the cut list is inside a deeper list's blocks" if s3.cut.inner else "the cut list is not the trained model's"
     if s3 is not None and s3.cut.path is not None:
         with contextlib.redirect_stdout(io.StringIO()):
             s4 = _tried(run, SOURCE[1])

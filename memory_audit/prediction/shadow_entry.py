@@ -54,10 +54,12 @@ def _is_tensor(value):
     return isinstance(value, torch.Tensor)
 
 
-def shadow_file(script, argv=(), repeat=True, **shadow_kw):
+def shadow_file(script, argv=(), repeat=False, **shadow_kw):
     """The exited Shadow of the script at path `script` run as __main__ with sys.argv
     [script, *argv] under Shadow(**shadow_kw) (`predict-script`). repeat: on one GPU (device
-    "cuda", no world_size), a deep model's equal blocks repeated (predicted())."""
+    "cuda", no world_size), a deep model's equal blocks repeated (predicted(); `--repeat-blocks`:
+    asked for, as the script runs up to three times and what it does to blocks by index after
+    building them is not seen)."""
     import runpy
     from .shadow_script import Shadow
 
