@@ -12,8 +12,12 @@
 #     torch) audited, tiny ones kept with their traces, and a few GPT-2-sized ones (rows only);
 #   - NCCL at world size 1 (ddp, fsdp, tp on cpu-tiny, rank traces kept, `report --trace` each)
 #     and the full-checkpointing-with-dropout run;
+#   - NCCL at world size 1 on random draws as well (random_config's space, every strategy; seed printed);
+#   - scripts/gpu_probe.py 3,2: which part of an Audit raises the SystemError of checkpointing with
+#     dropout, and who imports torch._dynamo in a CUDA shadow step;
+#   - scripts/gpu_scale_audit.py: step 2 of benchmarks/scale_llama.py's 1.5B loop audited (GPU_RUNS.md 13);
 #   - RESERVED=1: scripts/gpu_reserved.sh with TRACE=1 on GPT-2-sized rows as well.
-# Returns at most 8 files in $OUT: logs.tgz, keep-{a,d}.tgz, zoo.tgz, nccl.tgz (reserved.tgz).
+# Returns at most 8 files in $OUT: logs.tgz, keep-{a,d}.tgz, zoo.tgz, nccl.tgz, scale.tgz (reserved.tgz).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OMP_NUM_THREADS=2
 OUT=${OUT:-/tmp/gpu_out}
@@ -47,13 +51,43 @@ if [ "$DEVICE" = cuda ]; then
         for par in ddp fsdp tp; do
             timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=1 train.py --audit --device=cuda --preset=cpu-tiny \
                 --parallel=$par --audit_dir="$W/nccl" --run_name=$par
-            timeout "$(left)" python3 -m memory_audit report "$W/nccl/$par/rank0" --trace | tail -25
+            d="$W/nccl/$par"; [ -d "$d/rank0" ] && d="$d/rank0"
+            timeout "$(left)" python3 -m memory_audit report "$d" --trace | tail -25
         done
+        # random draws at world size 1 (seed printed), each rank's trace kept and reported
+        python3 - > "$W/nccl-draws.txt" <<'PY'
+import random, sys
+from memory_audit.comparison.sweep import random_config
+from memory_audit.prediction.tensor_parallel import check
+seed = random.randrange(10**6); print("seed", seed, file=sys.stderr); rng = random.Random(seed)
+for i in range(8):
+    while True:
+        cfg = dict(parallel=rng.choice(("ddp", "fsdp", "tp", "fsdp+tp")), **random_config(rng))
+        cfg["dtype"] = rng.choice(("float16", "bfloat16", "float32"))
+        try:
+            check(dict(cfg, world_size=1)); break
+        except ValueError:
+            continue
+    print(" ".join(f"--{k}={v}" for k, v in cfg.items()))
+PY
+        i=0
+        while read -r flags; do
+            i=$((i+1)); [ "$(left)" -gt 20 ] || break
+            echo "== draw $i: $flags"
+            timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=1 train.py --audit --device=cuda \
+                --preset=cpu-tiny $flags --audit_dir="$W/nccl" --run_name=draw$i < /dev/null 2>&1 | tail -3
+            d="$W/nccl/draw$i"; [ -d "$d/rank0" ] && d="$d/rank0"
+            timeout "$(left)" python3 -m memory_audit report "$d" --trace < /dev/null | tail -12
+        done < "$W/nccl-draws.txt"
         # the SystemError of full checkpointing with dropout (torch 2.11): audited, then not
         timeout "$(left)" python3 train.py --audit --device=cuda --preset=cpu-tiny --activation_checkpointing=full \
             --dropout=0.1 --audit_dir="$W/nccl" --run_name=ac-dropout 2>&1 | tail -5
         timeout "$(left)" python3 train.py --device=cuda --preset=cpu-tiny --activation_checkpointing=full --dropout=0.1 2>&1 | tail -3
     ) > "$W/nccl.log" 2>&1 &
+fi
+if [ "$DEVICE" = cuda ]; then
+    timeout "$(left)" python3 scripts/gpu_probe.py 3,2 > "$W/probe.log" 2>&1 &
+    timeout "$(left)" python3 scripts/gpu_scale_audit.py --out="$W/scale" > "$W/scale.log" 2>&1 &
 fi
 G1="gpt2-sdpa-fp32-b4 gpt2-bias-b8 gpt2-manual-fp16 xl-manual-bf16"
 G2="gpt2-vocab32000-b8 medium-full-b8 large-sdpa-fp16-b8 large-manual-fp16-b10"
@@ -71,11 +105,14 @@ if [ "$DEVICE" = cuda ]; then
         > "$W/tests-oom.log" 2>&1
 fi
 
-tar czf "$OUT/logs.tgz" -C "$W" --exclude='keep-*' --exclude='runs*' --exclude=reserved --exclude=zoo --exclude=nccl .
+tar czf "$OUT/logs.tgz" -C "$W" --exclude='keep-*' --exclude='runs*' --exclude=reserved --exclude=zoo --exclude=nccl --exclude=scale .
 [ -d "$W/zoo" ] && tar czf "$OUT/zoo.tgz" -C "$W" zoo
 [ -d "$W/nccl" ] && tar czf "$OUT/nccl.tgz" -C "$W" nccl
 [ -d "$W/reserved" ] && tar czf "$OUT/reserved.tgz" -C "$W" reserved
+[ -d "$W/scale" ] && tar czf "$OUT/scale.tgz" -C "$W" scale
 for s in a d; do [ -d "$W/keep-$s" ] && tar czf "$OUT/keep-$s.tgz" -C "$W" "keep-$s"; done
+echo "== probe"; grep -v USDT "$W/probe.log" | cut -c1-300 | tail -60
+echo "== scale"; grep -v USDT "$W/scale.log" | cut -c1-300 | tail -12
 for f in "$W"/shadow-?.log; do echo "== $f"; grep -v -e "^ *$" -e USDT "$f" | cut -c1-400 | tail -8; done
 echo "== zoo"; grep -v -e USDT -e transformers "$W/zoo.log" | cut -c1-300 | tail -70
 echo "== nccl"; cut -c1-300 "$W/nccl.log" 2>/dev/null | tail -60

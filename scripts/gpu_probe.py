@@ -76,6 +76,11 @@ if "dumps" in parts:  # the phases' snapshots (step 2's start, before backward, 
     recorder.AuditRecording.phase = lambda self, *a, **k: None
 if "oom" in parts:  # the out-of-memory observer
     torch._C._cuda_attach_out_of_memory_observer = lambda f: None
+if "calls" in parts:  # the torch-function mode naming what the loop makes (loop_calls)
+    audit_module.Audit._watch_calls = lambda self, model: None
+if "early_stop" in parts:  # checkpoint's early stop (the exception that ends a recomputation)
+    import torch.utils.checkpoint as _ckpt
+    _ckpt.set_checkpoint_early_stop(False).__enter__()
 if "python_stacks" in parts:  # the history without Python stacks
     real = torch.cuda.memory._record_memory_history
     torch.cuda.memory._record_memory_history = lambda *a, **k: real(*a, **dict(k, stacks="cpp") if k else k)
@@ -89,6 +94,25 @@ def step(*a, **k):
     print("optimizer step done", flush=True)
     return out
 opt.step = step
+if "raises" in sys.argv[2:]:  # every exception raised in Python code, the last 30 printed at exit
+    import atexit, collections
+    seen = collections.deque(maxlen=400)
+    def note(exc, code):
+        seen.append(f"{type(exc).__name__}: {str(exc)[:80]!r} in {code.co_name} "
+                    f"({code.co_filename.split('site-packages/')[-1]}:{code.co_firstlineno})")
+    if hasattr(sys, "monitoring"):  # Python 3.12: every thread, the autograd engine's too
+        mon = sys.monitoring
+        mon.use_tool_id(3, "probe")
+        mon.register_callback(3, mon.events.RAISE, lambda code, off, exc: note(exc, code))
+        mon.set_events(3, mon.events.RAISE)
+    else:
+        def tracer(frame, event, arg):
+            if event == "exception":
+                note(arg[1], frame.f_code)
+            return tracer
+        sys.settrace(tracer)
+    atexit.register(lambda: print("raised:", *[line for line in seen if "<frozen" not in line][-30:], sep="\\n  ",
+                                  flush=True))
 audit = Audit(model, opt, out_dir=tempfile.mkdtemp() + "/r", step=2) if "audit" not in parts else None
 with audit if audit else contextlib.nullcontext():
     zoo.train(spec, "cuda", audit, model=model, optimizer=opt)
@@ -98,9 +122,9 @@ print("ok")
 # Measured on an H100 (torch 2.11, 2026-11-27): no Audit at all: ok; the Audit without any ONE of
 # ledger / its saved-tensor hooks / its RNG-state notes / its checkpoint regions / every module
 # hook: the SystemError in dropout each time. Next: everything off, then one part on at a time.
-AUDIT_VARIANTS = ("audit", "", "ledger,loop_names", "ledger,loop_names,grads", "ledger,loop_names,grads,dumps",
-                  "ledger,loop_names,grads,dumps,oom", "ledger,loop_names,grads,dumps,oom,python_stacks",
-                  "python_stacks", "dumps", "grads", "oom")
+AUDIT_VARIANTS = ("audit", "", "early_stop", "calls", "ledger,loop_names,calls", "ledger,loop_names,calls,grads",
+                  "ledger,loop_names,calls,grads,dumps", "ledger,loop_names,calls,grads,dumps,oom",
+                  "ledger,loop_names,calls,grads,dumps,oom,python_stacks", "python_stacks", "dumps", "grads", "oom")
 
 
 def run(code, *args):
@@ -111,6 +135,21 @@ def run(code, *args):
 
 
 def main():
+    """`python scripts/gpu_probe.py [PARTS]`: PARTS (default 1,3,2) picks the parts; part 3's
+    variants run four at a time, then the whole Audit once more with every exception raised in
+    Python code logged (`raises`)."""
+    parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["1", "3", "2"]
+    if "1" in parts:
+        part1()
+    if "3" in parts:
+        part3()
+    if "2" in parts:
+        print("2. who imports torch._dynamo in a CUDA shadow step")
+        rc, out = run(WHO)
+        print("\n".join("  " + line for line in out[-40:]))
+
+
+def part1():
     print("1. checkpoint + dropout under the allocator's history")
     for context, stacks, early in (("none", "python", "on"), ("all", "python", "on"), ("all", "python", "off"),
                                    ("alloc", "python", "on"), ("state", "python", "on"), ("all", "all", "on"),
@@ -119,15 +158,20 @@ def main():
         err = next((line for line in reversed(out) if "Error" in line), "") if rc else ""
         print(f"  context={context:5s} stacks={stacks:6s} early_stop={early:3s}: {'ok' if rc == 0 else 'FAILED ' + err[:160]}",
               flush=True)
-    print("3. which part of an Audit raises it (the parts named replaced by no-ops)")
-    for parts in AUDIT_VARIANTS:
-        rc, out = run(AUDIT, parts)
-        steps = sum(line == "optimizer step done" for line in out)
-        err = next((line for line in reversed(out) if "Error" in line), "") if rc else ""
-        print(f"  off: {parts or '(none)':48s} {steps} steps: {'ok' if rc == 0 else 'FAILED ' + err[:120]}", flush=True)
-    print("2. who imports torch._dynamo in a CUDA shadow step")
-    rc, out = run(WHO)
-    print("\n".join("  " + line for line in out[-40:]))
+
+
+def part3():
+    from concurrent.futures import ThreadPoolExecutor
+    print("3. which part of an Audit raises it (the parts named replaced by no-ops)", flush=True)
+    runs = [("", "raises")] + [(parts,) for parts in AUDIT_VARIANTS]
+    with ThreadPoolExecutor(4) as pool:
+        for args, (rc, out) in zip(runs, pool.map(lambda args: run(AUDIT, *args), runs)):
+            steps = sum(line == "optimizer step done" for line in out)
+            err = next((line for line in reversed(out) if "Error" in line), "") if rc else ""
+            print(f"  off: {args[0] or '(none)':58s} {steps} steps: {'ok' if rc == 0 else 'FAILED ' + err[:120]}",
+                  flush=True)
+            if len(args) > 1:  # the whole Audit with every exception raised in Python code logged
+                print("\n".join("    " + line for line in out[-40:]), flush=True)
 
 
 if __name__ == "__main__":
