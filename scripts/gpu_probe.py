@@ -80,7 +80,11 @@ if "calls" in parts:  # the torch-function mode naming what the loop makes (loop
     audit_module.Audit._watch_calls = lambda self, model: None
 if "early_stop" in parts:  # checkpoint's early stop (the exception that ends a recomputation)
     import torch.utils.checkpoint as _ckpt
-    _ckpt.set_checkpoint_early_stop(False).__enter__()
+    _ckpt._enable_checkpoint_early_stop = False
+if "free_stacks" in parts:  # the history without stacks on frees (context "alloc")
+    _real_history = torch.cuda.memory._record_memory_history
+    torch.cuda.memory._record_memory_history = lambda enabled="all", context="all", **k: _real_history(
+        enabled=enabled, context="alloc" if enabled and context == "all" else context, **k)
 if "python_stacks" in parts:  # the history without Python stacks
     real = torch.cuda.memory._record_memory_history
     torch.cuda.memory._record_memory_history = lambda *a, **k: real(*a, **dict(k, stacks="cpp") if k else k)
@@ -127,6 +131,60 @@ AUDIT_VARIANTS = ("audit", "", "early_stop", "calls", "ledger,loop_names,calls",
                   "ledger,loop_names,calls,grads,dumps,oom,python_stacks", "python_stacks", "dumps", "grads", "oom")
 
 
+TOY = """
+import sys, torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+context = sys.argv[1]
+torch.manual_seed(0)
+blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1)) for _ in range(2)).cuda()
+if context != "none":
+    torch.cuda.memory._record_memory_history(enabled="all", context=context, stacks="python")
+for step in range(2):
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    for b in blocks:
+        x = checkpoint(b, x, use_reentrant=False)
+    x.sum().backward()
+print("ok")
+"""
+
+TRAIN = """
+import runpy, sys, torch
+mode = sys.argv[1]
+if mode == "free_stacks":
+    real = torch.cuda.memory._record_memory_history
+    torch.cuda.memory._record_memory_history = lambda enabled="all", context="all", **k: real(
+        enabled=enabled, context="alloc" if enabled and context == "all" else context, **k)
+elif mode == "early_stop":
+    import torch.utils.checkpoint as ck
+    ck._enable_checkpoint_early_stop = False
+sys.argv = ["train.py"] + sys.argv[2:]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def part4():
+    """A checkpointed region whose last saved tensor is an output (dropout's mask): its
+    recomputation stops inside the op by an exception, and the op's outputs are freed on the way
+    out. Toy blocks under the allocator's history alone; train.py's audit and the Audit on the
+    zoo's encoder with frees recorded without stacks (context "alloc") or early stop off."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    print("4. dropout last in a checkpoint region", flush=True)
+    cfg = ["--audit", "--device=cuda", "--preset=cpu-tiny", "--activation_checkpointing=full", "--dropout=0.1"]
+    tmp = tempfile.mkdtemp()
+    runs = [("toy history " + c, TOY, (c,)) for c in ("none", "all", "alloc", "state")]
+    runs += [("train.py audit, " + m, TRAIN, (m, *cfg, f"--audit_dir={tmp}", f"--run_name={m}"))
+             for m in ("as_is", "free_stacks", "early_stop")]
+    runs += [("zoo encoder Audit off: " + parts, AUDIT, (parts,)) for parts in ("", "free_stacks")]
+    with ThreadPoolExecutor(5) as pool:
+        for (name, _, _), (rc, out) in zip(runs, pool.map(lambda r: run(r[1], *r[2]), runs)):
+            err = next((line for line in reversed(out) if "Error" in line), "") if rc else ""
+            print(f"  {name:48s}: {'ok' if rc == 0 else 'FAILED ' + err[:110]}", flush=True)
+            if rc == 0 and name.startswith("train.py"):
+                print("\n".join("    " + line for line in out if line.startswith("| peak") or "event" in line), flush=True)
+
+
 def run(code, *args):
     p = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=ROOT))
@@ -141,6 +199,8 @@ def main():
     parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["1", "3", "2"]
     if "1" in parts:
         part1()
+    if "4" in parts:
+        part4()
     if "3" in parts:
         part3()
     if "2" in parts:

@@ -559,20 +559,35 @@ def saved_records(first_seen, savers, device, checkpointed, short=short_module):
 
 def saved_values_of(node, in_region):
     """(attribute, tensor or list) of what a graph node saved. Inside a checkpointed region the
-    raw SavedTensor's `data` is read: it is what the node holds itself (wrapped scalars), None for
-    what the checkpoint packed, and reading it never runs the recomputation."""
+    raw SavedTensor's `data` is read: it is what the node holds itself (wrapped scalars), the
+    checkpoint's holder for what it packed, and reading it never runs the recomputation.
+    Elsewhere a saved tensor is unpacked only where no hook packed it into something else: a
+    checkpoint region nobody noted (a loop's own) would otherwise be recomputed in the forward,
+    its tensors kept until backward (and, on CUDA under the allocator's history, the
+    recomputation's early stop lost its exception: "SystemError: ... returned NULL")."""
     out = []
     for attr in dir(node):
         if in_region and attr.startswith("_raw_saved_"):
             raw = getattr(node, attr)
             value = [r.data for r in raw] if isinstance(raw, (list, tuple)) else raw.data
             out.append(("_saved_" + attr[len("_raw_saved_"):], value))
-        elif not in_region and attr.startswith("_saved_"):
+        elif not in_region and attr.startswith("_saved_") and not _packed_by_hook(getattr(node, "_raw" + attr, None)):
             try:
                 out.append((attr, getattr(node, attr)))
             except Exception:  # released or not unpackable: nothing to name
                 continue
     return out
+
+
+def _packed_by_hook(raw):
+    """Whether a raw SavedTensor (or a list of them) holds what a saved-tensor hook packed in
+    place of a tensor (torch.utils.checkpoint's holder, an offloading hook's record): unpacking
+    it runs the hook."""
+    try:
+        packed = [r.data for r in raw] if isinstance(raw, (list, tuple)) else [] if raw is None else [raw.data]
+    except Exception:  # released: nothing is unpacked
+        return False
+    return any(p is not None and not torch.is_tensor(p) for p in packed)
 
 
 def graph_savers(roots, skip=(), ident=None, raw=False):
