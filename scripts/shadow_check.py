@@ -157,6 +157,8 @@ def main():
     p.add_argument("--dtype", default=None, help="run every drawn config at this dtype (float32 on a CPU whose "
                    "bf16 matmuls go through oneDNN: docs/limits.md)")
     p.add_argument("--attention", default=None, help="run every drawn config with this attention (manual, sdpa)")
+    p.add_argument("--configs", default=None, help="instead of drawing: the configs of these JSON lines' "
+                   "\"config\" (rows of an earlier run, e.g. its errors), in order")
     p.add_argument("--rows", nargs="+", default=None, help="instead: re-predict committed results rows "
                    "(snapshots/results/*.jsonl, single-process CPU ones) with the shadow run")
     p.add_argument("--runs", nargs="+", default=None, help="instead: kept audits (run dirs, e.g. "
@@ -170,7 +172,11 @@ def main():
     print(f"seed {seed} (replay: --seed={seed})", flush=True)
     overrides = {k: v for k, v in (("dtype", args.dtype), ("attention", args.attention)) if v}
     rows = []
-    for i, row in checked(args.n, seed, lambda rng: dict(random_config(rng), **overrides), args.out, args.device, args.keep):
+    draw = lambda rng: dict(random_config(rng), **overrides)  # noqa: E731
+    if args.configs:
+        given = iter([json.loads(line)["config"] for line in open(args.configs) if line.strip()])
+        args.n, draw = sum(1 for line in open(args.configs) if line.strip()), lambda rng: next(given)  # noqa: E731
+    for i, row in checked(args.n, seed, draw, args.out, args.device, args.keep):
         rows.append(row)
         if "error" in row:
             print(f"{i}: error {row['error']}", flush=True)

@@ -86,7 +86,9 @@ def main():
     ap.add_argument("--size", default="tiny", choices=["tiny", "gpt2"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--keep", default=None)
+    ap.add_argument("--only", default=None, help="the loops of the seed to run, by index (9,11,33)")
     args = ap.parse_args()
+    only = {int(i) for i in args.only.split(",")} if args.only else None
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 20)
     deadline = float(os.environ.get("DEADLINE", "inf"))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
@@ -94,6 +96,8 @@ def main():
     done = failed = 0
     with open(args.out, "a") as f:
         for i, spec in enumerate(zoo.specs(seed, args.n, args.size)):
+            if only is not None and i not in only:
+                continue
             if time.time() > deadline - 20:
                 print(f"deadline: stopped before loop {i}", flush=True)
                 break

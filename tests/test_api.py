@@ -231,3 +231,49 @@ def test_a_model_on_cuda_0_is_on_the_device_an_audit_of_cuda_records(monkeypatch
     assert _same_device("cuda:0", torch.device("cuda")) and _same_device("cuda", "cuda:0")
     assert not _same_device("cuda:1", torch.device("cuda"))
     assert not _same_device("cpu", torch.device("cuda")) and str(indexed_device("cpu")) == "cpu"
+
+
+class _LossMethodNet(nn.Module):
+    """Checkpointed blocks with dropout, the loss made by a method: the model's forward hooks
+    never fire, so the Audit finds the loss's inputs by walking the whole graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)) for _ in range(2))
+
+    def loss(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        return x.square().mean()
+
+
+def test_reading_what_the_graph_saved_never_recomputes_a_checkpoint(tmp_path, monkeypatch):
+    """Reading a checkpointed node's saved tensor runs its unpack hook: the region's
+    recomputation, in the forward, its tensors kept until backward (and on CUDA a SystemError).
+    The Audit's walks read only what no saved-tensor hook packed."""
+    import torch.utils.checkpoint as ck
+    if not hasattr(ck, "_run_fn_with_dynamo_disabled"):
+        pytest.skip("this torch's checkpoint recomputes otherwise")
+    outside = []
+    real = ck._run_fn_with_dynamo_disabled
+
+    def spy(fn, *args, **kwargs):
+        if torch._C._current_autograd_node() is None:  # not inside backward
+            outside.append(fn)
+        return real(fn, *args, **kwargs)
+    monkeypatch.setattr(ck, "_run_fn_with_dynamo_disabled", spy)
+    torch.manual_seed(0)
+    model = _LossMethodNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    audit = Audit(model, opt, out_dir=str(tmp_path / "r"), step=2)
+    with audit:
+        for step in range(3):
+            with audit.step(step):
+                loss = model.loss(torch.randn(4, 16))
+                audit.before_backward(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    assert outside == []
+    assert measure(audit.run_dir)["phases"]["step2_end"]["attribution"]["unattributed_bytes"] == 0

@@ -63,6 +63,16 @@ def test_cuda_checkpointing_audit(tmp_path, mode, dtype, attention):
     assert any(p["categories"].get("recomputed") for p in rec["series"])
 
 
+@pytest.mark.parametrize("mode, dtype", [("full", "float16"), ("sac", "bfloat16")])
+def test_cuda_checkpointing_with_dropout_audit(tmp_path, mode, dtype):
+    """A recomputation that stops inside dropout (its mask the last tensor the region saved)
+    frees the op's outputs as its exception passes: with stacks gathered on frees the exception
+    was lost and backward died with a SystemError (torch 2.11; recorder.py records stacks on
+    allocations only). Training unchanged, every line and total exact."""
+    rec = _audit_beside_plain(tmp_path, f"--dtype={dtype}", f"--activation_checkpointing={mode}", "--dropout=0.1")
+    _assert_exact(rec)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_cuda_batch_one_full_checkpointing_peak(tmp_path, dtype):
     """The end-of-backward moments measured on CPU (the token embedding's backward; fp32 adds the

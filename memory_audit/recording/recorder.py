@@ -675,8 +675,14 @@ class AuditRecording:
         if self.cuda:
             torch.cuda.init()  # before the OOM observer: attaching it earlier has crashed
             torch.cuda.reset_peak_memory_stats(self.device)
+            # Stacks on allocations only (context "alloc"): with stacks gathered on frees too, a
+            # checkpoint's recomputation that stops early inside an op saving its output (dropout's
+            # mask) loses the stopping exception as the op's outputs are freed, and backward dies
+            # with "SystemError: ... returned NULL without setting an exception" (torch 2.11,
+            # H200; scripts/gpu_probe.py part 4 shows it without any audit). Frees are named by
+            # the allocation they free.
             torch.cuda.memory._record_memory_history(
-                enabled="all", context="all", stacks="python", max_entries=self.max_entries)
+                enabled="all", context="alloc", stacks="python", max_entries=self.max_entries)
             torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
         elif not self.defer_cpu:
             self._start_profiler()
