@@ -169,6 +169,28 @@ def test_cuda_autocast_policy_on_the_meta_tensors():
     assert casts == {True: 1, False: 2}
 
 
+def test_multihead_attention_runs_the_gpu_kernels_under_autocast():
+    """nn.MultiheadAttention hands F.multi_head_attention_forward to the torch-function modes whole,
+    and torch runs its body with every mode off: its in-projection was fp32 under autocast and its
+    SDPA the math path (H200 zoo rows of seed 69881, nn.TransformerEncoder at GPT-2's width:
+    +150 to +545 MB). The body runs under the shadow's modes: bf16 projections, cuDNN attention
+    with its dropout, and the fused dropout's bool mask after the attention."""
+    with memory_audit.shadow(device="cuda", gpu="H100") as s:
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True).cuda()
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = layer(torch.randn(2, 16, 64, device="cuda"))
+            out.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    start, end = s.result["phases"]["step2_start"], s.result["phases"]["step2_before_backward"]
+    made = [(e[1].rsplit("/", 1)[-1], e[2]) for e in s.result["events"][start:end] if e[0] == "alloc"]
+    names = [n for n, _ in made]
+    assert "_safe_softmax" not in names and "_scaled_dot_product_cudnn_attention" in names
+    assert ("mm", 2 * 16 * 3 * 64 * 2) in made  # the in-projection's output in bf16 (fp32: twice)
+
+
 @pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
 def test_checkpointing_recomputes_under_the_same_kernels(how):
     """torch.utils.checkpoint's recomputation runs with no torch-function mode on: the shadow's

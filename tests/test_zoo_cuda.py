@@ -14,30 +14,40 @@ from conftest import ROOT
 ZOO = os.path.join(ROOT, "snapshots", "results", "zoo")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+SETS = {  # archive of runs -> (rows files, top folder, runs in it)
+    "h100-zoo-408334-runs.tgz": (("h100-zoo-408334.jsonl",), "zoo2", 52),
+    "h200-zoo-256239-runs.tgz": (("h200-zoo-256239.jsonl", "h200-zoo-256239-rerun.jsonl"), "zoo", 60),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SETS))
+def runs(request, tmp_path_factory):
+    rows_files, top, count = SETS[request.param]
     out = tmp_path_factory.mktemp("zoo")
-    with tarfile.open(os.path.join(ZOO, "h100-zoo-408334-runs.tgz")) as tar:
+    with tarfile.open(os.path.join(ZOO, request.param)) as tar:
         tar.extractall(out, filter="data")
     rows = {}
-    with open(os.path.join(ZOO, "h100-zoo-408334.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            rows[f"zoo-{row['seed']}-{row['index']:02d}"] = row
-    return out / "zoo2", rows
+    for name in rows_files:
+        with open(os.path.join(ZOO, name)) as f:
+            for line in f:
+                row = json.loads(line)
+                if "error" not in row:
+                    rows[f"zoo-{row['seed']}-{row['index']:02d}"] = row
+    return out / top, rows, count
 
 
 def test_every_byte_of_every_library_loop_is_named(runs):
-    """52 loops (transformers, timm, torchvision, plain torch; fp32 and bf16; six optimizers;
-    the libraries' own checkpointing): nothing unattributed at step 2's end. The cuBLAS workspaces
+    """52 loops on an H100 and 60 on an H200 (transformers, timm, torchvision, plain torch; fp32
+    and bf16; six optimizers; the libraries' own checkpointing, with dropout on the H200):
+    nothing unattributed at step 2's end. The cuBLAS workspaces
     are made where each loop's first GEMM runs: a Linear, a rotary embedding's `@`, GPT-2's
     Conv1D addmm, Adafactor's step (a U-Net's convolutions use none), autograd's thread."""
     from memory_audit.reading.attribute import attribute
     from memory_audit.reading.loader import load_meta, load_snapshot
     from memory_audit.reading.timeline import replay
-    folder, rows = runs
+    folder, rows, count = runs
     names = sorted(os.listdir(folder))
-    assert len(names) == 52
+    assert len(names) == count
     for name in names:
         run = os.path.join(folder, name)
         meta = load_meta(run)

@@ -78,6 +78,8 @@ class Autocast:
 
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
+                if patches.composite(func):  # its linears and SDPA under the region too
+                    return patches.inside_modes(self, func, args, kwargs or {})
                 return region.call(func, args, kwargs or {})
         if not _REGIONS:
             _CACHE.clear()

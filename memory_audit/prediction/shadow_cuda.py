@@ -99,11 +99,13 @@ def device_kernels(sdpa_backend, note=None):
     GPU's: clip_grad_norm_ takes its foreach
     path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, SDPA in fp16/bf16 runs the
     kernel the device picks (cuDNN's on an H100 with torch 2.11), and dropout runs CUDA's fused
-    kernel. Yields the torch-function mode (shadow_autocast.recomputed enters it again around a
+    kernel, caught by a torch-function mode (inside nn.MultiheadAttention too: patches.inside_modes).
+    Yields the torch-function mode (shadow_autocast.recomputed enters it again around a
     recomputation)."""
     import torch
     from torch.nn.utils import clip_grad
     from torch.overrides import TorchFunctionMode
+    from .patches import composite, inside_modes
 
     class _Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -111,6 +113,8 @@ def device_kernels(sdpa_backend, note=None):
                 return _sdpa(sdpa_backend, note, *args, **(kwargs or {}))
             if func is torch.nn.functional.dropout:
                 return _dropout(*args, **(kwargs or {}))
+            if composite(func):
+                return inside_modes(self, func, args, kwargs or {})
             return func(*args, **(kwargs or {}))
     mode = _Mode()
     saved = clip_grad._has_foreach_support, clip_grad._device_has_foreach_support
