@@ -169,3 +169,25 @@ def test_a_slice_of_the_cut_list_is_the_same_blocks(tmp_path):
     whole, built, _ = runs(tmp_path, text=text)
     assert built.depth_note == "repeated"
     assert canonical(built.result) == canonical(whole.result)
+
+
+def test_the_measured_deep_llama_step():
+    """benchmarks/scale_llama.py's 1.5B step (Qwen2-1.5B's shape as a Llama: 28 decoder layers,
+    T 2048, bf16 autocast, AdamW) predicted for one GPU with its layers repeated, beside its audit
+    on an H200 (torch 2.11, snapshots/results/scale/): step 2's start, before backward, end, peak
+    and reserved memory, each to the byte."""
+    import json
+    import os
+    from conftest import ROOT
+    pytest.importorskip("transformers")
+    with open(os.path.join(ROOT, "snapshots", "results", "scale", "h200-scale-llama-1.5b.json")) as f:
+        row = json.load(f)
+    s = shadow_file(os.path.join(ROOT, "benchmarks", "scale_llama.py"), ["--size=1.5b"], repeat=True,
+                    device="cuda", gpu="H200")
+    a = s.summary["allocator"]
+    measured = row["phases"]
+    assert "repeated" in s.summary["source"]
+    assert (a["steady_state"], a["before_backward"], a["end"], a["peak"], a["reserved"]) == (
+        measured["step2_start"]["memory_allocated"], measured["step2_before_backward"]["memory_allocated"],
+        measured["step2_end"]["memory_allocated"], measured["step2_end"]["max_memory_allocated"],
+        measured["step2_end"]["memory_reserved"])
