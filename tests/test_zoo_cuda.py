@@ -59,3 +59,12 @@ def test_every_byte_of_every_library_loop_is_named(runs):
         assert measured["lines"].get("workspace/cublaslt", 0) in (0, 1 << 20, 2 << 20), name
         assert measured["balanced"], name
         assert replay(snap, meta, device=0)["peak"]["bytes"] == rows[name]["peak"]["bytes"], name
+
+
+def test_a_measured_event_is_named_by_the_code_that_made_it(runs):
+    """The audit's torch-function mode (recording/loop_calls.py) sits above every call the loop
+    makes in a CUDA trace's frames: the event a comparison prints names the function under it."""
+    from memory_audit.comparison.reconcile import step_events
+    folder, _, _ = runs
+    names = {e[1] for name in sorted(os.listdir(folder)) for e in step_events(os.path.join(folder, name))}
+    assert "__torch_function__" not in names and "handle_torch_function" not in names

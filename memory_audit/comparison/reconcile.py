@@ -268,10 +268,14 @@ def _korthikanti(cfg, rows):
                                             {r["key"]: r["actual"] for r in layer})
 
 
+_HAND_OFF = ("loop_calls.py", "overrides.py")  # the audit's torch-function mode, torch's dispatch to it
+
+
 def step_events(run_dir, phase="step2_start"):
     """[(action, op, bytes, trace entry)] of an audited step from `phase` on, as the trace
     recorded it: "alloc" or "free" (memory_allocated() drops at the free request), the op or
-    function that made it (the first frame's name), its bytes, its index in the trace."""
+    function that made it (the first frame's name, past the audit's own torch-function mode and
+    torch's hand-off to it), its bytes, its index in the trace."""
     from ..reading.trace import A
     meta = load_meta(run_dir)
     files = dict(find_snapshots(run_dir)[0])
@@ -281,8 +285,8 @@ def step_events(run_dir, phase="step2_start"):
         a = int(t.act[i])
         if a in (A["alloc"], A["free_requested"], A["free"]):
             frames = t.frames(i)
-            out.append(("alloc" if a == A["alloc"] else "free", frames[0].get("name") if frames else "?",
-                        int(t.size[i]), i))
+            name = next((f.get("name") for f in frames if not (f.get("filename") or "").endswith(_HAND_OFF)), "?")
+            out.append(("alloc" if a == A["alloc"] else "free", name, int(t.size[i]), i))
     return out
 
 
