@@ -59,7 +59,20 @@ print("dynamo imported:", "torch._dynamo" in sys.modules)
 """
 
 
-AUDIT = """
+KNOBS = """
+import sys, torch
+knobs = set(",".join(sys.argv[1:2]).split(","))
+if "all_stacks" in knobs:  # stacks on frees too (context "all"), as audits recorded before e8c7043
+    _history = torch.cuda.memory._record_memory_history
+    torch.cuda.memory._record_memory_history = lambda enabled="all", context="alloc", **k: _history(
+        enabled=enabled, context="all" if enabled and context == "alloc" else context, **k)
+if "early_stop" in knobs:  # checkpoint's early stop off (the exception that ends a recomputation)
+    import torch.utils.checkpoint as _ckpt
+    _ckpt._enable_checkpoint_early_stop = False
+"""
+
+
+AUDIT = KNOBS + """
 import contextlib, sys, tempfile, torch
 sys.path[:0] = ["scripts"]
 import zoo
@@ -78,16 +91,6 @@ if "oom" in parts:  # the out-of-memory observer
     torch._C._cuda_attach_out_of_memory_observer = lambda f: None
 if "calls" in parts:  # the torch-function mode naming what the loop makes (loop_calls)
     audit_module.Audit._watch_calls = lambda self, model: None
-if "early_stop" in parts:  # checkpoint's early stop (the exception that ends a recomputation)
-    import torch.utils.checkpoint as _ckpt
-    _ckpt._enable_checkpoint_early_stop = False
-if "free_stacks" in parts:  # the history without stacks on frees (context "alloc")
-    _real_history = torch.cuda.memory._record_memory_history
-    torch.cuda.memory._record_memory_history = lambda enabled="all", context="all", **k: _real_history(
-        enabled=enabled, context="alloc" if enabled and context == "all" else context, **k)
-if "python_stacks" in parts:  # the history without Python stacks
-    real = torch.cuda.memory._record_memory_history
-    torch.cuda.memory._record_memory_history = lambda *a, **k: real(*a, **dict(k, stacks="cpp") if k else k)
 spec = {"lib": "plain", "name": "encoder_vit", "size": "tiny", "dtype": "float32", "optimizer": "adamw", "impl": "for",
         "checkpointing": True, "batch": 7, "seed": 1, "image": 32, "classes": 10, "width": 32, "layers": 3, "heads": 4,
         "patch": 8}
@@ -123,12 +126,12 @@ with audit if audit else contextlib.nullcontext():
 print("ok")
 """
 
-# Measured on an H100 (torch 2.11, 2026-11-27): no Audit at all: ok; the Audit without any ONE of
-# ledger / its saved-tensor hooks / its RNG-state notes / its checkpoint regions / every module
-# hook: the SystemError in dropout each time. Next: everything off, then one part on at a time.
+# Measured on an H200 (torch 2.11, 2026-11-28, stacks on frees as audits then recorded): no Audit:
+# ok; the whole Audit and every variant below with one or more parts off: the SystemError at step
+# 0's backward. Its cause is the history's stacks on frees (part 4), not a part of the Audit.
 AUDIT_VARIANTS = ("audit", "", "early_stop", "calls", "ledger,loop_names,calls", "ledger,loop_names,calls,grads",
-                  "ledger,loop_names,calls,grads,dumps", "ledger,loop_names,calls,grads,dumps,oom",
-                  "ledger,loop_names,calls,grads,dumps,oom,python_stacks", "python_stacks", "dumps", "grads", "oom")
+                  "ledger,loop_names,calls,grads,dumps", "ledger,loop_names,calls,grads,dumps,oom", "dumps", "grads",
+                  "oom")
 
 
 TOY = """
@@ -148,16 +151,8 @@ for step in range(2):
 print("ok")
 """
 
-TRAIN = """
-import runpy, sys, torch
-mode = sys.argv[1]
-if mode == "free_stacks":
-    real = torch.cuda.memory._record_memory_history
-    torch.cuda.memory._record_memory_history = lambda enabled="all", context="all", **k: real(
-        enabled=enabled, context="alloc" if enabled and context == "all" else context, **k)
-elif mode == "early_stop":
-    import torch.utils.checkpoint as ck
-    ck._enable_checkpoint_early_stop = False
+TRAIN = KNOBS + """
+import runpy
 sys.argv = ["train.py"] + sys.argv[2:]
 runpy.run_path("train.py", run_name="__main__")
 """
@@ -167,16 +162,17 @@ def part4():
     """A checkpointed region whose last saved tensor is an output (dropout's mask): its
     recomputation stops inside the op by an exception, and the op's outputs are freed on the way
     out. Toy blocks under the allocator's history alone; train.py's audit and the Audit on the
-    zoo's encoder with frees recorded without stacks (context "alloc") or early stop off."""
+    zoo's encoder as they record (stacks on allocations only), with stacks on frees too
+    (`all_stacks`: the SystemError), and with those and early stop off."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
     print("4. dropout last in a checkpoint region", flush=True)
     cfg = ["--audit", "--device=cuda", "--preset=cpu-tiny", "--activation_checkpointing=full", "--dropout=0.1"]
     tmp = tempfile.mkdtemp()
     runs = [("toy history " + c, TOY, (c,)) for c in ("none", "all", "alloc", "state")]
-    runs += [("train.py audit, " + m, TRAIN, (m, *cfg, f"--audit_dir={tmp}", f"--run_name={m}"))
-             for m in ("as_is", "free_stacks", "early_stop")]
-    runs += [("zoo encoder Audit off: " + parts, AUDIT, (parts,)) for parts in ("", "free_stacks")]
+    runs += [("train.py audit, " + m, TRAIN, (m, *cfg, f"--audit_dir={tmp}", f"--run_name={m.replace(',', '-')}"))
+             for m in ("as_is", "all_stacks", "all_stacks,early_stop")]
+    runs += [("zoo encoder Audit: " + (knobs or "as is"), AUDIT, (knobs,)) for knobs in ("", "all_stacks")]
     with ThreadPoolExecutor(5) as pool:
         for (name, _, _), (rc, out) in zip(runs, pool.map(lambda r: run(r[1], *r[2]), runs)):
             err = next((line for line in reversed(out) if "Error" in line), "") if rc else ""

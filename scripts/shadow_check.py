@@ -174,8 +174,9 @@ def main():
     rows = []
     draw = lambda rng: dict(random_config(rng), **overrides)  # noqa: E731
     if args.configs:
-        given = iter([json.loads(line)["config"] for line in open(args.configs) if line.strip()])
-        args.n, draw = sum(1 for line in open(args.configs) if line.strip()), lambda rng: next(given)  # noqa: E731
+        with open(args.configs) as f:
+            given = [json.loads(line)["config"] for line in f if line.strip()]
+        args.n, draw = len(given), lambda rng, left=iter(given): next(left)  # noqa: E731
     for i, row in checked(args.n, seed, draw, args.out, args.device, args.keep):
         rows.append(row)
         if "error" in row:

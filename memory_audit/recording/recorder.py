@@ -563,8 +563,7 @@ def saved_values_of(node, in_region):
     checkpoint's holder for what it packed, and reading it never runs the recomputation.
     Elsewhere a saved tensor is unpacked only where no hook packed it into something else: a
     checkpoint region nobody noted (a loop's own) would otherwise be recomputed in the forward,
-    its tensors kept until backward (and, on CUDA under the allocator's history, the
-    recomputation's early stop lost its exception: "SystemError: ... returned NULL")."""
+    its tensors kept until backward."""
     out = []
     for attr in dir(node):
         if in_region and attr.startswith("_raw_saved_"):
