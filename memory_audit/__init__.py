@@ -4,7 +4,8 @@ The package's sides, in the order the data flows (each imports only from those b
 from the base modules schema.py and text.py; tests/test_layout.py holds it to that):
 
   reading/      snapshot files -> load, trace, replay, attribute (no torch)
-  recording/    a live run -> snapshot files (Audit, the recorder; the only side on live tensors)
+  naming/       a live or fake step's tensors -> their names (the audit and the shadow run alike)
+  recording/    a live run -> snapshot files (Audit, the recorder)
   prediction/   a config -> the predicted ledger and the shadow run's trace
   comparison/   prediction beside measurement: reconcile, report, diff, sweep, fit/plan
   cli.py        python -m memory_audit ..., on top of them all

@@ -201,6 +201,6 @@ def test_sac_outputs_are_named_by_their_module_when_the_policy_runs_before_the_o
         def __init__(self, *, is_recompute, **_):
             self.is_recompute = is_recompute
     monkeypatch.setattr(ckpt, "SelectiveCheckpointContext", Before)
-    from memory_audit.recording.recorder import _sac_policy_sees_outputs
+    from memory_audit.naming.checkpoints import _sac_policy_sees_outputs
     assert not _sac_policy_sees_outputs()
     assert _sac_saved(tmp_path, "before") == seen

@@ -9,7 +9,7 @@ from conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "memory_audit")
 # the order data flows in; a module imports from its own side, the sides before it and the base
-ORDER = {"base": 0, "reading": 1, "recording": 2, "prediction": 3, "comparison": 4, "top": 5}
+ORDER = {"base": 0, "reading": 1, "naming": 2, "recording": 3, "prediction": 4, "comparison": 5, "top": 6}
 BASE = ("schema", "text", "nodynamo", "nosympy", "_fastcore")
 TOP = ("cli", "cli_args", "__main__", "__init__")
 
@@ -118,4 +118,15 @@ def test_no_private_name_used_outside_its_module():
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 bad.append(f"{name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert bad == []
+
+
+def test_prediction_reads_the_audits_names_not_its_recorder():
+    """The shadow run names a fake step's tensors with the audit's own code (naming/), and nothing
+    of recording/ (the allocator's history, the profiler, the files) on the way."""
+    modules, bad = _modules(), []
+    for name, path in modules.items():
+        if _side(name) == "prediction":
+            bad += [f"{name}:{line} imports {target}" for target, _, line in _imports(name, path, modules)
+                    if _side(target) == "recording"]
     assert bad == []

@@ -1,4 +1,4 @@
-"""What a loop makes and keeps that no other rule names (recording/loop_calls.py): a padding mask
+"""What a loop makes and keeps that no other rule names (naming/loop_calls.py): a padding mask
 it builds, lengths it hands a loss, a validation loss, clip_grad_norm_'s total, a target picked
 by a mask. The Audit names each by the torch call that made it, and the shadow run of the same
 code gives the same names: step 2's three phases line by line, 0 B unattributed."""
@@ -124,7 +124,7 @@ def test_the_audit_leaves_no_mode_or_hook_behind_even_on_error(tmp_path):
 def test_torch_compile_traces_through_it_in_one_graph():
     """Under torch.compile the mode steps aside: a compiled function the audited code calls is one
     graph, as without the audit (it broke at the naming's own Python before)."""
-    from memory_audit.recording.loop_calls import LoopCalls
+    from memory_audit.naming.loop_calls import LoopCalls
 
     def f(x):
         return (x.sin() + 1).cos().sum()
@@ -135,7 +135,7 @@ def test_torch_compile_traces_through_it_in_one_graph():
 
 def test_a_call_whose_output_has_no_storage_to_name_runs_unnamed():
     """Sparse and nested outputs have no storage to name: the call runs and nothing is named."""
-    from memory_audit.recording.loop_calls import LoopCalls
+    from memory_audit.naming.loop_calls import LoopCalls
     with LoopCalls() as calls:
         s = torch.randn(3, 3).to_sparse()
         n = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])

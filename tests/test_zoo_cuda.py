@@ -62,7 +62,7 @@ def test_every_byte_of_every_library_loop_is_named(runs):
 
 
 def test_a_measured_event_is_named_by_the_code_that_made_it(runs):
-    """The audit's torch-function mode (recording/loop_calls.py) sits above every call the loop
+    """The audit's torch-function mode (naming/loop_calls.py) sits above every call the loop
     makes in a CUDA trace's frames: the event a comparison prints names the function under it."""
     from memory_audit.comparison.reconcile import step_events
     folder, _, _ = runs

@@ -28,7 +28,7 @@ from ..reading.inductor_plan import replay
 from .levers import forward_flops
 from .parts import act, grad_phases, line, shape_facts
 from .ledger import DEFAULTS, device_facts, param_shapes, plain, steady_lines, totals as totals_of, validate
-from ..recording.recorder import short_module
+from ..naming.tensors import short_module
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attention", "activation")
 COMPILED_DEFAULTS = dict(DEFAULTS, activation_memory_budget=1.0)
@@ -66,7 +66,7 @@ def _make_plan(cfg, device):
 
     from model import GPT, GPTConfig
 
-    from ..recording.compiled import inductor_plans
+    from ..naming.compiled import inductor_plans
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})).to(device)
     x = torch.zeros((cfg["batch_size"], cfg["block_size"]), dtype=torch.long, device=device)

@@ -172,7 +172,7 @@ def manual_attention(s, h):
             act(s, f"{h}.attn/softmax.result", DTYPE_BYTES[sm] * Na, sm, [B, nh, T, T],
                 f"{DTYPE_BYTES[sm]}*B*n_head*T^2", **core)]
     out += dropout(s, f"{h}.attn.attn_dropout", Na, sm, [B, nh, T, T], "B*n_head*T^2", **core)
-    # the audit numbers a name's second storage (recorder.saved_records): where q is a view of
+    # the audit numbers a name's second storage (naming.saved.saved_records): where q is a view of
     # c_attn's output, att @ v's input is the first storage saved as bmm.self
     att_v = f"{h}.attn/bmm.self" if _views(s) else f"{h}.attn/bmm.self#2"
     if sm != lowp:  # CUDA autocast: att @ v casts the fp32 probabilities back down

@@ -78,7 +78,7 @@ def above(site, step_site):
 
 
 def fake_ident(t):
-    from ..recording.recorder import local_tensor
+    from ..naming.tensors import local_tensor
     return address(local_tensor(t).untyped_storage())
 
 
@@ -88,7 +88,7 @@ def merged(first, then):
 
 
 class LoopLedger:
-    """The audit's saved-tensor ledger over a loop's audited step (recorder.saved_tensor_ledger,
+    """The audit's saved-tensor ledger over a loop's audited step (naming.saved.saved_tensor_ledger,
     as Audit runs it): open from the step's start, named at each backward (the last one
     counts), open again for the next micro-step's forward."""
 
@@ -97,7 +97,7 @@ class LoopLedger:
         self._open()
 
     def _open(self):
-        from ..recording.recorder import saved_tensor_ledger
+        from ..naming.saved import saved_tensor_ledger
         self.records, self.stack = [], contextlib.ExitStack()
         self.label = self.stack.enter_context(saved_tensor_ledger(self.model, self.records, "cpu", ident=address))
 

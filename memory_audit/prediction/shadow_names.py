@@ -1,7 +1,7 @@
 """The audit's names for what a shadow run made, and the step written as a snapshot.
 
 What the loop holds between steps by the names an audit gives it (held_names), what the audited
-forward saved by the saved-tensor ledger's names (naming: recorder.saved_tensor_ledger run over
+forward saved by the saved-tensor ledger's names (naming: naming.saved.saved_tensor_ledger run over
 the fake tensors), each gradient by its parameter (name_grads), and what a forward made and let
 go within the step as the temporary the audit calls it (audit_names). lines() reads a run's
 result at a phase by those names; snapshot() writes a CPU step in the snapshot schema.
@@ -15,7 +15,7 @@ from ..schema import PHASES_KEY, PREDICTED_FRAME
 def held_names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
     import torch
-    from ..recording.recorder import is_view_into_more, local_tensor, named_tensors
+    from ..naming.tensors import is_view_into_more, local_tensor, named_tensors
     out = {}
 
     def put(t, name):
@@ -44,12 +44,13 @@ def held_names(model, optimizer, held):
 @contextlib.contextmanager
 def naming(tracker, model, device_type):
     """Around the audited forward: the audit's own names of what it saves for backward
-    (recorder.saved_tensor_ledger: the module and op that saved each storage, #n for a second
+    (naming.saved.saved_tensor_ledger: the module and op that saved each storage, #n for a second
     one; storages told apart by their C++ address, fake tensors having none). Yields
     name(loss, held, loop): {allocation id: name} in tracker.saved_names for what the forward
-    made, the loop's names first (recorder.named_tensors(*loop): FSDP2's unsharded weights, the
+    made, the loop's names first (naming.tensors.named_tensors(*loop): FSDP2's unsharded weights, the
     batch, the loss), then the saved tensors' and `held`'s, as attribute.phase_names orders them."""
-    from ..recording.recorder import local_tensor, named_tensors, saved_tensor_ledger
+    from ..naming.saved import saved_tensor_ledger
+    from ..naming.tensors import local_tensor, named_tensors
     records = []
     device = "meta" if device_type == "cuda" else "cpu"  # a CUDA step's wrapped scalars are host memory
     def recomputing(context, module):
@@ -63,7 +64,7 @@ def naming(tracker, model, device_type):
 
 
 class _Recomputing:
-    """Around a checkpoint's recompute context (as recorder._RecomputeLabel is in an audit): what
+    """Around a checkpoint's recompute context (as naming.checkpoints._RecomputeLabel is in an audit): what
     the recomputation makes is keyed recomputed/<module>. A class with the audit's __enter__ and
     __exit__, not a generator: a @contextmanager generator in its place (the early stop raises
     through it) lets a SAC block's 262,144 B forward output go earlier than the audit measures
@@ -99,7 +100,7 @@ def name_grads(tracker, model):
     """After a backward, each parameter's gradient names its allocation from its making on, as
     the audit names it (a gradient zero_grad lets go has no name at the step's end; a sharded
     one by its local shard; a storage several gradients view, DDP's bucket, keeps its own name)."""
-    from ..recording.recorder import local_tensor
+    from ..naming.tensors import local_tensor
     owners = {}  # allocation id -> the parameters whose gradient lives in it
     for name, p in model.named_parameters():
         grad = None if p.grad is None else local_tensor(p.grad)
@@ -147,7 +148,7 @@ def snapshot(result):
     trace starts with what is live when the step starts (at time 0), then the step's events;
     addresses are made up, one range per allocation. What the audited forward made is named as
     the audit names it (result["saved"]: lines)."""
-    from ..recording.cpu_timeline import snapshot_at
+    from ..reading.cpu_snapshot import snapshot_at
     addr, events, t = {}, [], 0
     next_addr = 1 << 32
 

@@ -48,7 +48,7 @@ from .shadow_depth import Cut
 from .shadow_blocks import module_labels
 from .shadow_tracker import Tracker, dispatch_mode
 from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
-from ..recording.loop_calls import LoopCalls
+from ..naming.loop_calls import LoopCalls
 
 
 class _Stopped(BaseException):
@@ -92,7 +92,7 @@ class Shadow:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from .. import nosympy
         from ..nodynamo import stood_in
-        from ..recording.loop_names import LoopNames
+        from ..naming.loop_names import LoopNames
         self.tracker = tracker = Tracker()
         tracker.naming = True
         self.placeholders, self.marked, self.updating = [], False, False

@@ -61,7 +61,7 @@ class Tracker:
         self.twins = {}  # storage id -> the host values a meta tensor DDP's reducer reads stands for (shadow_dist)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
         self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow_names.naming)
-        self.made_names = {}  # allocation id -> what else the code made, named by its call (recording/loop_calls)
+        self.made_names = {}  # allocation id -> what else the code made, named by its call (naming/loop_calls)
         self.end_names = {}  # allocation id -> the name the loop gives it as the audited step ends
         self.naming = False  # name what the audited forward makes as an audit does (shadow.run(names=True))
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)

@@ -1,6 +1,6 @@
-"""The recording side: the only modules that touch live tensors during a run.
+"""The recording side: a live run's memory, written as snapshot files.
 
 audit (the Audit API train.py and any loop use) -> recorder (allocator history on CUDA, the
-profiler's memory timeline on CPU, the tensors' names) -> snapshot files; cpu_timeline turns a
-CPU profile into the CUDA snapshot schema; compiled captures what torch.compile saves and plans.
+profiler's memory timeline on CPU) -> snapshot files, the tensors named by naming/;
+cpu_timeline turns a CPU profile into the CUDA snapshot schema.
 """

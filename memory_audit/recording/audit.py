@@ -23,9 +23,11 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .loop_calls import LoopCalls
-from .loop_names import LoopNames
-from .recorder import AuditError, AuditRecording, named_tensors, saved_tensor_ledger, distributed_info, indexed_device
+from ..naming.loop_calls import LoopCalls
+from ..naming.loop_names import LoopNames
+from ..naming.saved import saved_tensor_ledger
+from ..naming.tensors import named_tensors
+from .recorder import AuditError, AuditRecording, distributed_info, indexed_device
 
 
 class Audit:
@@ -90,7 +92,7 @@ class Audit:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self._found.remove()
         if compiled:  # hooks on the compiled model would change its graph
-            from .compiled import capture, no_cache
+            from ..naming.compiled import capture, no_cache
             self._graphs = []
             self._compile_ctx = ExitStack()
             self._compile_ctx.enter_context(no_cache())
@@ -214,8 +216,8 @@ class Audit:
     def _start_ledger(self):
         stack, saved = ExitStack(), []
         if self._graphs is not None:
-            from .compiled import compiled_ledger
-            from .recorder import module_namer
+            from ..naming.compiled import compiled_ledger
+            from ..naming.tensors import module_namer
             ledger = compiled_ledger(saved, str(self.recording.device), self._graphs, module_namer(self.model))
         else:
             ledger = saved_tensor_ledger(self.model, saved, str(self.recording.device))

@@ -11,7 +11,7 @@ import re
 from ..reading.attribute import distributed_name
 from ..schema import MARKER_PREFIX, RECOMPUTE_LABEL
 
-RECOMPUTE_RANGE = MARKER_PREFIX + RECOMPUTE_LABEL  # recorder._RecomputeLabel's profiler range
+RECOMPUTE_RANGE = MARKER_PREFIX + RECOMPUTE_LABEL  # naming.checkpoints._RecomputeLabel's profiler range
 _FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<name>.*)$")
 
 
@@ -296,35 +296,3 @@ def name_compiled(events, wrappers):
                  category, label)
         out.append(e)
     return out
-
-
-def snapshot_at(events, t_cut):
-    """The snapshot dict of the allocations live at time t_cut (ns), with the trace up to it."""
-    trace, live = [], {}
-    for t, action, addr, size, frames, category, label in events:
-        if t > t_cut:
-            break
-        time_us = max(t, 0) // 1000
-        if action == "pre":  # live before the trace began: in the segments, not in the trace
-            live[addr] = (size, frames)
-        elif action == "alloc":
-            live[addr] = (size, frames)
-            trace.append({"action": "alloc", "addr": addr, "size": size, "stream": 0,
-                          "frames": frames, "time_us": time_us, "category": category})
-            if label:
-                trace[-1]["user_metadata"] = label
-        else:
-            live.pop(addr, None)
-            for a in ("free_requested", "free_completed"):
-                trace.append({"action": a, "addr": addr, "size": size, "stream": 0,
-                              "frames": frames, "time_us": time_us})
-    segments = []
-    for addr, (size, frames) in sorted(live.items()):
-        block = {"address": addr, "size": size, "requested_size": size,
-                 "state": "active_allocated", "frames": frames}
-        segments.append({"device": 0, "address": addr, "total_size": size, "allocated_size": size,
-                         "active_size": size, "requested_size": size, "stream": 0,
-                         "segment_type": "large", "segment_pool_id": [0, 0], "is_expandable": False,
-                         "frames": frames, "blocks": [block]})
-    return {"segments": segments, "device_traces": [trace],
-            "allocator_settings": {"cpu_profiler_timeline": True}}

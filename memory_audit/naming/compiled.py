@@ -168,7 +168,7 @@ def compiled_ledger(out, device, graphs, short):
                          "data_ptr": ptr, "nbytes": nbytes, "dtype": dtype, "shape": shape}
         # eager ops around the compiled graph (the loop's division) and what the loop holds:
         # named as the eager ledger names them
-        from .recorder import graph_savers, saved_records
+        from .saved import graph_savers, saved_records
         savers, info = graph_savers([loss.grad_fn]) if loss is not None else ({}, {})
         rest = {p: {"module": "", **info[p]} for p in savers if p not in seen}
         for module, t in (held or {}).items():

@@ -26,7 +26,8 @@ import weakref
 
 import torch
 
-from .recorder import local_tensor, op_name, saved_values_of, tensors_in
+from .saved import saved_values_of
+from .tensors import local_tensor, op_name, tensors_in
 
 
 def storage_ptr(t):

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .recorder import local_tensor
+from .tensors import local_tensor
 
 def storage_ptr(storage):
     return storage.data_ptr()
