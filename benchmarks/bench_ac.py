@@ -27,10 +27,10 @@ def step_ms(args, mode):
 
 
 def main():
-    from memory_audit.cli import _overrides
+    from memory_audit.cli_args import overrides
     from memory_audit.prediction.predict import device_facts, prediction
     args = sys.argv[1:] or ["--preset=cpu-mini", "--device=cpu", "--batch_size=8", "--dtype=float32"]
-    cfg = _overrides([a for a in args if not a.startswith("--device")])
+    cfg = overrides([a for a in args if not a.startswith("--device")])
     dev = device_facts("cpu") if "--device=cpu" in args else device_facts("cuda")
     base = step_ms(args, "none")
     print(f"{'mode':<10} {'step ms':>9} {'vs none':>8} {'pred recompute/forward FLOPs':>30} {'pred peak':>14}")

@@ -7,10 +7,9 @@ import json
 import os
 import pickle
 import sys
-from ast import literal_eval
 
 from .reading.loader import SnapshotError, find_snapshots, load_meta, load_snapshot
-from .cli_args import parser
+from .cli_args import device, gpu_config, overrides, parser
 from .text import GiB, fmt_bytes, table
 
 # Only what every command needs is imported here; each command imports its own side when it runs,
@@ -106,69 +105,13 @@ def _check_overwrite(path, force):
 
 # -- predict / fit ---------------------------------------------------------------------------
 
-def _overrides(extra):
-    """--KEY=VALUE pairs (train.py keys) -> dict with Python values."""
-    from .prediction.predict import DEFAULTS
-    from .prediction.ledger import presets
-    PRESETS = presets()  # model.py's, read without importing torch
-    known = dict(DEFAULTS, compile=False, activation_memory_budget=1.0)  # compile=True: compiled_predict
-    cfg = {}
-    for arg in extra:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ValueError(f"expected --KEY=VALUE, got {arg!r}")
-        key, value = arg[2:].split("=", 1)
-        if key == "preset":
-            if value not in PRESETS:
-                raise ValueError(f"unknown preset {value!r}; one of {', '.join(PRESETS)}")
-            cfg.update(PRESETS[value])
-            continue
-        if key not in known:
-            raise ValueError(f"unknown config key {key!r}")
-        try:
-            cfg[key] = literal_eval(value)
-        except (ValueError, SyntaxError):
-            cfg[key] = value
-        if isinstance(known[key], bool) and not isinstance(cfg[key], bool):
-            raise ValueError(f"--{key} expects True or False, got {value!r}")
-    return cfg
 
-
-def _device(args):
-    """The machine to predict for. A GPU not in the table needs its memory and capability:
-    guessing them would give a different answer without saying so."""
-    from .prediction.predict import GPUS, device_facts, gpu_name
-    if args.gpu.lower() == "cpu":
-        return device_facts("cpu")
-    name = gpu_name(args.gpu)
-    if args.memory is not None and args.memory <= 0:
-        raise ValueError(f"--memory must be a positive number of bytes, got {args.memory}")
-    if name is None:
-        if args.memory is None or args.capability is None:
-            raise ValueError(f"unknown GPU {args.gpu!r} (known: {', '.join(GPUS)}, cpu); for another GPU give "
-                             f"--memory=BYTES and --capability=MAJOR.MINOR")
-        major, _, minor = args.capability.partition(".")
-        if not (major.isdigit() and minor.isdigit()):
-            raise ValueError(f"--capability expects MAJOR.MINOR such as 9.0, got {args.capability!r}")
-        return device_facts("cuda", gpu=args.gpu, capability=(int(major), int(minor)), total_memory=args.memory,
-                            **_allocator(args))
-    return device_facts("cuda", gpu=name, total_memory=args.memory, **_allocator(args))
-
-
-def _allocator(args):
-    """The allocator settings of this shell (PYTORCH_CUDA_ALLOC_CONF: expandable_segments) and
-    the memory outside PyTorch (--outside, else the default estimate)."""
-    from .prediction.predict import OUTSIDE_PYTORCH_DEFAULT
-    if args.outside is not None and args.outside < 0:
-        raise ValueError(f"--outside must be >= 0 bytes, got {args.outside}")
-    env = {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG")
-           if k in os.environ}
-    return {"env": env, "outside_pytorch": OUTSIDE_PYTORCH_DEFAULT if args.outside is None else args.outside}
 
 
 def cmd_predict(args, extra):
     from .prediction.predict import traced
-    cfg = _overrides(extra)
-    dev = _device(args)
+    cfg = overrides(extra)
+    dev = device(args)
     # a trace names its allocations as an audit does (on a GPU, every block run: a repeated step has no names)
     pred, replay = traced(cfg, dev, names=bool(args.trace))
     if args.trace:
@@ -216,17 +159,9 @@ def _korthikanti_predicted(pred):
     return korthikanti_table(tensor_parallel.korthikanti_rows(pred["config"], layer, layer), measured=False)
 
 
-def _gpu_config(args, extra):
-    """(config, device) for the commands that judge a GPU's memory (fit, plan)."""
-    cfg, dev = _overrides(extra), _device(args)
-    if dev["type"] == "cpu" or not dev.get("total_memory"):
-        raise ValueError(f"{args.cmd} needs a GPU: --gpu=NAME, or --memory=BYTES with --capability")
-    return cfg, dev
-
-
 def cmd_fit(args, extra):
     from .comparison.plan import fit_result
-    cfg, dev = _gpu_config(args, extra)
+    cfg, dev = gpu_config(args, extra)
     r = fit_result(cfg, dev, args.headroom)
     if args.json:
         print(json.dumps(r, indent=1))
@@ -244,7 +179,7 @@ def cmd_fit(args, extra):
 
 def cmd_plan(args, extra):
     from .comparison.plan import plan, smallest_miss
-    cfg, dev = _gpu_config(args, extra)
+    cfg, dev = gpu_config(args, extra)
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs}: at least 1")
     r = plan(cfg, dev, args.headroom, jobs=args.jobs)

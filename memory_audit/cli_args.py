@@ -1,9 +1,12 @@
-"""The command line's parsers (cli.py runs the commands): each subcommand's arguments, and the
-help texts built only when help is printed (the config keys, the GPU table, the grids), so
-parsing a command imports neither the predictor nor torch.
+"""The command line's parsers (cli.py runs the commands): each subcommand's arguments, the config
+and the device a prediction command names (overrides, device, gpu_config), and the help texts
+built only when help is printed (the config keys, the GPU table, the grids), so parsing a command
+imports neither the predictor nor torch.
 """
 
 import argparse
+import os
+from ast import literal_eval
 
 
 def parser(description):
@@ -155,3 +158,72 @@ def _outside_help():
 def _grid_help():
     from .comparison.grids import GRIDS
     return f"a named grid of configs: {', '.join(GRIDS)} (memory_audit/comparison/grids.py)"
+
+
+# -- the config and the device a prediction command names -------------------------------------
+
+def overrides(extra):
+    """--KEY=VALUE pairs (train.py keys) -> dict with Python values."""
+    from .prediction.predict import DEFAULTS
+    from .prediction.ledger import presets
+    PRESETS = presets()  # model.py's, read without importing torch
+    known = dict(DEFAULTS, compile=False, activation_memory_budget=1.0)  # compile=True: compiled_predict
+    cfg = {}
+    for arg in extra:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"expected --KEY=VALUE, got {arg!r}")
+        key, value = arg[2:].split("=", 1)
+        if key == "preset":
+            if value not in PRESETS:
+                raise ValueError(f"unknown preset {value!r}; one of {', '.join(PRESETS)}")
+            cfg.update(PRESETS[value])
+            continue
+        if key not in known:
+            raise ValueError(f"unknown config key {key!r}")
+        try:
+            cfg[key] = literal_eval(value)
+        except (ValueError, SyntaxError):
+            cfg[key] = value
+        if isinstance(known[key], bool) and not isinstance(cfg[key], bool):
+            raise ValueError(f"--{key} expects True or False, got {value!r}")
+    return cfg
+
+
+def device(args):
+    """The machine to predict for. A GPU not in the table needs its memory and capability:
+    guessing them would give a different answer without saying so."""
+    from .prediction.predict import GPUS, device_facts, gpu_name
+    if args.gpu.lower() == "cpu":
+        return device_facts("cpu")
+    name = gpu_name(args.gpu)
+    if args.memory is not None and args.memory <= 0:
+        raise ValueError(f"--memory must be a positive number of bytes, got {args.memory}")
+    if name is None:
+        if args.memory is None or args.capability is None:
+            raise ValueError(f"unknown GPU {args.gpu!r} (known: {', '.join(GPUS)}, cpu); for another GPU give "
+                             f"--memory=BYTES and --capability=MAJOR.MINOR")
+        major, _, minor = args.capability.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            raise ValueError(f"--capability expects MAJOR.MINOR such as 9.0, got {args.capability!r}")
+        return device_facts("cuda", gpu=args.gpu, capability=(int(major), int(minor)), total_memory=args.memory,
+                            **allocator(args))
+    return device_facts("cuda", gpu=name, total_memory=args.memory, **allocator(args))
+
+
+def allocator(args):
+    """The allocator settings of this shell (PYTORCH_CUDA_ALLOC_CONF: expandable_segments) and
+    the memory outside PyTorch (--outside, else the default estimate)."""
+    from .prediction.predict import OUTSIDE_PYTORCH_DEFAULT
+    if args.outside is not None and args.outside < 0:
+        raise ValueError(f"--outside must be >= 0 bytes, got {args.outside}")
+    env = {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG")
+           if k in os.environ}
+    return {"env": env, "outside_pytorch": OUTSIDE_PYTORCH_DEFAULT if args.outside is None else args.outside}
+
+
+def gpu_config(args, extra):
+    """(config, device) for the commands that judge a GPU's memory (fit, plan)."""
+    cfg, dev = overrides(extra), device(args)
+    if dev["type"] == "cpu" or not dev.get("total_memory"):
+        raise ValueError(f"{args.cmd} needs a GPU: --gpu=NAME, or --memory=BYTES with --capability")
+    return cfg, dev

@@ -72,12 +72,12 @@ def _renders(path, tmp_path):
 
 def test_default_run_needs_no_editing():
     """With no parameter the notebook reads the newest run, else the committed H100 run."""
-    from memory_audit.comparison import views
+    from memory_audit.comparison import sweep_views, views
     run = views.default_run_dir()
     assert os.path.isfile(os.path.join(run, "meta.json"))
     rec = views.load_reconciliation(run)
     assert rec["totals"]["activations"]["actual"] > 0
-    rows = views.sweep_rows()
+    rows = sweep_views.sweep_rows()
     assert sum(r.get("status") == "ok" for r in rows) >= 28
     # the table re-predicts each row (the notebook's execution above shows all of them): the H100 rows here
-    assert len(views.sweep_table([r for r in rows if r["file"] == "h100.jsonl"])) == 16
+    assert len(sweep_views.sweep_table([r for r in rows if r["file"] == "h100.jsonl"])) == 16

@@ -204,6 +204,30 @@ class _Generated(Exception):
     """Raised once inductor has written a graph's wrapper code (before it compiles kernels)."""
 
 
+@contextmanager
+def _wrappers_only(codes, layouts):
+    """Inside: inductor stops each graph once its wrapper code is written (its code appended to
+    `codes`, its buffers' layouts to `layouts`, then _Generated raised), the backward generated
+    with the forward; dynamo's caches reset on both sides."""
+    import torch._functorch.config as fconfig
+    from torch._inductor.graph import GraphLowering
+
+    def grab(self, wrapper_code):
+        codes.append(wrapper_code.value)
+        layouts.append(buffer_layouts(self))
+        raise _Generated()
+    original, lazy = GraphLowering._compile_to_module_lines, fconfig.force_non_lazy_backward_lowering
+    GraphLowering._compile_to_module_lines = grab
+    fconfig.force_non_lazy_backward_lowering = True  # the backward is generated with the forward
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        GraphLowering._compile_to_module_lines = original
+        fconfig.force_non_lazy_backward_lowering = lazy
+        torch._dynamo.reset()
+
+
 def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     """What inductor would run for `model(*inputs)` at this activation memory budget, without
     compiling a kernel or running a step: the partitioner's saved values and the generated
@@ -216,18 +240,11 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
     """
     from contextlib import nullcontext
 
-    import torch._functorch.config as fconfig
     import torch._inductor.compile_fx as cfx
-    from torch._inductor.graph import GraphLowering
 
     codes, graphs, primals, costs, layouts = [], [], [], [], []
     owned = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     names = {p.data_ptr(): n for n, p in model.named_parameters()}
-
-    def grab(self, wrapper_code):
-        codes.append(wrapper_code.value)
-        layouts.append(buffer_layouts(self))
-        raise _Generated()
 
     def inner(gm, example_inputs, **kwargs):
         try:
@@ -244,21 +261,13 @@ def inductor_plans(model, inputs, budget=1.0, prefix="", context=None):
                        "name": names.get(t.data_ptr())} for t in example_inputs]
         return cfx.compile_fx(gm, example_inputs, inner_compile=inner)
 
-    original, lazy = GraphLowering._compile_to_module_lines, fconfig.force_non_lazy_backward_lowering
-    GraphLowering._compile_to_module_lines = grab
-    fconfig.force_non_lazy_backward_lowering = True  # the backward is generated with the forward
-    torch._dynamo.reset()
-    try:
-        with capture(graphs, prefix, costs), no_cache(), memory_budget(budget), context or nullcontext():
-            try:
-                torch.compile(model, backend=backend)(*inputs)
-            except Exception as e:
-                if not _caused_by(e, _Generated):
-                    raise
-    finally:
-        GraphLowering._compile_to_module_lines = original
-        fconfig.force_non_lazy_backward_lowering = lazy
-        torch._dynamo.reset()
+    with _wrappers_only(codes, layouts), capture(graphs, prefix, costs), no_cache(), memory_budget(budget), \
+            context or nullcontext():
+        try:
+            torch.compile(model, backend=backend)(*inputs)
+        except Exception as e:
+            if not _caused_by(e, _Generated):
+                raise
     if len(graphs) != 1 or len(codes) != 2:
         raise ValueError(f"expected one compiled graph with a forward and a backward, got {len(graphs)} "
                          f"graphs and {len(codes)} wrappers (a graph break?)")

@@ -79,61 +79,29 @@ def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
     LayerNorm weights were not all-gathered again in backward after it), and recomputations are
     labelled by `recomputing(context, module)` instead (a profiler range would be an op too).
     """
-    stack = []
-    saved = _SavedStorages(stack, ident)
+    modules = _ModuleStack(model)
+    saved = _SavedStorages(modules.stack, ident)
+    modules.weak = saved.weak
     record, first_seen, impls, weak = saved.record, saved.first_seen, saved.impls, saved.weak
     windows = []  # [start, end) autograd sequence numbers of checkpointed regions
-    seq_log = []  # (next autograd sequence number, module running from then on)
     short = module_namer(model)
-
-    # A checkpoint's recomputation (in backward) runs the modules again and may stop midway
-    # (early stop): the hooks leave it alone, so the stack stays the forward's.
-    def pre(mod, args):
-        if torch._C._current_autograd_node() is None:
-            stack.append(names[mod])
-            seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1]))
-
-    def post(mod, args, output):
-        if torch._C._current_autograd_node() is not None:
-            return
-        stack.pop()  # the last module to run keeps the wrapped scalars that follow it
-        seq_log.append((torch._C._autograd._get_sequence_nr(), stack[-1] if stack else ""))
-        if not stack:
-            weak.extend(weakref.ref(t) for t in tensors_in(output))
+    keep = _SacKept(modules.stack, record)
 
     def pack(t):
         record(t)
         return t
 
-    kept_at = {}  # a torch whose SAC policy runs before the op: op -> the modules it ran in, in order
-
-    def keep(op, output, late=False):
-        """SAC: an output the policy keeps for backward, as the op runs (output None: the policy
-        was asked before the op ran; the module running is noted), or, late, read from the
-        region's storage as it ends (named by the module noted for it)."""
-        if output is None:
-            kept_at.setdefault(op, []).append(stack[-1] if stack else None)
-            return
-        modules = kept_at.get(op) if late else None
-        module = modules.pop(0) if modules else None
-        tensors = tensors_in(output)
-        for i, t in enumerate(tensors):
-            record(t, f"{op.overloadpacket.__name__}.sac_output{i if len(tensors) > 1 else ''}", module=module)
-
-    names = {m: n for n, m in model.named_modules()}
-    handles = [h for m in names for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-
     def label(loss=None, held=None):
         """Name each saved storage; `held` maps a module path to an output the caller keeps."""
         saved.drop_freed()
         for module, t in (held or {}).items():
-            stack.append(module)
+            modules.stack.append(module)
             record(t, held=True)
-            stack.pop()
+            modules.stack.pop()
         roots = [loss.grad_fn] if loss is not None else []
         roots += [r().grad_fn for r in weak if r() is not None]
         savers, tensor_info = graph_savers(roots, windows, ident, raw=ident is not None)
-        _name_unpacked(first_seen, savers, tensor_info, seq_log, impls)
+        _name_unpacked(first_seen, savers, tensor_info, modules.seq_log, impls)
         out.extend(saved_records(first_seen, savers, device, checkpointed=bool(windows), short=short))
 
     try:
@@ -143,8 +111,58 @@ def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
                                      label=True if ident is None else recomputing, inputs=record):
             yield label
     finally:
-        for h in handles:
+        modules.remove()
+
+
+class _ModuleStack:
+    """The model's modules running in the forward, innermost last (stack), the autograd sequence
+    number from which each ran (seq_log: (number, module)), and weak references to the model's
+    outputs (weak: their grad_fns find the graph without a loss). A checkpoint's recomputation
+    (in backward) runs the modules again and may stop midway (early stop): the hooks leave it
+    alone, so the stack stays the forward's."""
+
+    def __init__(self, model):
+        self.stack, self.seq_log, self.weak = [], [], []
+        self.names = {m: n for n, m in model.named_modules()}
+        self.handles = [h for m in self.names for h in (m.register_forward_pre_hook(self.pre),
+                                                       m.register_forward_hook(self.post))]
+
+    def pre(self, mod, args):
+        if torch._C._current_autograd_node() is None:
+            self.stack.append(self.names[mod])
+            self.seq_log.append((torch._C._autograd._get_sequence_nr(), self.stack[-1]))
+
+    def post(self, mod, args, output):
+        if torch._C._current_autograd_node() is not None:
+            return
+        self.stack.pop()  # the last module to run keeps the wrapped scalars that follow it
+        self.seq_log.append((torch._C._autograd._get_sequence_nr(), self.stack[-1] if self.stack else ""))
+        if not self.stack:
+            self.weak.extend(weakref.ref(t) for t in tensors_in(output))
+
+    def remove(self):
+        for h in self.handles:
             h.remove()
+
+
+class _SacKept:
+    """SAC's `keep(op, output, late=False)`: an output the policy keeps for backward, recorded as
+    the op runs (output None: the policy was asked before the op ran, and the module running is
+    noted), or, late, read from the region's storage as it ends (named by the module noted for
+    it: a torch whose SAC policy runs before the op)."""
+
+    def __init__(self, stack, record):
+        self.stack, self.record, self.kept_at = stack, record, {}  # op -> the modules it ran in, in order
+
+    def __call__(self, op, output, late=False):
+        if output is None:
+            self.kept_at.setdefault(op, []).append(self.stack[-1] if self.stack else None)
+            return
+        modules = self.kept_at.get(op) if late else None
+        module = modules.pop(0) if modules else None
+        tensors = tensors_in(output)
+        for i, t in enumerate(tensors):
+            self.record(t, f"{op.overloadpacket.__name__}.sac_output{i if len(tensors) > 1 else ''}", module=module)
 
 
 def _name_unpacked(first_seen, savers, tensor_info, seq_log, impls=None):

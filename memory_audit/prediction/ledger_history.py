@@ -84,40 +84,53 @@ def forward_temporaries(acts, cfg):
         l = acts[i]
         module, op = _module_op(l)
         block = _block(module)
-        stream = by_key.get(f"activations/{block}.ln_2/native_layer_norm.input", 0)  # (B, T, C) fp32
-        if l["key"] == "activations/wpe/embedding.indices":
-            tok = by_key.get("activations/h.0.ln_1/native_layer_norm.input", 0)
-            at(i, "after", ("alloc", "tok_emb", tok), ("alloc", "pos_emb", tok // cfg["batch_size"]))
-        elif op == "native_layer_norm.result1" and low == 2:
-            at(i, "before", ("alloc", f"{module}.out", by_key.get(f"activations/{module}/native_layer_norm.input", 0)))
-        elif op == "native_layer_norm.input" and module.endswith("ln_2"):
-            at(i, "before", ("free", f"{block}.ln_1.out", 0))
-            at(i, "after", ("free", f"{block}.attn.c_proj.out", 0))
-        elif op == "native_layer_norm.input" and previous_block and block != previous_block:
-            at(i, "before", ("free", f"{previous_block}.ln_2.out", 0))  # the next block's stream
-            at(i, "after", ("free", f"{previous_block}.mlp.c_proj.out", 0))
-        elif manual and module.endswith("attn.c_attn") and op == "mm.self":
-            at(i, "after", ("alloc", f"{block}.qkv", 3 * by_key.get(f"activations/{block}.attn/bmm.self", 0)))
-        elif manual and op == "bmm.mat2":
-            scores = by_key.get(f"activations/{block}.attn/softmax.result", 0) * low // 4
-            at(i, "after", ("alloc", f"{block}.scores", scores), ("alloc", f"{block}.scaled", scores),
-               ("free", f"{block}.scores", 0))
-        elif manual and op == "masked_fill.mask":
-            at(i, "after", ("alloc", f"{block}.masked", by_key.get(f"activations/{block}.attn/softmax.result", 0) * low // 4),
-               ("free", f"{block}.scaled", 0))
-        elif manual and op == "softmax.result":
-            at(i, "after", ("free", f"{block}.masked", 0))
-        elif manual and module.endswith("attn.c_proj") and op == "mm.self":  # att @ v, before its copy
-            at(i, "before", ("alloc", f"{block}.y", l["bytes"]))
+        _stream_temporaries(at, i, l, (module, op, block, previous_block), by_key, cfg, low)
+        if manual:
+            _attention_temporaries(at, i, l, (module, op, block), by_key, low)
         if module.endswith("attn.c_proj") and op == "mm.self":
             at(i, "after", ("free", f"{block}.y", 0))
         if module.endswith("c_proj") and last_matmul_line.get(module) == i:
+            stream = by_key.get(f"activations/{block}.ln_2/native_layer_norm.input", 0)  # (B, T, C) fp32
             at(i, "after", ("alloc", f"{module}.out", stream * low // 4))
             if module.endswith("attn.c_proj"):
                 at(i, "after", ("free", f"{block}.qkv", 0))
         if block.startswith("h."):
             previous_block = block
     return steps
+
+
+def _stream_temporaries(at, i, l, where, by_key, cfg, low):
+    """forward_temporaries' embeddings and LayerNorm outputs around saved line i (`where`: its
+    module, op, block and the block before)."""
+    module, op, block, previous_block = where
+    if l["key"] == "activations/wpe/embedding.indices":
+        tok = by_key.get("activations/h.0.ln_1/native_layer_norm.input", 0)
+        at(i, "after", ("alloc", "tok_emb", tok), ("alloc", "pos_emb", tok // cfg["batch_size"]))
+    elif op == "native_layer_norm.result1" and low == 2:
+        at(i, "before", ("alloc", f"{module}.out", by_key.get(f"activations/{module}/native_layer_norm.input", 0)))
+    elif op == "native_layer_norm.input" and module.endswith("ln_2"):
+        at(i, "before", ("free", f"{block}.ln_1.out", 0))
+        at(i, "after", ("free", f"{block}.attn.c_proj.out", 0))
+    elif op == "native_layer_norm.input" and previous_block and block != previous_block:
+        at(i, "before", ("free", f"{previous_block}.ln_2.out", 0))  # the next block's stream
+        at(i, "after", ("free", f"{previous_block}.mlp.c_proj.out", 0))
+
+
+def _attention_temporaries(at, i, l, where, by_key, low):
+    """forward_temporaries' manual attention around saved line i (`where`: its module, op, block)."""
+    module, op, block = where
+    scores = by_key.get(f"activations/{block}.attn/softmax.result", 0) * low // 4
+    if module.endswith("attn.c_attn") and op == "mm.self":
+        at(i, "after", ("alloc", f"{block}.qkv", 3 * by_key.get(f"activations/{block}.attn/bmm.self", 0)))
+    elif op == "bmm.mat2":
+        at(i, "after", ("alloc", f"{block}.scores", scores), ("alloc", f"{block}.scaled", scores),
+           ("free", f"{block}.scores", 0))
+    elif op == "masked_fill.mask":
+        at(i, "after", ("alloc", f"{block}.masked", scores), ("free", f"{block}.scaled", 0))
+    elif op == "softmax.result":
+        at(i, "after", ("free", f"{block}.masked", 0))
+    elif module.endswith("attn.c_proj") and op == "mm.self":  # att @ v, before its copy
+        at(i, "before", ("alloc", f"{block}.y", l["bytes"]))
 
 
 def play_forward(acts, temporaries, cfg, alloc, free, live):
@@ -187,18 +200,7 @@ def predicted_gaps(ledger, cfg, expandable=False):
         return sum(extra for _, extra in live.values())
 
     weights = [l for l in ledger if l["category"] == "weights"]
-    for l in ledger:
-        if l["category"] in ("weights", "buffers"):
-            alloc(l["key"], l["bytes"])
-    for i, l in enumerate(l for l in ledger if l["key"] == "grads/ddp_buckets"):  # made by DDP(model)
-        alloc(("ddp_bucket", i), l["bytes"])
-    # cuBLAS workspaces hold segments of their own size class; they stay out of the free lists
-    # (where they fall in the history is not modelled) and count in reserved only
-    workspaces = [round_size(l["bytes"]) for l in ledger if l["category"] == "workspace"]
-    model.reserved += sum(segment_size(n) for n in workspaces)
-    batch = [l["bytes"] for l in ledger if l["key"] in ("inputs/x", "inputs/y")]
-    for i, n in enumerate(batch):
-        alloc(("batch", i), n)
+    workspaces, batch = _before_the_step(ledger, model, alloc)
     acts = [l for l in ledger if l["category"] == "activations"]
     peak_extra = [l for l in ledger if "peak" in l["phases"] and l["bytes"] > 0]
     index = {l["key"]: ("act", i) for i, l in enumerate(acts)}
@@ -238,3 +240,19 @@ def predicted_gaps(ledger, cfg, expandable=False):
     return result
 
 
+def _before_the_step(ledger, model, alloc):
+    """model.to(device) and the first batch: the weights and buffers, DDP's buckets, the batch;
+    cuBLAS workspaces hold segments of their own size class, out of the free lists (where they
+    fall in the history is not modelled), counted in reserved only. Returns (the workspaces'
+    rounded bytes, the batch's bytes)."""
+    for l in ledger:
+        if l["category"] in ("weights", "buffers"):
+            alloc(l["key"], l["bytes"])
+    for i, l in enumerate(l for l in ledger if l["key"] == "grads/ddp_buckets"):  # made by DDP(model)
+        alloc(("ddp_bucket", i), l["bytes"])
+    workspaces = [round_size(l["bytes"]) for l in ledger if l["category"] == "workspace"]
+    model.reserved += sum(segment_size(n) for n in workspaces)
+    batch = [l["bytes"] for l in ledger if l["key"] in ("inputs/x", "inputs/y")]
+    for i, n in enumerate(batch):
+        alloc(("batch", i), n)
+    return workspaces, batch

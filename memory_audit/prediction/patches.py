@@ -9,7 +9,7 @@ context manager that says why and puts back what it replaced.
   rng_states        torch.get_rng_state counted (checkpointing saves the CPU generator's state)
   no_init           torch.nn.init's initialisers as no-ops (a fake weight has no values to set)
   fsdp_on_gpu       FSDP2's GPU path on meta tensors (its device, its device handle: the streams
-                    of shadow_streams, its meta-parameter check), with UNMEASURED's notes
+                    of shadow_streams, its meta-parameter check), with rules/collectives' notes
   propagation_unseen  DTensor's sharding propagation on fake tensors of the global shapes left
                     out of the tracker (a real run does it in a FakeTensorMode of its own)
   meta              fused AdamW allowed on meta tensors, as on CUDA tensors
@@ -30,6 +30,7 @@ instruments, as an Audit's hooks are, and stay with it. Plain Python until a sha
 
 import contextlib
 
+from .rules.collectives import nccl_assumptions
 from .shadow_streams import Streams
 
 
@@ -116,31 +117,16 @@ def no_init():
         yield
 
 
-UNMEASURED = {  # what a CUDA rank's shadow assumes of its strategy's collectives under NCCL over several
-    # ranks; at world size 1 the H100 audits of snapshots/examples/nccl-ws1 (ddp, fsdp, tp) are predicted
-    # to the byte (tests/test_ranks_on_gpu.py), the reduce-scatter stream's pool included
-    "fsdp": "FSDP2's all-gather and reduce-scatter buffers on streams of their own, a caching-allocator pool "
-            "per stream, freed in program order (no record_stream); NCCL's own buffers outside PyTorch's "
-            "allocator (measured at world size 1 only, where no all-gather runs)",
-    "ddp": "DDP's buckets and the reducer's small index tensors on the compute stream; NCCL's all-reduce in "
-           "place, its own buffers outside PyTorch's allocator (measured at world size 1 only)",
-    "tp": "DTensor's collectives' outputs on the compute stream, freed in program order; NCCL's own buffers "
-          "outside PyTorch's allocator (measured at world size 1 only)",
-}
-
-
 @contextlib.contextmanager
 def fsdp_on_gpu(cfg, tracker):
     """Inside: a torchrun strategy's CUDA step on meta tensors, each assumption about NCCL's
-    collectives over several ranks noted in tracker.unmeasured (UNMEASURED). FSDP2 takes the GPU's path: its device
+    collectives over several ranks noted in tracker.unmeasured (rules/collectives). FSDP2 takes the GPU's path: its device
     is "meta" rather than the mesh's; its device handle is shadow_streams.Streams (each stream FSDP2 makes an
     id, `stream(s)` that id for the allocations made inside, events and waits nothing: the shadow
     runs in program order, as the caching allocator frees without record_stream); and its check
     that no parameter is on the meta device is off (the shadow's weights are all meta)."""
     parallel = cfg.get("parallel", "none")
-    for kind, text in UNMEASURED.items():
-        if kind in parallel and cfg.get("world_size", 1) > 1:
-            tracker.unmeasured.add(f"parallel={parallel} on NCCL over {cfg['world_size']} ranks: {text}")
+    tracker.unmeasured.update(nccl_assumptions(parallel, cfg.get("world_size", 1)))
     if "fsdp" not in parallel:
         yield
         return
@@ -243,68 +229,10 @@ def fake_modules():
     """nn.Module._apply and Tensor.__deepcopy__ for modules of fake tensors (fake_apply,
     same_mode_deepcopy), while a user's code runs in the shadow."""
     import torch
-    apply, deepcopy = torch.nn.Module._apply, torch.Tensor.__deepcopy__
-    torch.nn.Module._apply = fake_apply(apply)
-    torch.Tensor.__deepcopy__ = same_mode_deepcopy(deepcopy)
-    try:
+    from .shadow_fakes import fake_apply, same_mode_deepcopy
+    with patched([(torch.nn.Module, "_apply", fake_apply(torch.nn.Module._apply)),
+                  (torch.Tensor, "__deepcopy__", same_mode_deepcopy(torch.Tensor.__deepcopy__))]):
         yield
-    finally:
-        torch.nn.Module._apply, torch.Tensor.__deepcopy__ = apply, deepcopy
-
-
-def fake_apply(original):
-    """Module._apply for a model of fake tensors: torch swaps each fake parameter for its
-    converted one (swap_tensors), which fails on a fake tensor something holds a weak reference
-    to; here a conversion that returns the tensor itself (`.to()` to where it is) keeps it, and
-    one that makes a new tensor (`.to(dtype)`, `.half()`) is set as the parameter's (and its
-    gradient's) data, as torch does for plain tensors: the old storage goes, the Parameter stays.
-    A move to another kind of tensor (host to the meta tensors of a GPU shadow, which `.data =`
-    refuses) makes a new Parameter, once per Parameter (a tied weight stays tied)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def apply(module, fn, recurse=True, _moved=None):
-        if not any(isinstance(t, FakeTensor) for t in module.parameters()):
-            return original(module, fn, recurse)
-        moved = {} if _moved is None else _moved  # id(old Parameter) -> its new one
-        if recurse:
-            for child in module.children():
-                apply(child, fn, _moved=moved)
-        for key, param in module._parameters.items():
-            if param is None:
-                continue
-            if id(param) in moved:
-                module._parameters[key] = moved[id(param)]
-                continue
-            with torch.no_grad():
-                new = fn(param)
-            if new is param:
-                continue
-            if new.device == param.device:  # the same Parameter object: ties and an optimizer's references hold
-                param.data = new
-                if param.grad is not None:
-                    with torch.no_grad():
-                        param.grad.data = fn(param.grad)
-                continue
-            moved[id(param)] = module._parameters[key] = torch.nn.Parameter(new, param.requires_grad)
-        for key, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[key] = fn(buf)
-        return module
-    return apply
-
-
-def same_mode_deepcopy(original):
-    """Tensor.__deepcopy__ for fake tensors: the copy stays in the same FakeTensorMode (torch
-    deep-copies a fake tensor's __dict__, its mode too, and the copy's ops then mix two modes:
-    nn.TransformerEncoder clones its layer with copy.deepcopy)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def deepcopy(t, memo):
-        if isinstance(t, FakeTensor):
-            memo.setdefault(id(t.fake_mode), t.fake_mode)
-        return original(t, memo)
-    return deepcopy
 
 
 # Library checks that take a fake tensor for a trace (torch.compile, export) and run the branch

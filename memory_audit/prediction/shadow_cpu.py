@@ -6,7 +6,7 @@ per-tensor scalars, CPU mean's divide, reduced losses, layer norm's fp32 statist
 own buffers from rules/cpu.py, and the kernels asked for their own buffers (shadow_probe).
 shadow_cuda is the CUDA side's counterpart. The rules over many ops, each measured on CPU
 audits (inplace_accumulate and index_accumulate live in shadow_tracker, rng_state and
-storage_resize in patches, gloo_collectives in shadow_dist, the rest here):
+storage_resize in patches, gloo_collectives in rules/collectives, the rest here):
   inplace_accumulate  autograd's gradient sum (an add during backward whose first operand, not a
                       view and contiguous, dies with it) reuses that operand's memory; autograd
                       decides so only for a tensor Python has never seen, so watching prevents it;
@@ -30,7 +30,7 @@ storage_resize in patches, gloo_collectives in shadow_dist, the rest here):
   kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
                       CPUs with native bf16): their own buffers asked of the kernel (shadow_probe)
   gloo_collectives    under torchrun on CPU, gloo's buffers in the collectives and CPU _chunk_cat's
-                      padded copies of uneven gradients (shadow_dist.gloo_buffers, chunk_cat_pads)
+                      padded copies of uneven gradients (rules/collectives: gloo_buffers, chunk_cat_pads)
   storage_resize      untyped_storage().resize_ (FSDP2's unsharded parameters: freed with
                       resize_(0), made again with resize_(n)) frees the storage's allocation and
                       makes one of the new size; no op the dispatcher sees
@@ -46,7 +46,8 @@ Plain Python until a shadow run starts: torch is imported inside the functions.
 
 import math
 
-from . import rules, shadow_dist, shadow_probe
+from . import rules, shadow_probe
+from .rules import collectives
 from .rules import cpu as cpu_rules  # noqa: F401 -- its rules register themselves
 
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
@@ -214,8 +215,8 @@ def cpu_op(tracker, func, args, kwargs, key):
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
         held[:0] = _mean_buffers(tracker, key, args[0], out)
     if getattr(func, "namespace", "") == "fsdp" and short_name(func) == "chunk_cat":  # uneven shards padded
-        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in shadow_dist.chunk_cat_pads(args[0], args[1], args[2])]
-    for group in shadow_dist.gloo_buffers(func, args):  # each group made in order, let go in reverse
+        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in collectives.chunk_cat_pads(args[0], args[1], args[2])]
+    for group in collectives.gloo_buffers(func, args):  # each group made in order, let go in reverse
         for aid in [tracker.alloc(_buffer(key), n)[0] for n in group][::-1]:
             tracker.free(aid)
     return out, held, scalars

@@ -52,18 +52,18 @@ def script_ranks(world_size, rank, tracker):
 
 
 def script_notes(model, world_size):
-    """What a rank's prediction assumes of NCCL over several ranks (patches.UNMEASURED), one line
+    """What a rank's prediction assumes of NCCL over several ranks (rules/collectives.NCCL), one line
     per strategy the model was wrapped in (script_strategies)."""
-    from .patches import UNMEASURED
+    from .rules.collectives import NCCL
     if not world_size or world_size < 2:
         return []
-    return [f"{kind} on NCCL over {world_size} ranks: {UNMEASURED[kind]}" for kind in script_strategies(model)] or [
+    return [f"{kind} on NCCL over {world_size} ranks: {NCCL[kind]}" for kind in script_strategies(model)] or [
         f"collectives on NCCL over {world_size} ranks: their outputs as the fake process group makes them; NCCL's "
         "own buffers outside PyTorch's allocator"]
 
 
 def script_strategies(model):
-    """The torchrun strategies a user's model was wrapped in, as patches.UNMEASURED names them:
+    """The torchrun strategies a user's model was wrapped in, as rules/collectives.NCCL names them:
     "fsdp" (a module fully_shard made), "ddp" (DistributedDataParallel around it), "tp" (a
     parameter sharded other than FSDP2's dim-0 shards)."""
     import torch
