@@ -57,7 +57,8 @@ def _patched():
     return (torch.cuda.is_available, torch.accelerator.is_available, torch.autocast, torch.amp.autocast,
             torch.is_autocast_enabled, torch.get_autocast_dtype, torch.nn.Module.cuda, torch.nn.Module.to, ckpt.CheckpointFunction,
             ckpt._checkpoint_without_reentrant_generator, optimizer._get_foreach_kernels_supported_devices,
-            list(optimizer._foreach_supported_types), len(_get_current_function_mode_stack()),
+            # torch.distributed.tensor's import appends DTensor for good (torch's doing, kept)
+            [t for t in optimizer._foreach_supported_types if t.__name__ != "DTensor"], len(_get_current_function_mode_stack()),
             len(shadow_autocast._REGIONS), len(shadow_autocast._CACHE))
 
 

@@ -24,8 +24,12 @@ context manager that says why and puts back what it replaced.
                     modes (CUDA's kernels, autocast) rather than with every mode off
   patched           (owner, name, new) triples set for a block, put back on every exit (the
                     GPU shadow's torch.cuda and autocast stand-ins: shadow_gpu, shadow_autocast)
-The hooks shadow_script's session itself sets (backward, zero_grad, value reads) are its own
-instruments, as an Audit's hooks are, and stay with it. Plain Python until a shadow run starts.
+The GPU shadow's stand-ins go through `patched` beside the code they serve: torch.cuda's
+answers, device arguments and the optimizers' foreach defaults (shadow_gpu), torch.autocast and
+checkpointing's recomputation (shadow_autocast), clip_grad_norm_'s foreach path (shadow_cuda);
+so does a user script's DDP (shadow_ranks.script_ddp). The hooks shadow_script's session itself
+sets (backward, zero_grad, value reads) are its own instruments, as an Audit's hooks are, and
+stay with it. Plain Python until a shadow run starts.
 """
 
 import contextlib

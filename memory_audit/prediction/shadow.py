@@ -112,10 +112,10 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     if device_type == "cuda" and fake and cache:
         from .shadow_metacache import SHARED
         tracker.meta_cache = SHARED
-    return one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
+    return stopped_as_one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
 
 
-def one_line(tracker, fn, *args):
+def stopped_as_one_line(tracker, fn, *args):
     """fn(*args), an exception other than ValueError becoming one ShadowError line that names
     the op where the step stopped: no number is better than a wrong one. torch._dynamo is stood
     in for while it runs, where it is not imported yet, and so is symbolic_shapes, which imports

@@ -250,9 +250,7 @@ def recomputed(modes):
         @staticmethod
         def apply(function, preserve, *args):
             return real_apply.apply(again(function), preserve, *args)
-    ckpt.CheckpointFunction = _Reentrant
-    ckpt._checkpoint_without_reentrant_generator = lambda fn, *a, **k: real_generator(again(fn), *a, **k)
-    try:
+    with patches.patched([(ckpt, "CheckpointFunction", _Reentrant),
+                          (ckpt, "_checkpoint_without_reentrant_generator",
+                           lambda fn, *a, **k: real_generator(again(fn), *a, **k))]):
         yield
-    finally:
-        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = real_apply, real_generator

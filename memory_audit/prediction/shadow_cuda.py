@@ -105,7 +105,7 @@ def device_kernels(sdpa_backend, note=None):
     import torch
     from torch.nn.utils import clip_grad
     from torch.overrides import TorchFunctionMode
-    from .patches import composite, inside_modes
+    from .patches import composite, inside_modes, patched
 
     class _Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -117,14 +117,9 @@ def device_kernels(sdpa_backend, note=None):
                 return inside_modes(self, func, args, kwargs or {})
             return func(*args, **(kwargs or {}))
     mode = _Mode()
-    saved = clip_grad._has_foreach_support, clip_grad._device_has_foreach_support
-    clip_grad._has_foreach_support = lambda tensors, device: True
-    clip_grad._device_has_foreach_support = lambda device: True
-    try:
-        with mode:
-            yield mode
-    finally:
-        clip_grad._has_foreach_support, clip_grad._device_has_foreach_support = saved
+    with patched([(clip_grad, "_has_foreach_support", lambda tensors, device: True),
+                  (clip_grad, "_device_has_foreach_support", lambda device: True)]), mode:
+        yield mode
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):

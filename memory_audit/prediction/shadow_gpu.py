@@ -77,17 +77,14 @@ def devices():
             if func in to_methods:
                 args = [args[0]] + [_meta(a) for a in args[1:]]
             return func(*args, **kwargs)
-    saved = torch.nn.Module.cuda, torch.nn.Module.to
-    module_to = saved[1]
-    torch.nn.Module.cuda = lambda module, device=None: module.to("meta")
+    module_to = torch.nn.Module.to
     # Module.to parses its arguments in C++ (no torch function a mode sees): an index means the GPU
-    torch.nn.Module.to = lambda module, *args, **kwargs: module_to(
-        module, *[_meta(a) for a in args], **{k: _meta(v) if k == "device" else v for k, v in kwargs.items()})
-    try:
-        with _Mode() as mode:
-            yield mode
-    finally:
-        torch.nn.Module.cuda, torch.nn.Module.to = saved
+    with patches.patched([(torch.nn.Module, "cuda", lambda module, device=None: module.to("meta")),
+                          (torch.nn.Module, "to", lambda module, *args, **kwargs: module_to(
+                              module, *[_meta(a) for a in args],
+                              **{k: _meta(v) if k == "device" else v for k, v in kwargs.items()}))]), \
+            _Mode() as mode:
+        yield mode
 
 
 @contextlib.contextmanager
@@ -125,14 +122,13 @@ def optimizer_defaults():
     ones: their type check takes a fake parameter for a subclass, and meta is no foreach device."""
     from torch.optim import optimizer
     from torch._subclasses.fake_tensor import FakeTensor
-    devices_of, types = optimizer._get_foreach_kernels_supported_devices, list(optimizer._foreach_supported_types)
-    optimizer._get_foreach_kernels_supported_devices = lambda: devices_of() + ["meta"]
-    optimizer._foreach_supported_types.append(FakeTensor)
+    devices_of = optimizer._get_foreach_kernels_supported_devices
+    optimizer._foreach_supported_types.append(FakeTensor)  # a list torch.distributed.tensor appends to at its import
     try:
-        yield
+        with patches.patched([(optimizer, "_get_foreach_kernels_supported_devices", lambda: devices_of() + ["meta"])]):
+            yield
     finally:
-        optimizer._get_foreach_kernels_supported_devices = devices_of
-        optimizer._foreach_supported_types[:] = types
+        optimizer._foreach_supported_types.remove(FakeTensor)  # what was added meanwhile (DTensor) stays
 
 
 @contextlib.contextmanager
