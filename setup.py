@@ -10,9 +10,9 @@ from setuptools import Extension, setup
 setup(
     name="nanogpt-memory-audit",
     version="0.2.0",
-    packages=["memory_audit", "memory_audit.reading", "memory_audit.naming", "memory_audit.recording", "memory_audit.prediction",
-              "memory_audit.prediction.rules",
-              "memory_audit.comparison"],
+    packages=["memory_audit", "memory_audit.reading", "memory_audit.naming", "memory_audit.recording",
+              "memory_audit.prediction", "memory_audit.prediction.ledger", "memory_audit.prediction.shadow",
+              "memory_audit.prediction.shadow.rules", "memory_audit.comparison"],
     ext_modules=[Extension("memory_audit._fastcore", ["memory_audit/_fastcore.c"],
                            extra_compile_args=["-O2"], optional=True)],
 )

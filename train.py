@@ -174,7 +174,7 @@ if parallel != "none" and not _torchrun:
 if parallel == "none" and _torchrun and int(os.environ["WORLD_SIZE"]) > 1:
     fail("under torchrun with more than one rank, parallel must be ddp, fsdp, tp or tp-sp")
 if "tp" in parallel:
-    from memory_audit.prediction.tensor_parallel import check as _tp_check
+    from memory_audit.prediction.ledger.tensor_parallel import check as _tp_check
     try:
         _tp_check({"parallel": parallel, "world_size": int(os.environ["WORLD_SIZE"]), "tp_size": tp_size,
                    "n_head": n_head, "dropout": dropout, "set_to_none": set_to_none})

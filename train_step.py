@@ -1,5 +1,5 @@
 """One optimizer step of nanoGPT's training loop: what train.py runs, and what the memory audit's
-shadow run (memory_audit/prediction/shadow.py) runs on fake tensors, so the prediction follows
+shadow run (memory_audit/prediction/shadow/step.py) runs on fake tensors, so the prediction follows
 the loop by construction.
 
 The step reads and writes the loop's live tensors through `state` ({"X", "Y", "loss"}) and

@@ -24,7 +24,7 @@ import json, statistics, sys, time
 t0 = time.perf_counter()
 sys.path.insert(0, sys.argv[1])
 import torch, model
-from memory_audit.prediction import shadow
+from memory_audit.prediction.shadow import step as shadow
 from memory_audit.prediction.predict import DEFAULTS, device_facts
 t1 = time.perf_counter()
 preset, batch, runs = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

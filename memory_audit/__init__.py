@@ -12,9 +12,9 @@ from the base modules schema.py and text.py; tests/test_layout.py holds it to th
 
 `from memory_audit import Audit` imports torch; reading snapshots does not (it stays light).
 `from memory_audit import predict_loop` predicts any model's training step before it runs
-(prediction/shadow_script.py: the loop shadow-run on fake tensors through shadow(); CPU), and
+(prediction/shadow/script.py: the loop shadow-run on fake tensors through shadow(); CPU), and
 `with memory_audit.shadow() as s:` around a script's own code shadow-runs it as written
-(prediction/shadow_script.py; CPU).
+(prediction/shadow/script.py; CPU).
 """
 
 
@@ -26,9 +26,9 @@ def __getattr__(name):  # the recorder (and torch) only for those who record
         from .recording.recorder import AuditError
         return AuditError
     if name == "shadow":
-        from .prediction.shadow_entry import shadow
+        from .prediction.shadow.entry import shadow
         return shadow
     if name == "predict_loop":
-        from .prediction.shadow_entry import predict_loop
+        from .prediction.shadow.entry import predict_loop
         return predict_loop
     raise AttributeError(f"module 'memory_audit' has no attribute {name!r}")

@@ -134,7 +134,7 @@ def cmd_predict(args, extra):
         print(f"not measured on a GPU: {rule}")
     if args.trace:
         print(f"wrote the shadow run's {pred['shadow']['events']:,} events of step 2 to {args.trace}")
-    from .prediction import tensor_parallel
+    from .prediction.ledger import tensor_parallel
     if tensor_parallel.tp_size(pred["config"]) > 1:
         print(_korthikanti_predicted(pred))
 
@@ -152,7 +152,7 @@ def _write_trace(replay, dev, path):
 
 def _korthikanti_predicted(pred):
     """Markdown: Korthikanti et al.'s per-layer terms beside block 0's predicted bytes on one rank."""
-    from .prediction import tensor_parallel
+    from .prediction.ledger import tensor_parallel
     from .comparison.report import korthikanti_table
     layer = {l["key"]: l["bytes"] for l in pred["ledger"]
              if l["key"].startswith("activations/h.0.") and "step2_before_backward" in l["phases"]}
@@ -294,11 +294,11 @@ def _script_totals(args, summary):
 
 
 def cmd_predict_script(args):
-    """Shadow-run a training script as written (prediction/shadow_script.py) and print step 2."""
-    from .prediction.shadow import snapshot
-    from .prediction.shadow_allocator import snapshot as gpu_snapshot
-    from .prediction.shadow_entry import shadow_file
-    from .prediction.known_values import parse_assume
+    """Shadow-run a training script as written (prediction/shadow/script.py) and print step 2."""
+    from .prediction.shadow.step import snapshot
+    from .prediction.shadow.replay import snapshot as gpu_snapshot
+    from .prediction.shadow.entry import shadow_file
+    from .prediction.shadow.known_values import parse_assume
     script = args.script
     if not os.path.isfile(script) or not script.endswith(".py"):
         raise ValueError(f"{script}: not a Python file")

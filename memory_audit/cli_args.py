@@ -120,7 +120,7 @@ CHOICES = {"dtype": "float32 | bfloat16 | float16", "attention": "manual | sdpa"
 def config_help():
     """The config keys predict and fit take (train.py's), with defaults and allowed values."""
     from .prediction.predict import DEFAULTS
-    from .prediction.ledger import presets
+    from .prediction.ledger.config import presets
     PRESETS = presets()
     pairs = [("--preset=NAME", f"one of {', '.join(PRESETS)}")]
     pairs += [(f"--{key}={value}", CHOICES.get(key, type(value).__name__)) for key, value in DEFAULTS.items()]
@@ -165,9 +165,9 @@ def _grid_help():
 def overrides(extra):
     """--KEY=VALUE pairs (train.py keys) -> dict with Python values."""
     from .prediction.predict import DEFAULTS
-    from .prediction.ledger import presets
+    from .prediction.ledger.config import presets
     PRESETS = presets()  # model.py's, read without importing torch
-    known = dict(DEFAULTS, compile=False, activation_memory_budget=1.0)  # compile=True: compiled_predict
+    known = dict(DEFAULTS, compile=False, activation_memory_budget=1.0)  # compile=True: prediction/compiled
     cfg = {}
     for arg in extra:
         if not arg.startswith("--") or "=" not in arg:

@@ -1,5 +1,5 @@
 """Any model (issue #28): the peak of step 2 of a few loops that are not our GPT, measured by an
-Audit, predicted by the shadow run of the loop itself (shadow_entry.predict_loop), and by torch's own
+Audit, predicted by the shadow run of the loop itself (shadow/entry.predict_loop), and by torch's own
 MemTracker (torch.distributed._tools.mem_tracker) on the same loop in the same process.
 
     python scripts/any_model_compare.py [--device=cpu|cuda]
@@ -92,7 +92,7 @@ def memtracker_peak(make, step, device):
 def shadow_peak(make, step, device):
     if device != "cpu":
         return None, {}
-    from memory_audit.prediction import shadow_entry, shadow_loop
+    from memory_audit.prediction.shadow import entry as shadow_entry, loop as shadow_loop
     r = shadow_entry.predict_loop(make, step)
     return r["peak"], shadow_loop.peak_categories(r)
 

@@ -1,4 +1,4 @@
-"""A deep model's step built from shallow runs of itself (prediction/shadow_depth.py) against the
+"""A deep model's step built from shallow runs of itself (prediction/shadow/depth.py) against the
 same script shadow-run with every block, on one GPU (predict-script --gpu=H100's path).
 
     python scripts/depth_check.py [--seed=S] [--n=N] [--dir=scripts/deep_loops]
@@ -7,7 +7,7 @@ Draws N training scripts at random (a new seed each run unless given, printed): 
 Llama, GPT-2 and BERT from tiny configs, hand-written residual stacks in a ModuleList or an
 nn.Sequential, nn.TransformerEncoder, train.py itself; 8 to 24 blocks; fp32, bf16 autocast or fp16
 with a GradScaler; AdamW, Adam, SGD or RMSprop; micro-steps and checkpointing at random. With
---dir, the scripts there too. For each: how shadow_depth answered (repeated from 3 and 4
+--dir, the scripts there too. For each: how shadow/depth answered (repeated from 3 and 4
 blocks, nothing cut, or cut and run whole) and whether every event of the step (action, key,
 bytes, allocation), the step's lines and the allocator's numbers equal the whole run's.
 """
@@ -154,8 +154,8 @@ def draw(rng):
 
 
 def shadow_runs(script, argv):
-    """(the whole run's Shadow, shadow_depth.predicted's, seconds of each) for a script."""
-    from memory_audit.prediction.shadow_entry import shadow_file
+    """(the whole run's Shadow, shadow/depth.predicted's, seconds of each) for a script."""
+    from memory_audit.prediction.shadow.entry import shadow_file
     kw = dict(device="cuda", gpu="H100", step=2)
     with contextlib.redirect_stdout(io.StringIO()):
         t = time.perf_counter()

@@ -58,7 +58,7 @@ if [ "$DEVICE" = cuda ]; then
         python3 - > "$W/nccl-draws.txt" <<'PY'
 import random, sys
 from memory_audit.comparison.sweep import random_config
-from memory_audit.prediction.tensor_parallel import check
+from memory_audit.prediction.ledger.tensor_parallel import check
 seed = random.randrange(10**6); print("seed", seed, file=sys.stderr); rng = random.Random(seed)
 for i in range(8):
     while True:

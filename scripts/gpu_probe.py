@@ -50,8 +50,8 @@ class Hook(importlib.abc.MetaPathFinder):
         return None
 import torch
 sys.meta_path.insert(0, Hook())
-from memory_audit.prediction import shadow
-from memory_audit.prediction.ledger import resolved
+from memory_audit.prediction.shadow import step as shadow
+from memory_audit.prediction.ledger.config import resolved
 cfg = resolved({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2, "gradient_accumulation_steps": 2,
                 "activation_checkpointing": "selective", "dropout": 0.1, "dtype": "float16"})
 shadow.run(cfg, "cuda")

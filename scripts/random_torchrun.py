@@ -27,7 +27,7 @@ from memory_audit.comparison.sweep import random_config, repredict_lines  # noqa
 def draw(rng, strategies):
     """A config the strategy can run: tensor parallelism's draws are redrawn until they pass its
     rule (tensor_parallel.check: heads split over the ranks, no dropout, tp-sp's set_to_none)."""
-    from memory_audit.prediction.tensor_parallel import check
+    from memory_audit.prediction.ledger.tensor_parallel import check
     parallel = rng.choice(strategies)
     while True:
         cfg = dict(preset="cpu-tiny", device="cpu", nproc=2, parallel=parallel, **random_config(rng))
@@ -78,7 +78,7 @@ def shadow_lines(row):
     """The lines the shadow run of this rank names itself (shadow.lines) that differ from the
     measured ones, every phase."""
     from memory_audit.comparison.reconcile import shadow_lines_off
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import resolved
     cfg = resolved(row["resolved_config"])
     return shadow_lines_off(row["measured_lines"], shadow.run(cfg, names=True))

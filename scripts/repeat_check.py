@@ -1,4 +1,4 @@
-"""Check shadow_repeat on random configs: the CUDA shadow of n blocks (and k micro-steps) built
+"""Check shadow/repeat on random configs: the CUDA shadow of n blocks (and k micro-steps) built
 from runs of 3 and 4 against the shadow run of all of them, event by event (action, key, bytes,
 which allocation) and phase by phase.
 
@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memory_audit.comparison.sweep import random_config  # noqa: E402
-from memory_audit.prediction import shadow, shadow_repeat  # noqa: E402
+from memory_audit.prediction.shadow import step as shadow, repeat as shadow_repeat  # noqa: E402
 from memory_audit.prediction.predict import DEFAULTS, device_facts, gpu_name  # noqa: E402
 
 

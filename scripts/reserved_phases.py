@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 from backfill_reserved import report_table  # noqa: E402  (beside this script)
 from memory_audit.comparison.sweep import row_config  # noqa: E402
 from memory_audit.prediction.predict import resolved  # noqa: E402
-from memory_audit.prediction.shadow import replayed  # noqa: E402
+from memory_audit.prediction.shadow.step import replayed  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "snapshots", "results")
 UNIT = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}

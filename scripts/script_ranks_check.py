@@ -2,7 +2,7 @@
 --world_size=N --rank=R --step=1) against the nanoGPT shadow of the same rank (prediction(),
 what `predict --parallel=... --world_size=N --rank=R --gpu=H100` prints), on random configs: the
 two roads build the step differently (train.py's own code with its own init_process_group, DDP,
-fully_shard and parallelize_module, against shadow.py's setup of the same), so where they agree
+fully_shard and parallelize_module, against shadow/step.py's setup of the same), so where they agree
 on step 2's start, peak, end and memory_reserved() neither has a setup error of its own. Over
 several ranks neither is measured on a GPU.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 
 def draw(rng):
     """A small config and a rank: the strategy, its world size, the shapes, dtype and levers."""
-    from memory_audit.prediction.tensor_parallel import check
+    from memory_audit.prediction.ledger.tensor_parallel import check
     from memory_audit.prediction.predict import DEFAULTS
     while True:
         heads = rng.choice([2, 4, 8])

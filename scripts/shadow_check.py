@@ -5,7 +5,7 @@
 
 Draws --n configs over cpu-tiny-sized shapes (a new seed each run unless --seed replays one;
 the seed is printed first), audits each with `train.py --audit` on CPU, shadow-runs it
-(memory_audit/prediction/shadow.py) and prints, per config, the measured peak, the shadow's and the
+(memory_audit/prediction/shadow/step.py) and prints, per config, the measured peak, the shadow's and the
 one the audit's own report.json predicts (prediction(), stored in its meta.json), the lines the ledger names that differ from the audit's (every
 phase), the lines the shadow itself names that differ (shadow.lines), and for a shadow miss the first event where the two traces part (measured trace of step 2
 against the shadow's events, by action and bytes). Not a test: each config takes ~10 s.
@@ -49,7 +49,7 @@ def check(cfg, tmp, device="cpu", keep=None, compare=None):
 def shadow_compare(run, cfg=None):
     """One audited run (its report.json, meta.json and step2_end snapshot with the whole trace)
     against the shadow run of its config: peaks, steady state, lines, the first divergent event."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import resolved
     from memory_audit.reading.loader import load_meta
     from memory_audit.comparison.reconcile import device_from_meta, first_divergence, mismatched, shadow_lines_off, step_events
@@ -123,9 +123,9 @@ def kept_runs(dirs):
 def committed_rows(paths):
     """The CPU rows of committed results files (single-process, and torchrun ranks): measured beside the shadow's steady state, peak and every line it names itself."""
     from memory_audit.comparison.reconcile import shadow_lines_off
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import resolved
-    from memory_audit.prediction.shadow_probe import plain_bf16
+    from memory_audit.prediction.shadow.probe import plain_bf16
     exact = total = lines_exact = 0
     for path in paths:
         for line in open(path):

@@ -4,7 +4,7 @@
 
 For each row of snapshots/results/h100*.jsonl: measured minus predicted peak and reserved
 memory (memory_allocated()'s peak and memory_reserved() of step 2), the shadow run replayed
-through the allocator's model (memory_audit/prediction/shadow.py, shadow_allocator.py). Prints
+through the allocator's model (memory_audit/prediction/shadow/step.py, shadow/replay.py). Prints
 a markdown table. Each row is a shadow run on meta tensors (0.1-3 s).
 """
 
@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 
 
 def main():
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import resolved
     from memory_audit.comparison.sweep import row_config
     print("| row | peak measured | peak diff | reserved diff |")

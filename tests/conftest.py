@@ -59,7 +59,7 @@ def native_bf16_matmul():
     """Whether this CPU runs bf16 matmuls through oneDNN (avx512_bf16 or AMX: PyTorch's mkldnn
     bf16 path, e.g. AMD EPYC Zen 4). Those kernels allocate scratch buffers the ledger does not
     model (34,432 B after cpu-tiny's first c_attn mm at batch 1; docs/limits.md; the shadow run
-    asks the kernels, shadow_probe), so the ledger's CPU bf16 predictions are held to the byte
+    asks the kernels, shadow/probe), so the ledger's CPU bf16 predictions are held to the byte
     only where they take PyTorch's own kernels (PLAIN_BF16_ENV below)."""
     import torch
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -70,7 +70,7 @@ def native_bf16_matmul():
 # audit is run with oneDNN capped below that ISA (ONEDNN_MAX_CPU_ISA=AVX2: oneDNN's own knob;
 # torch.ops.mkldnn._is_mkldnn_bf16_supported() then answers False), so the same cases run and are
 # asserted on every CPU instead of being skipped. The shadow run needs no such cap: it asks the
-# kernels (prediction/shadow_probe), and its tests run on the CPU as it is.
+# kernels (prediction/shadow/probe), and its tests run on the CPU as it is.
 PLAIN_BF16_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2"} if native_bf16_matmul() else {}
 
 

@@ -77,7 +77,7 @@ def test_forward_history_is_the_h100_reference_forward():
     large-pool request and release (over 1 MiB) in the same order with the same size. The
     small pool (a few 4 B scalars the ledger does not order) is left out."""
     from memory_audit.reading.allocator_sim import SMALL_SIZE, round_size
-    from memory_audit.prediction.ledger_history import forward_temporaries, play_forward
+    from memory_audit.prediction.ledger.history import forward_temporaries, play_forward
     from memory_audit.prediction.predict import predict
     from memory_audit.comparison.reconcile import device_from_meta
 

@@ -46,7 +46,7 @@ def test_any_loop_named_and_predicted_to_the_byte(tmp_path, loop, onednn):
     live when the step starts, before backward and when it ends, line by line (the shadow names
     its allocations itself, with the audit's own code: nothing told), and the step's peak equal
     to the shadow run of the same loop (predict_loop), to the byte: a conv net with batch norm and Adam, an LSTM with SGD
-    momentum (oneDNN's kernels asked for their own buffers: shadow_probe) and a Llama-style
+    momentum (oneDNN's kernels asked for their own buffers: shadow/probe) and a Llama-style
     decoder, fp32 and bf16 autocast, with and without torch.utils.checkpoint called by the model
     itself (the audit's graph walk must leave the regions' saved tensors alone: reading one runs
     the recomputation: 21 MB more than the run without the audit); the conv net and
@@ -57,7 +57,7 @@ def test_any_loop_named_and_predicted_to_the_byte(tmp_path, loop, onednn):
     oneDNN, flash attention's backward makes per-thread scratch in the threads' order (the peak
     is unaffected), and at the conv net's peak 116 B the audit calls temporary are an activation
     in the shadow's names."""
-    from memory_audit.prediction.shadow_probe import plain_bf16
+    from memory_audit.prediction.shadow.probe import plain_bf16
     make, dtype, inputs = LOOPS[loop]
     step = llama_step(dtype)
     if onednn and loop.startswith("lstm") and dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -199,7 +199,7 @@ def test_a_value_read_is_answered_and_what_cannot_run_is_one_line(tmp_path, spoi
     assumed) cannot run on fake tensors: predict_loop raises one ShadowError line naming the op
     it stopped at, never a number; an Audit of the same loop still measures it."""
     from memory_audit import predict_loop
-    from memory_audit.prediction.shadow import ShadowError
+    from memory_audit.prediction.shadow.step import ShadowError
     plain = llama_step("float32")
 
     def step(model, opt, x, y, audit=None):

@@ -108,7 +108,7 @@ def test_moments_inside_a_block_backward_to_the_byte(plain_audits, name, args):
 def test_cpu_rng_state_size():
     """The predictor's constant is the size torch.get_rng_state() returns here."""
     import torch
-    from memory_audit.prediction.levers import CPU_RNG_STATE_BYTES
+    from memory_audit.prediction.ledger.levers import CPU_RNG_STATE_BYTES
     assert torch.get_rng_state().nbytes == CPU_RNG_STATE_BYTES
 
 

@@ -96,7 +96,7 @@ def test_train_py_compiled_audit_is_predicted_to_the_byte(tmp_path, monkeypatch,
     meta = json.load(open(tmp_path / "c" / "meta.json"))
     assert meta["config"]["audit_step"] == 3 and meta["config"]["activation_memory_budget"] == 0.5
     from memory_audit.cli import main
-    from memory_audit.prediction import compiled_predict
+    from memory_audit.prediction import compiled as compiled_predict
     monkeypatch.setattr(compiled_predict, "plan_for", lambda cfg, device_type: rec["compiled"]["plan"])  # the same plan
     keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "dtype", "attention",
             "gradient_accumulation_steps", "activation_memory_budget")
@@ -149,7 +149,7 @@ def test_random_compiled_configs_are_predicted_to_the_byte():
     needed."""
     import glob
 
-    from memory_audit.prediction.shadow_probe import native
+    from memory_audit.prediction.shadow.probe import native
     rows = [json.loads(l) for f in sorted(glob.glob(os.path.join(ROOT, "snapshots", "results", "random", "compile-check-*.jsonl")))
             for l in open(f)]
     here = [r for r in rows if "error" not in r and not (r["config"]["dtype"] == "bfloat16" and

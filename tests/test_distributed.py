@@ -75,7 +75,7 @@ def moved_bytes(measured, predicted):
 
 
 def _shadow_of(run_dir):
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import resolved
     rec = json.load(open(os.path.join(run_dir, "report.json")))
     return rec, shadow.run(resolved(rec["config"]), names=True)
@@ -107,7 +107,7 @@ def assert_peak(rec, run_dir):
 
 
 def assert_shadow_exact(run_dir):
-    """The shadow run of this rank (shadow_dist: a fake process group standing for it) against its
+    """The shadow run of this rank (shadow/distributed: a fake process group standing for it) against its
     audit: the step's start and every line it names to the byte, its allocations and frees event
     by event, and its peak; where the events part, only by the order gloo's thread made and let
     go its buffers in (assert_measured_peak), warned. `report RUN --trace` names where they part."""
@@ -291,7 +291,7 @@ def test_committed_torchrun_rows_are_shadow_run_to_the_byte():
     theirs did: through oneDNN)."""
     import torch
     from memory_audit.comparison.reconcile import shadow_lines_off
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import resolved
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     done = []
@@ -544,7 +544,7 @@ def test_fsdp2_shards_are_named_by_parameter(tmp_path):
 def test_parallel_prediction_per_rank_and_plan_options():
     """predict/fit/plan per rank without a run: the TP and FSDP2 rules on GPT-2 medium, bad configs
     in one line, plan's tensor-parallel options with the bytes each rank sends."""
-    from memory_audit.prediction import tensor_parallel
+    from memory_audit.prediction.ledger import tensor_parallel
     from memory_audit.comparison.plan import plan
     h100 = device_facts()
     base = dict(n_layer=24, n_head=16, n_embd=1024, batch_size=8)

@@ -289,7 +289,7 @@ def _requests(rng, n):
 
 @pytest.mark.parametrize("expandable", [False, True])
 def test_compiled_allocator_model_equals_reference(expandable, monkeypatch):
-    from memory_audit.prediction.shadow_allocator import placed
+    from memory_audit.prediction.shadow.replay import placed
     seed = random.randrange(10 ** 6)
     print(f"seed {seed}")
     rng = random.Random(seed)

@@ -1,4 +1,4 @@
-"""What a shadow run knows without data (prediction/known_values.py): values made from constants
+"""What a shadow run knows without data (prediction/shadow/known_values.py): values made from constants
 alone steer the code as in a real run, and data-dependent shapes take the size the user assumed.
 Each loop is checked against an Audit of the same code on CPU: step 2's peak and every line of
 its three phases to the byte."""
@@ -11,8 +11,8 @@ from torch import nn
 import memory_audit
 from memory_audit import Audit
 from memory_audit.comparison.reconcile import first_divergence, measure, step_events
-from memory_audit.prediction.known_values import parse_assume
-from memory_audit.prediction.shadow import ShadowError
+from memory_audit.prediction.shadow.known_values import parse_assume
+from memory_audit.prediction.shadow.step import ShadowError
 
 
 class Packed(nn.Module):
@@ -179,7 +179,7 @@ def test_an_assumption_that_cannot_hold_is_one_line(assume):
 def _known_after(body):
     """What KnownValues knows of the tensor `body` returns, run on fake tensors under it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from memory_audit.prediction.known_values import KnownValues
+    from memory_audit.prediction.shadow.known_values import KnownValues
     known = KnownValues(assume={"nonzero": 2})
     with FakeTensorMode(allow_non_fake_inputs=True), known.watching():
         t = body()
@@ -226,7 +226,7 @@ def test_what_is_written_with_an_unknown_is_forgotten():
 def test_a_real_tensor_handed_in_is_never_written():
     import numpy as np
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from memory_audit.prediction.known_values import KnownValues
+    from memory_audit.prediction.shadow.known_values import KnownValues
     arr = np.zeros(3, dtype=np.float32)
     with FakeTensorMode(allow_non_fake_inputs=True), KnownValues().watching():
         torch.from_numpy(arr).add_(1)
@@ -420,7 +420,7 @@ def test_unique_of_known_values_is_sized_and_of_data_stops_in_one_line():
 
 class CrossAttended(nn.Module):
     """Whisper's decoder in small: positions from `arange(T).repeat(B, 1)` (repeat's host-side
-    permutation, rules/cpu.py) and SDPA from 10 queries over 24 keys of a memory (CPU flash
+    permutation, shadow/rules/cpu.py) and SDPA from 10 queries over 24 keys of a memory (CPU flash
     attention's buffers sized by the key's length, not the query's)."""
 
     def __init__(self):

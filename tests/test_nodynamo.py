@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # thing the step asks of torch._dynamo) and a CPU one on fake tensors (FakeTensorMode's dispatch)
 STEP = """
 import hashlib, json, sys
-from memory_audit.prediction import shadow
-from memory_audit.prediction.ledger import resolved
+from memory_audit.prediction.shadow import step as shadow
+from memory_audit.prediction.ledger.config import resolved
 out = {}
 for device, extra in (("cuda", {"dtype": "float16"}), ("cpu", {})):
     cfg = resolved(dict({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2, "gradient_accumulation_steps": 2,

@@ -14,8 +14,8 @@ from test_nodynamo import _python
 # symbolic_shapes itself
 STEP = """
 import hashlib, json, sys
-from memory_audit.prediction import shadow
-from memory_audit.prediction.ledger import resolved
+from memory_audit.prediction.shadow import step as shadow
+from memory_audit.prediction.ledger.config import resolved
 out = {}
 for i, extra in enumerate(({"dtype": "float16", "activation_checkpointing": "selective", "dropout": 0.1,
                             "gradient_accumulation_steps": 2},
@@ -126,11 +126,11 @@ external._LoaderBasics.exec_module = _counted
 
 
 def test_dense_is_what_cpp_decides():
-    """shadow_tracker.dense (autograd's in-place gradient sum asks it; torch's Python reference
+    """shadow/tracker.dense (autograd's in-place gradient sum asks it; torch's Python reference
     imports sympy) against c10's own answer, read through empty_like (which keeps the strides of
     a non-overlapping, dense tensor) on random layouts: permuted contiguous ones, some spoiled,
     and random strides, sizes 0-5 over 1-5 dims."""
-    from memory_audit.prediction.shadow_tracker import dense
+    from memory_audit.prediction.shadow.tracker import dense
     seed = random.randrange(1 << 20)
     rng = random.Random(seed)
     dense_seen = 0

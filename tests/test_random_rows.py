@@ -74,9 +74,9 @@ def test_the_audits_own_report_gave_the_measured_peak():
 def test_committed_cpu_random_rows_are_the_shadow_runs_peak(part):
     """A quarter of the 540 single-process CPU rows: the shadow run of each config, made now,
     gives the measured peak to the byte (bf16 as the row's CPU ran its matmuls)."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import resolved
-    from memory_audit.prediction.shadow_probe import plain_bf16
+    from memory_audit.prediction.shadow.probe import plain_bf16
     import torch
     rows = [(p, r) for p in CPU_FILES for r in _measured(p)[0]][part::PARTS]
     here, misses, skipped, threads = native_bf16_matmul(), [], 0, torch.get_num_threads()
@@ -105,7 +105,7 @@ def test_committed_h200_random_rows_are_the_shadow_runs():
     """The 91 audited random tiny CUDA configs (H200, torch 2.11): the CUDA shadow run of each,
     replayed through the allocator's model now, gives the measured peak to the byte."""
     from memory_audit.comparison.reconcile import device_from_meta
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import DEFAULTS, resolved
     device = device_from_meta({"device": {"type": "cuda", "name": "NVIDIA H200"}})
     misses = []
@@ -123,7 +123,7 @@ def test_committed_torchrun_random_rows_are_the_shadow_runs_of_their_ranks():
     byte, and the known misses are still those bytes (a fixed one, or a new one, fails)."""
     import random
 
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import resolved
     rows = [(os.path.basename(p), i, json.loads(line)) for p in TORCHRUN for i, line in enumerate(open(p))]
     rows = [(f, i, r) for f, i, r in rows if r["status"] == "ok"]

@@ -1,7 +1,7 @@
 """A torchrun rank's CUDA step from the shadow run, never a second model: FSDP2 on streams of
 its own (a caching-allocator pool each), DDP's reducer reading the host values its meta tensors
 stand for, DTensor's collectives; each assumption about NCCL named as not measured on a GPU
-(memory_audit/prediction/shadow_dist.py, shadow_allocator.py). Measured: the three H100 audits at
+(memory_audit/prediction/shadow/distributed.py, shadow/replay.py). Measured: the three H100 audits at
 world size 1 on NCCL (snapshots/examples/nccl-ws1); over several ranks the shadow is held to itself
 and to the CPU shadow."""
 
@@ -22,7 +22,7 @@ def test_a_rank_on_a_gpu_is_its_shadow_run_with_the_nccl_assumptions_named(paral
     """Over two ranks (four for fsdp+tp): the totals every command reads are the shadow run's
     replay (no other model answers), and each strategy in the config names once what it assumes
     of NCCL."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     cfg = resolved(dict(TINY, parallel=parallel, **({"world_size": 4, "tp_size": 2} if "+" in parallel else {})))
     t = prediction(cfg, H100)["totals"]
     r = shadow.replayed(cfg, H100, repeat=False)
@@ -42,8 +42,8 @@ def test_the_nccl_audits_at_world_size_one_are_predicted_to_the_byte(strategy):
     segment is why reserved is exact (one pool for every stream: 2 MiB under)."""
     import pickle
     from memory_audit.comparison.reconcile import device_from_meta
-    from memory_audit.prediction import shadow
-    from memory_audit.prediction.shadow_allocator import replay, snapshot
+    from memory_audit.prediction.shadow import step as shadow
+    from memory_audit.prediction.shadow.replay import replay, snapshot
     from memory_audit.reading.loader import load_meta
     run = os.path.join(EXAMPLES, "nccl-ws1", strategy)
     meta = load_meta(run)
@@ -68,8 +68,8 @@ def test_fsdp2s_collective_buffers_live_in_their_own_streams_segments():
     """The all-gather's copy-in and the reduce-scatter's buffers are made on FSDP2's own streams,
     and the allocator's model serves each stream from segments of its own, as the caching
     allocator does: no block of a segment holds another stream's allocation."""
-    from memory_audit.prediction import shadow
-    from memory_audit.prediction.shadow_allocator import snapshot
+    from memory_audit.prediction.shadow import step as shadow
+    from memory_audit.prediction.shadow.replay import snapshot
     r = shadow.run(resolved(dict(TINY, parallel="fsdp")), "cuda", workspace_bytes=H100["workspace_bytes"])
     made = {r["streams"][aid] for action, _, _, aid in r["events"] if action == "alloc" and aid in r["streams"]}
     assert len(made) == 2  # the all-gather copy-in stream and the reduce-scatter stream
@@ -85,7 +85,7 @@ def test_fsdp2s_collective_buffers_live_in_their_own_streams_segments():
 def test_a_block_freed_on_one_stream_serves_no_other():
     """1,000 B made and freed on a side stream, then 1,000 B on the compute stream: a second 2 MiB
     segment, where one stream reuses the first."""
-    from memory_audit.prediction.shadow_allocator import replay
+    from memory_audit.prediction.shadow.replay import replay
     events = [("alloc", "a", 1000, 0), ("free", "a", 1000, 0), ("alloc", "b", 1000, 1)]
     step = {"history": [], "events": events, "phases": {"step2_start": 0, "step2_end": 3}}
     assert replay(step)["reserved"] == 2 << 20
@@ -95,7 +95,7 @@ def test_a_block_freed_on_one_stream_serves_no_other():
 def test_ddps_buckets_on_a_gpu_are_the_buckets_of_the_cpu_shadow():
     """DDP's reducer on meta tensors reads its bucket sizes and indices from host twins: the
     buckets it keeps are those the CPU shadow (real integer tensors) keeps, byte for byte."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     cfg = resolved(dict(TINY, parallel="ddp", n_layer=3, dtype="float32"))
 
     def buckets(r):
@@ -125,7 +125,7 @@ def test_random_ranks_on_random_gpus_run_and_keep_the_cpu_shadows_buckets():
     are the CPU shadow's."""
     import random
     from memory_audit.comparison.sweep import random_config
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import DEFAULTS, validate
     seed = int(os.environ["SHADOW_SEED"])
     rng, ran = random.Random(seed), 0

@@ -1,5 +1,5 @@
 """Rules as data (issue #45): each CUDA rule is one registry entry per op and part, registered
-beside its definition in memory_audit/prediction/rules/cuda.py, its docstring naming the GPU
+beside its definition in memory_audit/prediction/shadow/rules/cuda.py, its docstring naming the GPU
 traces it was read from; the shadow's tracker finds it by the op it runs."""
 
 import glob
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from memory_audit.prediction import shadow_cuda
-from memory_audit.prediction.rules import REGISTRY, cuda, parts, rule
+from memory_audit.prediction.shadow import cuda as shadow_cuda
+from memory_audit.prediction.shadow.rules import REGISTRY, cuda, parts, rule
 
 SOURCES = ("tiny H100 audit", "random H200 audits", "random H100 audits", "GPT-2-sized H200 runs", "zoo H100 traces")
 
@@ -49,9 +49,9 @@ def test_a_rule_outside_its_sample_is_said_in_words():
 
 
 def test_every_cpu_rule_is_found_by_its_op_and_names_where_it_was_read():
-    """rules/cpu.py: each op's rule reached by the tracker's lookup, its docstring naming the
+    """shadow/rules/cpu.py: each op's rule reached by the tracker's lookup, its docstring naming the
     audits it was read from by a file in the repository (a test, a script or a results file)."""
-    from memory_audit.prediction.rules import cpu  # noqa: F401 -- registers
+    from memory_audit.prediction.shadow.rules import cpu  # noqa: F401 -- registers
     assert len(REGISTRY["cpu"]) >= 9
     for name, found in REGISTRY["cpu"].items():
         packet, op, overload = name.split(".")

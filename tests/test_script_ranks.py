@@ -1,6 +1,6 @@
 """A user's script shadow-run as one rank of a torchrun job on GPUs this machine does not have
 (`shadow(device="cuda", world_size=N, rank=R)`, `predict-script --gpu --world_size`;
-shadow_ranks.script_ranks): its own init_process_group, DDP, FSDP2 and tensor parallelism on the
+shadow/ranks.script_ranks): its own init_process_group, DDP, FSDP2 and tensor parallelism on the
 fake process group. train.py itself, run as a user's script at world size 1, against the H100
 audits of the same three strategies on NCCL (snapshots/examples/nccl-ws1; no rule of the
 script path was read from them)."""
@@ -109,7 +109,7 @@ def test_a_rank_that_fails_puts_everything_back():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     import memory_audit
-    from memory_audit.prediction.shadow import ShadowError
+    from memory_audit.prediction.shadow.step import ShadowError
     before = (dist.init_process_group, dist.destroy_process_group, DistributedDataParallel.__init__,
               DistributedDataParallel.register_comm_hook, torch.amp.GradScaler.update, os.environ.get("RANK"))
     with pytest.raises(ShadowError):

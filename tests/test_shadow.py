@@ -1,4 +1,4 @@
-"""The shadow run (memory_audit/prediction/shadow.py): train.py's step on fake tensors, checked against CPU
+"""The shadow run (memory_audit/prediction/shadow/step.py): train.py's step on fake tensors, checked against CPU
 audits of configs nobody chose. The seed is new each run and printed; SHADOW_SEED=N replays it."""
 
 import collections
@@ -14,7 +14,7 @@ from memory_audit.prediction.predict import predicted_snapshot
 from memory_audit.reading.loader import load_meta
 from memory_audit.reading.viz import categorized
 from memory_audit.prediction.predict import resolved
-from memory_audit.prediction.shadow_probe import plain_bf16
+from memory_audit.prediction.shadow.probe import plain_bf16
 from memory_audit.comparison.reconcile import first_divergence, mismatched, shadow_lines_off, step_events
 from memory_audit.comparison.sweep import random_config
 
@@ -34,7 +34,7 @@ def test_random_config_peak_is_the_shadow_runs(tmp_path, i):
     names is the audit's, in every phase (a line on one side only counts), so is every line the
     shadow run names itself (shadow.lines), and the measured peak of its CPU audit equals the
     shadow run's to the byte; a miss names the first event where the two traces part."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     rng = random.Random(SEED)
     for _ in range(i + 1):
         cfg = random_config(rng)
@@ -76,7 +76,7 @@ def _step_categories(snap, meta):
 
 
 # the config that first showed CPU flash attention's bf16 backward packing per block through
-# oneDNN's brgemm (shadow_probe.FLASH_CPU): 3 layers, bf16 SDPA at T=256, SAC every 2nd block
+# oneDNN's brgemm (shadow/probe.FLASH_CPU): 3 layers, bf16 SDPA at T=256, SAC every 2nd block
 FLASH_BF16 = dict(n_layer=3, n_head=2, n_embd=32, vocab_size=97, batch_size=1, block_size=256, dtype="bfloat16",
                   attention="sdpa", activation="relu", activation_checkpointing="sac", ac_every=2,
                   set_to_none=False, keep_logits=False, optimizer_impl="foreach")
@@ -86,7 +86,7 @@ def test_bf16_flash_attention_is_asked_of_its_kernel(tmp_path):
     """bf16 SDPA on CPU as this CPU runs it: the shadow's step 2 is the audit's event by event and
     its peak the measured one (on a CPU with oneDNN bf16 the flash kernels are probed; elsewhere
     flash_cpu_buffers' rule answers)."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     p = run_train("--audit", "--device=cpu", "--preset=cpu-tiny", f"--audit_dir={tmp_path}", "--run_name=r",
                   *[f"--{k}={v}" for k, v in FLASH_BF16.items()], timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -139,7 +139,7 @@ def test_committed_cpu_rows_are_the_shadow_runs(grid):
     line of every phase as the shadow names it itself (shadow.lines). cpu-mini-ac's
     16 rows (larger models, 14 s) are left out for CI's time: `python scripts/shadow_check.py --rows
     snapshots/results/cpu-mini-ac.jsonl` checks them (16 of 16 exact when this test was written)."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from conftest import ROOT
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "snapshots", "results", f"{grid}.jsonl"))]
     rows = [r for r in rows if r["status"] == "ok" and "nproc" not in r["config"]

@@ -1,6 +1,6 @@
 """The shadow run of a CUDA step, checked on CPU against what GPUs measured (issue #26): the two
 committed tiny CUDA audits event by event from the process's start, and the H100 rows on their
-steady state, peak and reserved memory. The CUDA rules (memory_audit/prediction/shadow_cuda.py) were read
+steady state, peak and reserved memory. The CUDA rules (memory_audit/prediction/shadow/cuda.py) were read
 from the tiny audits, random tiny H200 audits and 11 GPT-2-sized H200 runs (IN_SAMPLE below: 11 of
 the 28 H100 rows share those runs' configs; the other 17 are out of every rule's sample)."""
 
@@ -37,7 +37,7 @@ def test_tiny_cuda_audit_is_the_shadow_run_event_by_event(name):
     live at step 2's start by the name and bytes the audit's registry gives it; and every line of
     every phase of its report as the shadow names it itself (shadow.lines: the saved tensors by
     the module and op that saved them, the cuBLAS workspaces, ...)."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.reading.loader import load_meta
     from memory_audit.comparison.reconcile import first_divergence, shadow_lines_off
     run = os.path.join(EXAMPLES, name)
@@ -80,7 +80,7 @@ def test_h100_rows_from_the_shadow_run(part):
     the allocator's model gives the measured steady state and peak of every row, and the
     reserved memory of the 23 that recorded it, to the byte. What the rows cannot tell apart is
     in scripts/GPU_RUNS.md."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     rows = _h100_rows()
     assert len(rows) == 28 and sum(r.get("reserved_actual") is not None for _, _, r in rows) == 23
     traces = json.load(open(os.path.join(ROOT, "snapshots", "results", "reserved-traces", "totals.json")))
@@ -133,12 +133,12 @@ def test_report_trace_on_a_cuda_audit(tmp_path, name):
 
 
 def test_meta_kernel_cache_changes_no_event():
-    """shadow_metacache answers a meta kernel's repeated question from the first answer: on
+    """shadow/metacache answers a meta kernel's repeated question from the first answer: on
     random configs (seed printed; SHADOW_SEED replays it) every event, id and phase of the CUDA
     shadow is the same with and without it, fp16, bf16 and fp32 (cuDNN and efficient attention)."""
     import random
 
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.comparison.sweep import random_config
     seed = int(os.environ["SHADOW_SEED"])  # conftest draws it once per run
     rng = random.Random(seed)
@@ -170,7 +170,7 @@ def test_random_h200_audit_is_the_shadow_run(name):
     mask before its output, the softmax backward's buffer in fp32, AdamW's host-side step counts
     and lifted scalars, efficient attention's backward temporaries (fp32 SDPA)."""
     from memory_audit.comparison.reconcile import device_from_meta, first_divergence, step_events
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.reading.allocator_model import replay_requests
     from memory_audit.reading.loader import load_meta, load_snapshot
     run = os.path.join(EXAMPLES, "shadow-cuda", name)
@@ -257,7 +257,7 @@ def test_gpt2_sized_h200_process_is_the_shadow_run_event_by_event(name):
     reserved memory of step 2 are the measured ones to the byte."""
     import gzip
     from memory_audit.comparison.reconcile import device_from_meta, first_divergence
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.reading.allocator_model import replay_requests
     from memory_audit.reading.trace import A
     with gzip.open(os.path.join(RESERVED_TRACES, name + ".json.gz"), "rt") as f:
@@ -274,7 +274,7 @@ def test_gpt2_sized_h200_process_is_the_shadow_run_event_by_event(name):
 
 
 def test_rules_outside_their_measured_shapes_are_named():
-    """rules/cuda.py's SAMPLES: every committed CUDA trace (the 2 tiny H100 audits, the 15 kept H200
+    """shadow/rules/cuda.py's SAMPLES: every committed CUDA trace (the 2 tiny H100 audits, the 15 kept H200
     runs, the 11 GPT-2-sized H200 runs) is inside the samples of the rules it applies, so its
     shadow names none; GPT-2 at batch 6 in fp32 SDPA applies efficient attention's backward at
     head size 64 and the embedding sort at N 6,144, neither measured, and `predict` says so."""
@@ -282,7 +282,7 @@ def test_rules_outside_their_measured_shapes_are_named():
 
     from conftest import run_cli
     from memory_audit.comparison.reconcile import device_from_meta
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.reading.loader import load_meta
     traces = os.path.join(ROOT, "snapshots", "results", "reserved-traces")
     runs = [load_meta(os.path.join(EXAMPLES, n)) for n in TINY] + \

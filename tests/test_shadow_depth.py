@@ -1,5 +1,5 @@
 """A deep model's step on a GPU built from shadow runs of its script with 3 and 4 of its blocks
-(prediction/shadow_depth.py, issue #49): event by event the whole run's, or the whole run where
+(prediction/shadow/depth.py, issue #49): event by event the whole run's, or the whole run where
 the blocks are not alike or the repeat rule does not hold."""
 
 import contextlib
@@ -8,9 +8,9 @@ import io
 import pytest
 from torch import nn
 
-from memory_audit.prediction.shadow import ShadowError
-from memory_audit.prediction.shadow_depth import alike
-from memory_audit.prediction.shadow_entry import shadow_file
+from memory_audit.prediction.shadow.step import ShadowError
+from memory_audit.prediction.shadow.depth import alike
+from memory_audit.prediction.shadow.entry import shadow_file
 
 SCRIPT = """
 import torch

@@ -1,5 +1,5 @@
 """The user's own code shadow-run for a GPU this machine does not have (shadow(device="cuda"),
-memory_audit/prediction/shadow_gpu.py; issues #46, #49): torch.cuda as one GPU would answer,
+memory_audit/prediction/shadow/gpu.py; issues #46, #49): torch.cuda as one GPU would answer,
 device and host memory told apart, CUDA autocast's policy, checkpointing's recomputation under
 the same kernels, and the committed H100 traces of library models predicted event by event."""
 
@@ -53,7 +53,7 @@ def _patched():
     import torch.utils.checkpoint as ckpt
     from torch.optim import optimizer
     from torch.overrides import _get_current_function_mode_stack
-    from memory_audit.prediction import shadow_autocast
+    from memory_audit.prediction.shadow import autocast as shadow_autocast
     return (torch.cuda.is_available, torch.accelerator.is_available, torch.autocast, torch.amp.autocast,
             torch.is_autocast_enabled, torch.get_autocast_dtype, torch.nn.Module.cuda, torch.nn.Module.to, ckpt.CheckpointFunction,
             ckpt._checkpoint_without_reentrant_generator, optimizer._get_foreach_kernels_supported_devices,
@@ -96,7 +96,7 @@ def test_what_users_write_to_reach_the_gpu():
     assert lines["activations/to"] == 3 * 2 * 4  # x's device copy, by the call that made it (loop_calls): its
     # host and pinned copies no memory
     assert lines["weights/weight"] == 2 * 2 * 4 and lines["weights/bias"] == 2 * 4
-    from memory_audit.prediction.shadow import ShadowError
+    from memory_audit.prediction.shadow.step import ShadowError
     with pytest.raises(ShadowError, match="made before model.to"):  # a known limit, said in one line
         with memory_audit.shadow(device="cuda", gpu="H100"):
             lin = nn.Linear(2, 2)
@@ -208,8 +208,8 @@ def test_checkpointing_recomputes_under_the_same_kernels(how):
 
 def test_kernel_temporaries_read_from_the_zoo_traces():
     """CUDA's cumsum of a bool mask casts it to int64 after its output; embedding copies
-    non-contiguous indices before it (shadow_cuda.after_outputs / before_outputs)."""
-    from memory_audit.prediction import shadow_cuda
+    non-contiguous indices before it (shadow/cuda.after_outputs / before_outputs)."""
+    from memory_audit.prediction.shadow import cuda as shadow_cuda
     ops = torch.ops.aten
     mask = torch.ones(5, 7, dtype=torch.bool)
     assert shadow_cuda.after_outputs(ops.cumsum.default, (mask, -1)) == [5 * 7 * 8]

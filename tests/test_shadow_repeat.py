@@ -1,4 +1,4 @@
-"""A deep CUDA step's shadow from the runs of 3 and 4 blocks (memory_audit/prediction/shadow_repeat.py),
+"""A deep CUDA step's shadow from the runs of 3 and 4 blocks (memory_audit/prediction/shadow/repeat.py),
 and the totals predict, fit and plan take from the shadow's replay (prediction/predict.py's prediction())."""
 
 import json
@@ -23,7 +23,7 @@ def test_repeated_blocks_are_the_full_shadow_run_on_random_configs():
     (and one with 8-10 micro-steps), the step built from 3 and 4 blocks (micro-steps) is the
     shadow run of all of them event by event (action, key, bytes, which allocation), phase by
     phase, start and peak; never refused when every block is alike."""
-    from memory_audit.prediction import shadow, shadow_repeat
+    from memory_audit.prediction.shadow import step as shadow, repeat as shadow_repeat
     from memory_audit.comparison.sweep import random_config
     seed = int(os.environ["SHADOW_SEED"])  # conftest draws it once per run
     rng = random.Random(seed)
@@ -42,7 +42,7 @@ def test_a_wrong_repeat_is_refused_not_returned():
     """The 4-block run checks the rule: a 3-block run whose middle block's events were changed
     (one allocation 512 B larger) no longer expands to the 4-block run, and expand returns None
     (the caller then runs every block)."""
-    from memory_audit.prediction import shadow, shadow_repeat
+    from memory_audit.prediction.shadow import step as shadow, repeat as shadow_repeat
     cfg = dict(DEFAULTS, n_layer=10, n_head=2, n_embd=64, block_size=32, vocab_size=97, batch_size=2)
     r3, r4 = (shadow.run(dict(cfg, n_layer=n), "cuda", blocks=True, **KW) for n in (3, 4))
     assert shadow_repeat.expand(r3, r4, 10) is not None
@@ -53,7 +53,7 @@ def test_a_wrong_repeat_is_refused_not_returned():
 
 
 def test_every_other_block_checkpointed_is_not_repeated():
-    from memory_audit.prediction import shadow_repeat
+    from memory_audit.prediction.shadow import repeat as shadow_repeat
     assert not shadow_repeat.repeatable(dict(DEFAULTS, n_layer=12, activation_checkpointing="full", ac_every=2))
     assert shadow_repeat.repeatable(dict(DEFAULTS, n_layer=12, activation_checkpointing="full", ac_every=1))
     assert not shadow_repeat.repeatable(dict(DEFAULTS, n_layer=7))
@@ -64,7 +64,7 @@ def test_every_other_block_checkpointed_is_not_repeated():
 def test_predict_takes_the_peak_and_reserved_from_the_shadow_replay():
     """prediction()'s totals are the shadow replay's, to the byte: a deep step's from its
     repeated blocks, a torchrun rank's (on a GPU or a CPU) from the shadow run of that rank."""
-    from memory_audit.prediction import shadow
+    from memory_audit.prediction.shadow import step as shadow
     from memory_audit.prediction.predict import prediction
     dev = device_facts()
     cfg = dict(DEFAULTS, n_layer=9, n_head=4, n_embd=128, block_size=128, vocab_size=512, batch_size=3,

@@ -14,7 +14,7 @@ from torch import nn
 import memory_audit
 from memory_audit import Audit
 from memory_audit.comparison.reconcile import measure
-from memory_audit.prediction.shadow import ShadowError
+from memory_audit.prediction.shadow.step import ShadowError
 
 class Net(nn.Module):
     def __init__(self, kind):

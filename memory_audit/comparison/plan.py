@@ -17,7 +17,7 @@ N GPUs and a fast link.
 """
 
 from ..prediction.predict import DEFAULTS, prediction
-from ..prediction.tensor_parallel import check, comm_bytes
+from ..prediction.ledger.tensor_parallel import check, comm_bytes
 from .workers import mapped
 
 MICRO_BATCH_COST = 0.05  # assumed slowdown per doubling of gradient_accumulation_steps

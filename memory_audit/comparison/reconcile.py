@@ -9,7 +9,7 @@ import os
 
 from ..reading.attribute import attribute
 from ..reading.loader import PREDICTED_FILE, find_snapshots, load_meta, load_snapshot, SnapshotError
-from ..prediction import tensor_parallel
+from ..prediction.ledger import tensor_parallel
 from ..prediction.predict import (device_facts, phase_allocated, predicted_snapshot, prediction,  # noqa: F401
                                   published_formulas, traced)
 from ..schema import CATEGORIES, PHASES, REPORT_SCHEMA_VERSION
@@ -299,7 +299,7 @@ def against_shadow(run_dir, rec):
     first event where they part. Runs the shadow (imports torch); {"error": one line} where it
     cannot run."""
     from ..prediction.predict import resolved
-    from ..prediction.shadow import ShadowError, replayed
+    from ..prediction.shadow.step import ShadowError, replayed
     if rec["config"].get("compile"):
         return {"error": f"{SHADOW_SCOPE}: not compile=True"}
     cfg = resolved(rec["config"])
@@ -322,7 +322,7 @@ def shadow_lines_off(measured, result):
     (shadow.lines against a report's rows, or a results row's measured_lines {phase: {key:
     bytes}}; the allocator's gaps are not the shadow's to name): ["phase:key shadow B vs
     measured B"], [] where every line agrees."""
-    from ..prediction.shadow import lines
+    from ..prediction.shadow.step import lines
     if isinstance(measured, list):  # report rows
         by_phase = {}
         for r in measured:

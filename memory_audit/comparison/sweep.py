@@ -238,7 +238,7 @@ def row_config(row):
     from .reconcile import device_from_meta
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from ..prediction.ledger import presets
+    from ..prediction.ledger.config import presets
     PRESETS = presets()  # model.py's, read without importing torch
     if "resolved_config" in row:  # what train.py ran, its defaults resolved
         cfg = dict(row["resolved_config"])

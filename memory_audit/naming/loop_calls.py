@@ -12,7 +12,7 @@ called that returned a new storage, where it ran:
 
 (<module>: the innermost module running, its path in the model, the model itself by its class
 name; <call>: the function's name, `x[mask]` as getitem). An Audit records from watch() to the
-end of the audited step, and the shadow run of the same code (prediction/shadow_script) the
+end of the audited step, and the shadow run of the same code (prediction/shadow/script) the
 same way over its fake tensors, so both give a tensor the same name.
 
 A torch-function mode, not a dispatch mode: it sees the calls as the code writes them and

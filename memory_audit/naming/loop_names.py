@@ -1,7 +1,7 @@
 """What a training loop feeds its model and keeps between steps, found without being told.
 
 The Audit names a loop's own tensors this way, and the shadow run of the same loop
-(prediction/shadow_script.Shadow, and predict_loop through it) names its fake ones with this same code, so a prediction's lines
+(prediction/shadow/script.Shadow, and predict_loop through it) names its fake ones with this same code, so a prediction's lines
 carry the measurement's names:
 
 - `inputs/model.<arg>`: each tensor the model's forward received, by its signature's names

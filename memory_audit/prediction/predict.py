@@ -13,20 +13,20 @@ What is saved for backward depends on the device's autocast policy (measured, se
   float32 (either device): no casts, so weights are saved as themselves (not activations)
 
 The ledger is assembled from small parts: steady-state lines (weights, buffers, grads, optimizer
-state, inputs, workspaces), the activations each model part saves (parts.py) and the levers'
-rules over each block's lines (levers.py: activation checkpointing). Lines carry no state
+state, inputs, workspaces), the activations each model part saves (ledger/parts.py) and the levers'
+rules over each block's lines (ledger/levers.py: activation checkpointing). Lines carry no state
 between parts: data flows one way. The step's totals (its phases, the peak, reserved memory)
 are its trace's: prediction().
 """
 
-from .ledger import (DEFAULTS, GPUS, OUTSIDE_PYTORCH_DEFAULT, PARALLEL, GiB, ddp_bucket_numels,  # noqa: F401
-                     device_facts, expandable_from_env, gpu_name, param_shapes, plain, resolved, steady_lines,
-                     validate)
-from .ledger import totals as totals_of
-from .levers import checkpointed, forward_flops, recompute_flops
-from .parts import DTYPE_BYTES, POLICIES, block, embedding, head, line, round_block, shape_facts  # noqa: F401
-from .parts import numel as _numel
-from . import fsdp, tensor_parallel as tp
+from .ledger.config import (DEFAULTS, GPUS, OUTSIDE_PYTORCH_DEFAULT, PARALLEL, device_facts,  # noqa: F401
+                            expandable_from_env, gpu_name, resolved, validate)
+from .ledger.steady import GiB, ddp_bucket_numels, param_shapes, plain, steady_lines  # noqa: F401
+from .ledger.steady import totals as totals_of
+from .ledger.levers import checkpointed, forward_flops, recompute_flops
+from .ledger.parts import DTYPE_BYTES, POLICIES, block, embedding, head, line, round_block, shape_facts  # noqa: F401
+from .ledger.parts import numel as _numel
+from .ledger import fsdp, tensor_parallel as tp
 
 def activation_lines(s, cfg):
     """What the forward leaves saved for backward, in forward order (a checkpointed block's
@@ -74,7 +74,7 @@ def prediction(config=None, device=None, plan=None):
 
     The lines are the byte formula's (predict(): each with its formula). The totals (the phases'
     memory_allocated(), the peak, memory_reserved()) are the step's trace replayed as the device
-    counts it: the shadow run's (eager), inductor's plan (compile=True: compiled_predict, `plan`
+    counts it: the shadow run's (eager), inductor's plan (compile=True: prediction/compiled, `plan`
     one made before for this config). totals["from"] says which, always.
     Needs torch and model.py for the shadow run and the compiled plan.
     """
@@ -87,14 +87,14 @@ def traced(config=None, device=None, plan=None, names=False):
     run whole)."""
     dev = device or device_facts()
     if (config or {}).get("compile"):
-        from .compiled_predict import predict_compiled
+        from .compiled import predict_compiled
         pred = predict_compiled(config, dev, plan=plan)
         notes = pred["backward"].get("notes") or []
         pred["totals"]["from"] = "inductor's plan (compile=True)" + (f" ({'; '.join(notes)})" if notes else "")
         return pred, None
     cfg = resolved(config or {})
     pred = predict(cfg, dev)
-    from . import shadow
+    from .shadow import step as shadow
     r = shadow.replayed(cfg, dev, names=names)
     _from_trace(pred, r)
     return pred, r
@@ -105,12 +105,12 @@ def predicted_snapshot(replay, dev):
     categorizes an audit of it (grads, recomputed, temporaries by the audit's names; the viewer's
     'unknown' its loader needs), so MemoryViz opens the file itself; its phases' trace positions
     under schema.PHASES_KEY."""
-    from . import shadow, shadow_names
+    from .shadow import step as shadow, names as shadow_names
     from ..reading.loader import normalize
     from ..reading.event_names import categorize_trace
     from ..reading.trace import plain
     if dev["type"] == "cuda":
-        from .shadow_allocator import snapshot
+        from .shadow.replay import snapshot
         snap = snapshot(replay["result"], dev.get("expandable_segments", False), shadow_names.audit_names(replay["result"]))
     else:
         snap = shadow.snapshot(replay["result"])

@@ -6,7 +6,7 @@ up to 2 MiB; it serves a request from the smallest cached free block of the requ
 fits and splits that block only if more than 1 MiB would remain (512 B in the small pool). So a
 block can hold up to 1 MiB nobody asked for, and which blocks do depends on what was freed before.
 With expandable_segments:True each pool is one segment that grows by pages. Each stream has
-pools of its own (shadow_allocator keeps one model per stream).
+pools of its own (shadow/replay keeps one model per stream).
 
 The model is the replay's own block bookkeeping (allocator_sim.BlockSim), which the byte-exact
 replay of a trace uses unchanged: the trace says which address each allocation got; here the

@@ -3,7 +3,7 @@
 CPU memory has no caching allocator: each allocation live at the cut is a segment of its own with
 one active block (size == requested_size), so reserved == allocated and there are no gaps. The
 CPU audit (recording/cpu_timeline's events) and the CPU shadow run's predicted trace
-(prediction/shadow_names) both write their snapshots here.
+(prediction/shadow/names) both write their snapshots here.
 
 events: (t ns, action "pre" | "alloc" | "free", address, bytes, frames, category, label), in
 time order; "pre" is live before the trace began (in the segments, not in the trace).

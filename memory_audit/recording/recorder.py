@@ -351,7 +351,7 @@ class AuditRecording:
 def cpu_info():
     """Which CPU measured a CPU audit, and what of it changes what its kernels allocate: its model
     name, torch's thread count (per-thread kernel buffers) and whether its bf16 (fp16) matmuls run
-    through oneDNN (scratch buffers after their outputs: prediction/shadow_probe)."""
+    through oneDNN (scratch buffers after their outputs: prediction/shadow/probe)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

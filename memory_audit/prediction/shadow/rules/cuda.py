@@ -11,7 +11,7 @@ replay them; torch 2.11 throughout. The sources, as the rules' docstrings name t
   the zoo's H100 traces          snapshots/results/zoo/h100-zoo-408334-runs.tgz (seed 408334; seed
                                  691115's rows out of sample: scripts/zoo_cuda_check.py) A shape-dependent rule says where a
 call lies outside the shapes it was measured at (its "outside" part, SAMPLES), and the
-prediction lists it as not measured on a GPU. The parts are described in rules/__init__.py.
+prediction lists it as not measured on a GPU. The parts are described in shadow/rules/__init__.py.
 Plain Python until a rule is called: torch is imported inside.
 """
 

@@ -1,7 +1,7 @@
 """A deep model's shadow from a shallow one's: a middle block's events repeated, not rerun (issue #26: speed).
 
 GPT-2 XL runs 48 identical blocks; its shadow asked each op 48 times. Here the step is shadow-run
-with 3 blocks and with 4, each allocation and event tagged with its block (shadow_blocks.block_tags:
+with 3 blocks and with 4, each allocation and event tagged with its block (shadow/blocks.block_tags:
 the module a forward op runs in, the autograd node a backward op runs for, the parameter an
 optimizer op works on). The 3-block run reads as runs of events: outside any block, block 0,
 block 1, block 2. For n blocks, each run of block 1 (between runs of blocks 0 and 2, either way
@@ -34,7 +34,7 @@ _BLOCK = re.compile(r"((?:^|[./])h\.)(\d+)(?=[./]|$)")  # nanoGPT's transformer.
 
 def block_pattern(path):
     """The pattern of the block numbers in keys for blocks held at module path `path`
-    (a user's model's list of equal blocks: shadow_depth)."""
+    (a user's model's list of equal blocks: shadow/depth)."""
     return re.compile(r"((?:^|[./])" + re.escape(path) + r"\.)(\d+)(?=[./]|$)")
 SOURCE = (3, 4)  # the depths shadow-run
 _SEP = "\x00"  # joins a run's key templates (no key holds it)

@@ -10,7 +10,7 @@ else one rank holds (measured on CPU, gloo, 2 ranks, cpu-tiny):
                     grads/<name>/unsharded, and no shards until the last backward
 
 The all-gather and reduce-scatter buffers of backward, and when each is let go, are the shadow
-run's (shadow_dist): these lines are the ledger's steady and before-backward ones.
+run's (shadow/distributed): these lines are the ledger's steady and before-backward ones.
 """
 
 from .parts import line, numel

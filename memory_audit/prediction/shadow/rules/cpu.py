@@ -10,18 +10,18 @@ snapshots/results/random/user-loops-54591.txt). Parts on CPU:
            the allocation's suffix under the op's key, or None for the op's buffer
   after    f(args, out) -> [bytes] made after the outputs, in order, and freed in reverse as the
            op returns (before anything made ahead of the outputs); skipped where the kernel was
-           probed (shadow_probe asks it for its own buffers)
+           probed (shadow/probe asks it for its own buffers)
   events   f(args) -> (before, after): temporaries made and freed around the outputs in an order
            of their own, as ("alloc", bytes) | ("free", k) (k: the k-th alloc of both lists)
 The tracker's own rules (wrapped scalars, mixed-dtype casts, a foreach op's per-tensor scalars,
 CPU mean's divide, reduced losses, layer norm's fp32 statistics, kernel probes) are machinery
-over many ops and stay in shadow_tracker. Plain Python until a rule is called.
+over many ops and stay in shadow/tracker. Plain Python until a rule is called.
 """
 
 import math
 
 from . import rule
-from .. import shadow_probe
+from .. import probe
 
 LAYER_NORM = "aten.native_layer_norm.default"
 LAYER_NORM_BACKWARD = "aten.native_layer_norm_backward.default"
@@ -70,8 +70,8 @@ def layer_norm_backward_buffers(args, out):
 def _flash(name):
     def buffers(args, out):
         import torch
-        return shadow_probe.flash_cpu_buffers(getattr(torch.ops.aten, name).default, args)
-    buffers.__doc__ = f"""CPU flash attention's per-thread work buffers ({name}: shadow_probe.flash_cpu_buffers,
+        return probe.flash_cpu_buffers(getattr(torch.ops.aten, name).default, args)
+    buffers.__doc__ = f"""CPU flash attention's per-thread work buffers ({name}: shadow/probe.flash_cpu_buffers,
     read from the random nanoGPT configs of tests/test_shadow.py with SDPA in fp32; in bf16 the
     kernel is probed on a CPU with oneDNN bf16)."""
     return buffers

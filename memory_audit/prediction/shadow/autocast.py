@@ -1,4 +1,4 @@
-"""CUDA autocast on the meta tensors a GPU shadow runs (shadow_gpu, and train.py's CUDA shadow):
+"""CUDA autocast on the meta tensors a GPU shadow runs (shadow/gpu, and train.py's CUDA shadow):
 torch.autocast("cuda") turns itself off on a machine without CUDA, and CUDA's Autocast kernels
 need CUDA's device guard, so the policy is applied here, at the Python level, from ATen's op
 lists (AUTOCAST): Autocast is the region, autocast() stands it in for torch's, and recomputed()
@@ -8,7 +8,7 @@ Plain Python until a shadow starts.
 
 import contextlib
 
-from . import patches, shadow_cuda
+from . import patches, cuda as shadow_cuda
 
 # CUDA autocast's policy, by the name a torch function (or Tensor method) has at the Python
 # level; from ATen/autocast_mode.h (torch 2.11-2.13): lower_precision_fp, fp32,
@@ -46,7 +46,7 @@ _BANNED = {"binary_cross_entropy": "torch.nn.functional.binary_cross_entropy and
                                    "autocast (CUDA autocast raises): use binary_cross_entropy_with_logits"}
 # Python-level functions whose aten ops underneath follow the policy op by op (a torch-function
 # mode sees the outer call only): cross_entropy is log_softmax in the logits' own dtype (it names
-# its dtype) then nll_loss in fp32 (shadow_cuda.cross_entropy_cuda)
+# its dtype) then nll_loss in fp32 (shadow/cuda.cross_entropy_cuda)
 _COMPOSITE = {"cross_entropy"}
 
 _REGIONS = []  # the autocast regions entered and not left, innermost last: [Autocast]

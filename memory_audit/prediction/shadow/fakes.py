@@ -1,5 +1,5 @@
 """Module._apply and Tensor.__deepcopy__ as a model of fake tensors needs them (a user's code run
-as written: shadow_script). patches.fake_modules puts them in place while the code runs.
+as written: shadow/script). patches.fake_modules puts them in place while the code runs.
 """
 
 

@@ -1,4 +1,4 @@
-"""What every shadow run of a user's loop shares (shadow_script.Shadow, and predict_loop
+"""What every shadow run of a user's loop shares (shadow/script.Shadow, and predict_loop
 through it): the audit's saved-tensor ledger over the audited step (LoopLedger), the loop's
 names merged with the model's, the user's own lines (user_line: where a read or a stop is
 reported; call_site/above: where a zero_grad is written against the optimizer step) and the
@@ -10,11 +10,11 @@ import linecache
 import os
 import traceback
 
-from .shadow_names import address, lines, live_names
-from .shadow import step_levels
-from .shadow_error import ShadowError
+from .names import address, lines, live_names
+from .step import step_levels
+from .error import ShadowError
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memory_audit/
+_HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # memory_audit/
 _LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python", "<frozen", _HERE)
 
 
@@ -78,7 +78,7 @@ def above(site, step_site):
 
 
 def fake_ident(t):
-    from ..naming.tensors import local_tensor
+    from ...naming.tensors import local_tensor
     return address(local_tensor(t).untyped_storage())
 
 
@@ -97,7 +97,7 @@ class LoopLedger:
         self._open()
 
     def _open(self):
-        from ..naming.saved import saved_tensor_ledger
+        from ...naming.saved import saved_tensor_ledger
         self.records, self.stack = [], contextlib.ExitStack()
         self.label = self.stack.enter_context(saved_tensor_ledger(self.model, self.records, "cpu", ident=address))
 
@@ -138,7 +138,7 @@ def loop_summary(result):
     "peak", "end" (bytes live), "lines" {key: bytes live when step 2 starts}, "phase_lines"
     {phase: {key: bytes}} at step2_start, step2_before_backward and step2_end (named as the
     audit names them: lines()), "peak_categories", "probed", "unprobed" (the ops whose kernels
-    were asked, and could not be: shadow_probe)}."""
+    were asked, and could not be: shadow/probe)}."""
     start = {}
     for _, key, nbytes in result["pre"]:
         start[key] = start.get(key, 0) + nbytes
@@ -187,7 +187,7 @@ def loop_device(device, gpu):
     """ledger.device_facts for the device the code is shadow-run for (the torch it will run under
     is taken to be this one's)."""
     import torch
-    from .ledger import GPUS, device_facts, gpu_name
+    from ..ledger.config import GPUS, device_facts, gpu_name
     if device == "cpu":
         return device_facts("cpu", torch_version=torch.__version__.split("+")[0])
     if gpu_name(gpu) is None:

@@ -1,4 +1,4 @@
-"""The one error a shadow run ends in (shadow.py re-exports it): the step could not run on fake
+"""The one error a shadow run ends in (shadow/step.py re-exports it): the step could not run on fake
 tensors, or the code asked for what the shadow does not run; str() is one line naming where."""
 
 

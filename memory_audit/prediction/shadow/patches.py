@@ -9,25 +9,25 @@ context manager that says why and puts back what it replaced.
   rng_states        torch.get_rng_state counted (checkpointing saves the CPU generator's state)
   no_init           torch.nn.init's initialisers as no-ops (a fake weight has no values to set)
   fsdp_on_gpu       FSDP2's GPU path on meta tensors (its device, its device handle: the streams
-                    of shadow_streams, its meta-parameter check), with rules/collectives' notes
+                    of shadow/streams, its meta-parameter check), with shadow/rules/collectives' notes
   propagation_unseen  DTensor's sharding propagation on fake tensors of the global shapes left
                     out of the tracker (a real run does it in a FakeTensorMode of its own)
   meta              fused AdamW allowed on meta tensors, as on CUDA tensors
   fake_modules      nn.Module._apply and Tensor.__deepcopy__ for modules of fake tensors (a
-                    user's code run as written: shadow_script)
+                    user's code run as written: shadow/script)
   cut_lists         nn.ModuleList and nn.Sequential given their modules through a function that
-                    may keep fewer (shadow_depth: a deep model's equal blocks run at depths 3 and 4)
+                    may keep fewer (shadow/depth: a deep model's equal blocks run at depths 3 and 4)
   LibraryBranches   a library's checks for tracing answered False (NOT_A_TRACE), and on a GPU
                     shadow its device-type branches taken for "cuda" (META_IS_CUDA)
   inside_modes      torch.nn.functional's override checks answered False once, so a composite
                     (multi_head_attention_forward) runs its body under the shadow's torch-function
                     modes (CUDA's kernels, autocast) rather than with every mode off
   patched           (owner, name, new) triples set for a block, put back on every exit (the
-                    GPU shadow's torch.cuda and autocast stand-ins: shadow_gpu, shadow_autocast)
+                    GPU shadow's torch.cuda and autocast stand-ins: shadow/gpu, shadow/autocast)
 The GPU shadow's stand-ins go through `patched` beside the code they serve: torch.cuda's
-answers, device arguments and the optimizers' foreach defaults (shadow_gpu), torch.autocast and
-checkpointing's recomputation (shadow_autocast), clip_grad_norm_'s foreach path (shadow_cuda);
-so does a user script's DDP (shadow_ranks.script_ddp). The hooks shadow_script's session itself
+answers, device arguments and the optimizers' foreach defaults (shadow/gpu), torch.autocast and
+checkpointing's recomputation (shadow/autocast), clip_grad_norm_'s foreach path (shadow/cuda);
+so does a user script's DDP (shadow/ranks.script_ddp). The hooks shadow/script's session itself
 sets (backward, zero_grad, value reads) are its own instruments, as an Audit's hooks are, and
 stay with it. Plain Python until a shadow run starts.
 """
@@ -35,7 +35,7 @@ stay with it. Plain Python until a shadow run starts.
 import contextlib
 
 from .rules.collectives import nccl_assumptions
-from .shadow_streams import Streams
+from .streams import Streams
 
 
 @contextlib.contextmanager
@@ -124,8 +124,8 @@ def no_init():
 @contextlib.contextmanager
 def fsdp_on_gpu(cfg, tracker):
     """Inside: a torchrun strategy's CUDA step on meta tensors, each assumption about NCCL's
-    collectives over several ranks noted in tracker.unmeasured (rules/collectives). FSDP2 takes the GPU's path: its device
-    is "meta" rather than the mesh's; its device handle is shadow_streams.Streams (each stream FSDP2 makes an
+    collectives over several ranks noted in tracker.unmeasured (shadow/rules/collectives). FSDP2 takes the GPU's path: its device
+    is "meta" rather than the mesh's; its device handle is shadow/streams.Streams (each stream FSDP2 makes an
     id, `stream(s)` that id for the allocations made inside, events and waits nothing: the shadow
     runs in program order, as the caching allocator frees without record_stream); and its check
     that no parameter is on the meta device is off (the shadow's weights are all meta)."""
@@ -233,7 +233,7 @@ def fake_modules():
     """nn.Module._apply and Tensor.__deepcopy__ for modules of fake tensors (fake_apply,
     same_mode_deepcopy), while a user's code runs in the shadow."""
     import torch
-    from .shadow_fakes import fake_apply, same_mode_deepcopy
+    from .fakes import fake_apply, same_mode_deepcopy
     with patched([(torch.nn.Module, "_apply", fake_apply(torch.nn.Module._apply)),
                   (torch.Tensor, "__deepcopy__", same_mode_deepcopy(torch.Tensor.__deepcopy__))]):
         yield
@@ -299,7 +299,7 @@ class LibraryBranches:
 @contextlib.contextmanager
 def cut_lists(take):
     """nn.ModuleList(modules) and nn.Sequential(*modules) built from take(modules), which may keep
-    fewer of them (shadow_depth.Cut: a deep model's equal blocks shadow-run at depths 3 and 4,
+    fewer of them (shadow/depth.Cut: a deep model's equal blocks shadow-run at depths 3 and 4,
     the step repeated to its own depth). Sequential from an OrderedDict is left as it is."""
     import collections
     from torch import nn

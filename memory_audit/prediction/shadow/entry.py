@@ -1,25 +1,25 @@
-"""The ways into a shadow run of a user's own code (shadow_script.Shadow is the session):
+"""The ways into a shadow run of a user's own code (shadow/script.Shadow is the session):
 `with memory_audit.shadow() as s:` around the code (`with s.step(held):` marking its steps where
-the code says them: shadow_loop.MarkedStep), `predict_loop(make, step)` for a loop given as two functions, and
+the code says them: shadow/loop.MarkedStep), `predict_loop(make, step)` for a loop given as two functions, and
 `shadow_file(script, argv)` for a script file run as __main__ (`predict-script`; on one GPU a
-deep model's equal blocks repeated: shadow_depth).
+deep model's equal blocks repeated: shadow/depth).
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
 import os
 import sys
 
-from .shadow_depth import predicted
-from .shadow_error import ShadowError
+from .depth import predicted
+from .error import ShadowError
 
 
 def shadow(device="cpu", step=2, assume=None, gpu="H100", world_size=None, rank=0):
     """`with memory_audit.shadow() as s:` around a training script's own code (module docstring).
-    device: "cpu", or "cuda" for the code run on one `gpu` (shadow_gpu: no GPU needed).
+    device: "cpu", or "cuda" for the code run on one `gpu` (shadow/gpu: no GPU needed).
     assume: {"file.py:205" or "nonzero": rows, a fraction of the mask, or [rows, ...] per step}, the
     sizes of data-dependent shapes (known_values). world_size, rank: the code run as that rank of a
-    torchrun job on `world_size` GPUs (device="cuda"; shadow_ranks.script_ranks)."""
-    from .shadow_script import Shadow
+    torchrun job on `world_size` GPUs (device="cuda"; shadow/ranks.script_ranks)."""
+    from .script import Shadow
     return Shadow(device=device, step=step, assume=assume, gpu=gpu, world_size=world_size, rank=rank)
 
 
@@ -34,7 +34,7 @@ def predict_loop(make, step, inputs=None, audited=1, assume=None):
     ShadowError (one line, naming the op and the loop's line) for a step fake tensors cannot
     run. Reads of values and data-dependent sizes are answered as shadow() answers them
     (summary["placeholders"], summary["sizes"]; `assume`: shadow()'s)."""
-    from .shadow_script import Shadow
+    from .script import Shadow
     with Shadow(step=audited, assume=assume) as s:
         model, optimizer, *batch = make()
         s.use(model, optimizer)  # the model make() returns, not one found from the forward's calls
@@ -61,7 +61,7 @@ def shadow_file(script, argv=(), repeat=False, **shadow_kw):
     asked for, as the script runs up to three times and what it does to blocks by index after
     building them is not seen)."""
     import runpy
-    from .shadow_script import Shadow
+    from .script import Shadow
 
     def run(depth=None):
         saved_argv, saved_path = sys.argv, list(sys.path)

@@ -2,12 +2,12 @@
 
 Each op's outputs whose storage it has not seen are an allocation of storage.nbytes() bytes; a
 weakref on that storage gives the moment it is freed. Rules add what the dispatcher
-cannot see, each measured on CPU audits (shadow.py runs the step). What one op's kernel makes
-before and after its outputs is a rule of its own in rules/cpu.py (layer norm's buffers and
+cannot see, each measured on CPU audits (shadow/step.py runs the step). What one op's kernel makes
+before and after its outputs is a rule of its own in shadow/rules/cpu.py (layer norm's buffers and
 copies, CPU flash attention's work buffers, _safe_softmax's temporaries, softmax's and
-embedding's copies of non-contiguous inputs); the rules over many ops (shadow_cpu.py applies
-the CPU ones, with rules/cpu.py's and the kernel probes, to each op of a CPU step) are listed
-in shadow_cpu's docstring, with the module each lives in.
+embedding's copies of non-contiguous inputs); the rules over many ops (shadow/cpu.py applies
+the CPU ones, with shadow/rules/cpu.py's and the kernel probes, to each op of a CPU step) are listed
+in shadow/cpu's docstring, with the module each lives in.
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
 
@@ -15,9 +15,9 @@ import contextlib
 import math
 import weakref
 
-from . import shadow_cpu, shadow_cuda, shadow_dist
-from .shadow_cpu import short_name
-from .shadow_blocks import foreach_blocks, label_block, op_block
+from . import cpu as shadow_cpu, cuda, distributed
+from .cpu import short_name
+from .blocks import foreach_blocks, label_block, op_block
 
 class Tracker:
     """Allocations and frees of the storages ops return, in order (see module docstring).
@@ -42,32 +42,32 @@ class Tracker:
         self.lt_workspace_bytes = 0  # a cuBLASLt workspace per thread that runs an addmm (CUDA)
         self.host = set()  # storage ids that are host memory on the device stood for (forget)
         self.adds_in_place = False  # inside F.scaled_dot_product_attention or F.linear (a CPU shadow: cpu_rules)
-        self.meta_cache = None  # a shadow_metacache.MetaCache on meta tensors: kernels asked once,
+        self.meta_cache = None  # a shadow/metacache.MetaCache on meta tensors: kernels asked once,
         # and a view op (no storage, nothing pending) straight to its kernel
-        self.tagging = False  # each allocation and event tagged with its block (shadow_repeat)
+        self.tagging = False  # each allocation and event tagged with its block (shadow/repeat)
         self.tags = {}  # allocation id -> the block (transformer.h.N) it belongs to, or None
         self.event_tags = []  # parallel to events: the block of the op a free happened in (or None)
         self.context = None  # the block of the op running (or last run), or None
-        self.in_block = []  # the blocks whose forward is running, innermost last (shadow_depth's hooks)
+        self.in_block = []  # the blocks whose forward is running, innermost last (shadow/depth's hooks)
         self.block_label = label_block  # a key or module path -> the block it names, or None
-        self.micro = None  # the micro-step running (shadow.py sets it), or None: the second channel
+        self.micro = None  # the micro-step running (shadow/step.py sets it), or None: the second channel
         self.micro_tags = {}  # allocation id -> the micro-step it was made in
         self.event_micro = []  # parallel to events: the micro-step a free happened in (or None)
-        self.real_shapes = {}  # storage id -> (shape, stride, dtype) a kernel probe found (shadow_probe)
+        self.real_shapes = {}  # storage id -> (shape, stride, dtype) a kernel probe found (shadow/probe)
         self.probed, self.unprobed = set(), set()  # the ops kernel probes answered, and could not
-        self.unmeasured = set()  # CUDA rules applied outside the shapes a trace measured (rules/cuda.py's SAMPLES)
+        self.unmeasured = set()  # CUDA rules applied outside the shapes a trace measured (shadow/rules/cuda.py's SAMPLES)
         self.real_ints = False  # inside DDP's reducer: what it reads runs on real tensors, or on a GPU's
-        # meta tensors with host twins of their values (shadow_dist)
-        self.twins = {}  # storage id -> the host values a meta tensor DDP's reducer reads stands for (shadow_dist)
+        # meta tensors with host twins of their values (shadow/distributed)
+        self.twins = {}  # storage id -> the host values a meta tensor DDP's reducer reads stands for (shadow/distributed)
         self.subclass_op = None  # the op a DTensor was handed back for: its run on the shards comes next
-        self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow_names.naming)
+        self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow/names.naming)
         self.made_names = {}  # allocation id -> what else the code made, named by its call (naming/loop_calls)
         self.end_names = {}  # allocation id -> the name the loop gives it as the audited step ends
         self.naming = False  # name what the audited forward makes as an audit does (shadow.run(names=True))
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
-        self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow_dist)
-        self.on_op = None  # called with each op before it runs (shadow_script's step boundaries), or None
-        self.stream = 0  # the stream allocations are made on (a CUDA step's FSDP2: shadow_streams.Streams)
+        self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow/distributed)
+        self.on_op = None  # called with each op before it runs (shadow/script's step boundaries), or None
+        self.stream = 0  # the stream allocations are made on (a CUDA step's FSDP2: shadow/streams.Streams)
         self.streams = {}  # allocation id -> its stream, where not the default one (0)
         self.stand_in = None  # the name of the op the next one stands in for (known_values: nonzero as nonzero_static)
 
@@ -231,7 +231,7 @@ def dispatch_mode(tracker, device_type):
             kwargs = kwargs or {}
             if func.namespace == "prim" or tracker.unseen:  # metadata queries (a fake tensor's device): no memory
                 return func(*args, **kwargs)
-            if tracker.on_op is not None:  # shadow_script: the first op after an optimizer step ends the step
+            if tracker.on_op is not None:  # shadow/script: the first op after an optimizer step ends the step
                 tracker.on_op(func)
             if any(t not in _PLAIN for t in types):  # a DTensor: its own dispatch runs the ops on
                 tracker.subclass_op = func  # its shards, and those come back through this mode
@@ -249,9 +249,9 @@ def dispatch_mode(tracker, device_type):
             key = tracker.key(tracker.stand_in or short_name(func))
             tracker.stand_in = None
             if tracker.real_ints and not cpu:  # DDP's reducer on the GPU: its reads from host twins
-                out, held, scalars = shadow_dist.reducer_op(tracker, func, args, kwargs,
+                out, held, scalars = distributed.reducer_op(tracker, func, args, kwargs,
                                                             lambda: _device_op(tracker, func, args, kwargs, key))
-            elif tracker.real_ints and shadow_dist.runs_real(func, args, kwargs):  # DDP's reducer reads these
+            elif tracker.real_ints and distributed.runs_real(func, args, kwargs):  # DDP's reducer reads these
                 from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():
                     out, held, scalars = shadow_cpu.cpu_op(tracker, func, args, kwargs, key)
@@ -286,7 +286,7 @@ def _view_op(tracker, func, args, kwargs):
     tracker.freed_at.clear()
     tracker.last = (func, tracker.label)
     out = func(*args, **kwargs)
-    for t, nbytes in shadow_cuda.outputs(func, out):
+    for t, nbytes in cuda.outputs(func, out):
         if t.device.type == "cpu":  # host memory (torch.tensor(1.0, device="cpu") lifted): see _device_op
             tracker.forget(t.untyped_storage())
         elif t.untyped_storage()._cdata not in tracker.live:
@@ -298,17 +298,17 @@ def _device_op(tracker, func, args, kwargs, key):
     """An op of a CUDA step's shadow: what its kernel allocates before its outputs, the outputs
     (in CUDA's order; host tensors left out), the temporaries that interleave with them
     (kernel_events), what it allocates after them (freed first) and a thread's first GEMM's
-    cuBLAS and cuBLASLt workspaces (shadow_cuda). Returns (out, [ids freed as it returns], [])."""
-    held = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.before_outputs(func, args)]
-    outside = shadow_cuda.outside_sample(func, args)
+    cuBLAS and cuBLASLt workspaces (shadow/cuda). Returns (out, [ids freed as it returns], [])."""
+    held = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in cuda.before_outputs(func, args)]
+    outside = cuda.outside_sample(func, args)
     if outside:
         tracker.unmeasured.add(outside)
-    before, after = shadow_cuda.kernel_events(func, args) or ((), ())
+    before, after = cuda.kernel_events(func, args) or ((), ())
     made = []  # a kernel's temporaries that interleave with its outputs, made and freed in order
     shadow_cpu.play_events(tracker, f"{key}/kernel_temporary", before, made)
     cache = tracker.meta_cache
     out = func(*args, **kwargs) if cache is None else cache.call(func, args, kwargs)
-    outs = shadow_cuda.outputs(func, out)
+    outs = cuda.outputs(func, out)
     tags = foreach_blocks(tracker, func, args, len(outs))
     for (t, nbytes), tag in zip(outs, tags):
         if t.device.type == "cpu":  # meta tensors stand for the GPU's: a CPU one is host memory there
@@ -316,8 +316,8 @@ def _device_op(tracker, func, args, kwargs, key):
             continue
         tracker.add(t.untyped_storage(), key, nbytes, tag)
     shadow_cpu.play_events(tracker, f"{key}/kernel_temporary", after, made)
-    held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in shadow_cuda.after_outputs(func, args)]
-    if tracker.workspace_bytes and short_name(func) in shadow_cuda.GEMMS and any(t.device.type != "cpu" for t, _ in outs):
+    held[:0] = [tracker.alloc(f"{key}/kernel_temporary", n)[0] for n in cuda.after_outputs(func, args)]
+    if tracker.workspace_bytes and short_name(func) in cuda.GEMMS and any(t.device.type != "cpu" for t, _ in outs):
         thread = "backward" if tracker.phase == "backward" else "main"
         tracker.hold(("cublas", thread), "workspace/cublas", tracker.workspace_bytes)  # one line, as audits name it
         if tracker.lt_workspace_bytes and short_name(func) == "addmm":  # a bias epilogue: cuBLASLt's own

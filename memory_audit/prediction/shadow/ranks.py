@@ -1,14 +1,14 @@
 """A user's script shadow-run as one rank of a torchrun job on GPUs this machine does not have
 (shadow(device="cuda", world_size=N, rank=R), predict-script --world_size --rank): torchrun's
-environment, the fake process group made before the script asks for one (shadow_dist.rank_of),
-DDP made as train.py's shadow makes it (shadow_dist.ddp_shadowed), FSDP2 on its GPU path, and
+environment, the fake process group made before the script asks for one (shadow/distributed.rank_of),
+DDP made as train.py's shadow makes it (shadow/distributed.ddp_shadowed), FSDP2 on its GPU path, and
 what each strategy assumes of NCCL over several ranks listed.
 """
 
 import contextlib
 import os
 
-from .shadow_dist import buckets, ddp_shadowed, rank_of, reducer_reads
+from .distributed import buckets, ddp_shadowed, rank_of, reducer_reads
 
 
 def node_size(world_size):
@@ -52,7 +52,7 @@ def script_ranks(world_size, rank, tracker):
 
 
 def script_notes(model, world_size):
-    """What a rank's prediction assumes of NCCL over several ranks (rules/collectives.NCCL), one line
+    """What a rank's prediction assumes of NCCL over several ranks (shadow/rules/collectives.NCCL), one line
     per strategy the model was wrapped in (script_strategies)."""
     from .rules.collectives import NCCL
     if not world_size or world_size < 2:
@@ -63,7 +63,7 @@ def script_notes(model, world_size):
 
 
 def script_strategies(model):
-    """The torchrun strategies a user's model was wrapped in, as rules/collectives.NCCL names them:
+    """The torchrun strategies a user's model was wrapped in, as shadow/rules/collectives.NCCL names them:
     "fsdp" (a module fully_shard made), "ddp" (DistributedDataParallel around it), "tp" (a
     parameter sharded other than FSDP2's dim-0 shards)."""
     import torch
@@ -99,7 +99,7 @@ def script_ddp(tracker):
         given.pop("device_ids", None), given.pop("output_device", None)
         for option in ("find_unused_parameters", "static_graph"):
             if given.get(option):
-                from .shadow_error import ShadowError
+                from .error import ShadowError
                 raise ShadowError(f"DistributedDataParallel({option}=True) is not shadow-run: its reducer reads "
                                   "which parameters backward used, on values fake tensors do not hold")
         with reducer_reads(tracker), real_inputs():  # its host reads real, as train.py's shadow's

@@ -1,7 +1,7 @@
 """A compiled CUDA step's allocator gaps and reserved memory, from its ledger played as a history.
 
 Every eager step's totals come from the shadow run's process through the allocator's model
-(shadow_allocator). A compiled step's come from inductor's plan, which lists the step's buffers
+(shadow/replay). A compiled step's come from inductor's plan, which lists the step's buffers
 but not the process before it; on CUDA this module gives that plan's ledger a simplified
 history through the same model (reading/allocator_model.py):
 
@@ -17,8 +17,8 @@ committed H100 compiled audits were predicted with (+60,928 and +262,656 B over 
 docs/compile.md); a compiled CUDA plan needs a GPU, so nothing here re-predicts them.
 """
 
-from ..reading.allocator_model import CachingAllocatorModel, segment_size
-from ..reading.allocator_sim import round_size
+from ...reading.allocator_model import CachingAllocatorModel, segment_size
+from ...reading.allocator_sim import round_size
 
 
 def _logits_bytes(log_softmax, cfg):

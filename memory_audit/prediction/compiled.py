@@ -1,6 +1,6 @@
 """Predict a compiled (torch.compile) training step, line by line.
 
-The eager predictor's rules (parts.py) describe what autograd saves op by op; a compiled step
+The eager predictor's rules (ledger/parts.py) describe what autograd saves op by op; a compiled step
 saves what AOTAutograd's partitioner chose and runs the buffers inductor planned. Both are
 decided before anything runs, so the prediction asks inductor itself: compiled.inductor_plans
 traces the model, partitions it at the run's activation memory budget and generates the
@@ -17,7 +17,7 @@ wrappers' code, stopping before any kernel is compiled (seconds, no step, no GPU
                  does not use it; its buffers, and the saved storages it frees) and, on CPU, the
                  eager stretch after backward (clipping, the optimizer's step: after_backward_lines)
 On CPU the kernels a wrapper calls are asked for their own buffers as the eager shadow asks
-them (shadow_cpu.plan_kernel: oneDNN's bf16 matmul scratch, CPU flash attention's buffers).
+them (shadow/cpu.plan_kernel: oneDNN's bf16 matmul scratch, CPU flash attention's buffers).
 
 Needs torch and model.py (it builds the model); the eager predictor stays torch-free.
 """
@@ -25,9 +25,10 @@ Needs torch and model.py (it builds the model); the eager predictor stays torch-
 import contextlib
 
 from ..reading.inductor_plan import replay
-from .levers import forward_flops
-from .parts import act, grad_phases, line, shape_facts
-from .ledger import DEFAULTS, device_facts, param_shapes, plain, steady_lines, totals as totals_of, validate
+from .ledger.levers import forward_flops
+from .ledger.parts import act, grad_phases, line, shape_facts
+from .ledger.config import DEFAULTS, device_facts, validate
+from .ledger.steady import param_shapes, plain, steady_lines, totals as totals_of
 from ..naming.tensors import short_module
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attention", "activation")
@@ -163,8 +164,8 @@ def after_backward_lines(s, cfg, ledger):
     the step event by event, and what the compiled step holds there differs from the eager one's
     by what both hold at the step's end (the ledger's step2_end lines). [] where the shadow shows
     no such stretch; a reason (str) where the eager step cannot be shadow-run."""
-    from . import shadow
-    from .ledger import resolved
+    from .shadow import step as shadow
+    from .ledger.config import resolved
     try:
         r = shadow.run(resolved({k: v for k, v in cfg.items() if k not in ("compile", "activation_memory_budget")}),
                        names=True)
@@ -230,7 +231,7 @@ def peak_candidates(s, cfg, plan, acts, keys, fw_user, kernel=None, ledger=None)
 def _on_cpu(dev, cfg):
     if dev["type"] != "cpu":
         return contextlib.nullcontext()
-    from . import shadow_probe
+    from .shadow import probe as shadow_probe
     return shadow_probe.on_cpu(dev.get("cpu"), cfg["dtype"])
 
 
@@ -254,7 +255,7 @@ def predict_compiled(config=None, device=None, plan=None):
     params = param_shapes(cfg)
     kernel = None
     if dev["type"] == "cpu":  # the kernels answered as the eager shadow answers them, as on the audited CPU
-        from . import shadow_cpu
+        from .shadow import cpu as shadow_cpu
         kernel = shadow_cpu.plan_kernel
     with _on_cpu(dev, cfg):
         acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: short_module(m, "", "gpt"), kernel)

@@ -9,13 +9,13 @@ result at a phase by those names; snapshot() writes a CPU step in the snapshot s
 
 import contextlib
 
-from ..schema import PHASES_KEY, PREDICTED_FRAME
+from ...schema import PHASES_KEY, PREDICTED_FRAME
 
 
 def held_names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
     import torch
-    from ..naming.tensors import is_view_into_more, local_tensor, named_tensors
+    from ...naming.tensors import is_view_into_more, local_tensor, named_tensors
     out = {}
 
     def put(t, name):
@@ -49,8 +49,8 @@ def naming(tracker, model, device_type):
     name(loss, held, loop): {allocation id: name} in tracker.saved_names for what the forward
     made, the loop's names first (naming.tensors.named_tensors(*loop): FSDP2's unsharded weights, the
     batch, the loss), then the saved tensors' and `held`'s, as attribute.phase_names orders them."""
-    from ..naming.saved import saved_tensor_ledger
-    from ..naming.tensors import local_tensor, named_tensors
+    from ...naming.saved import saved_tensor_ledger
+    from ...naming.tensors import local_tensor, named_tensors
     records = []
     device = "meta" if device_type == "cuda" else "cpu"  # a CUDA step's wrapped scalars are host memory
     def recomputing(context, module):
@@ -100,7 +100,7 @@ def name_grads(tracker, model):
     """After a backward, each parameter's gradient names its allocation from its making on, as
     the audit names it (a gradient zero_grad lets go has no name at the step's end; a sharded
     one by its local shard; a storage several gradients view, DDP's bucket, keeps its own name)."""
-    from ..naming.tensors import local_tensor
+    from ...naming.tensors import local_tensor
     owners = {}  # allocation id -> the parameters whose gradient lives in it
     for name, p in model.named_parameters():
         grad = None if p.grad is None else local_tensor(p.grad)
@@ -122,7 +122,7 @@ def lines(result, phase="step2_before_backward"):
     (result["end"]), what the audited forward made by the audit's names (result["saved"]:
     run(..., names=True)), what is live when the step starts by the loop's names then, what else
     the code made by its call (result["made"]: loop_calls), the rest by the shadow's own keys.
-    A result without names (names=False, or a repeated step: shadow_repeat) raises ValueError."""
+    A result without names (names=False, or a repeated step: shadow/repeat) raises ValueError."""
     if "saved" not in result:
         raise ValueError("this shadow run was made without names (run(..., names=True); a repeated step has none)")
     saved, made = result["saved"], result.get("made", {})
@@ -148,7 +148,7 @@ def snapshot(result):
     trace starts with what is live when the step starts (at time 0), then the step's events;
     addresses are made up, one range per allocation. What the audited forward made is named as
     the audit names it (result["saved"]: lines)."""
-    from ..reading.cpu_snapshot import snapshot_at
+    from ...reading.cpu_snapshot import snapshot_at
     addr, events, t = {}, [], 0
     next_addr = 1 << 32
 

@@ -13,21 +13,21 @@ reason and its restore (`on_gpu` enters them all):
                  count, name, capability and total memory, bf16 support; seeding, synchronising
                  and the cache calls do nothing
   autocast       torch.autocast("cuda") applies CUDA autocast's policy to the meta tensors
-                 (shadow_autocast: ATen's op lists), and checkpointing's recomputation runs
-                 again under it (shadow_autocast.recomputed)
+                 (shadow/autocast: ATen's op lists), and checkpointing's recomputation runs
+                 again under it (shadow/autocast.recomputed)
   device_choices optimizers default to their foreach kernels and allow fused ones,
                  clip_grad_norm_ takes its foreach path, SDPA runs the kernel CUDA picks and
-                 dropout CUDA's fused kernel (shadow_cuda.device_kernels)
-The tracker runs its device rules (shadow_tracker._device_op: CUDA's kernel temporaries, the
+                 dropout CUDA's fused kernel (shadow/cuda.device_kernels)
+The tracker runs its device rules (shadow/tracker._device_op: CUDA's kernel temporaries, the
 cuBLAS and cuBLASLt workspaces per thread) and the history goes through the caching allocator's
-model (shadow_allocator) for reserved memory. Plain Python until a shadow starts.
+model (shadow/replay) for reserved memory. Plain Python until a shadow starts.
 """
 
 import contextlib
 
-from . import patches, shadow_cuda
-from .shadow_autocast import autocast, recomputed
-from .shadow_streams import Stream
+from . import patches, cuda as shadow_cuda
+from .autocast import autocast, recomputed
+from .streams import Stream
 
 
 # -- the pieces on_gpu enters

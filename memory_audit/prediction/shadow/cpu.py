@@ -1,12 +1,12 @@
 """A CPU step's ops in the shadow run: what the kernels make that fake tensors do not show.
 
-shadow_tracker's dispatch mode hands each op of a CPU step to cpu_op, which adds the CPU rules
+shadow/tracker's dispatch mode hands each op of a CPU step to cpu_op, which adds the CPU rules
 over many ops (below: wrapped scalars and their casts, mixed-dtype copies, a foreach op's
 per-tensor scalars, CPU mean's divide, reduced losses, layer norm's fp32 statistics), one op's
-own buffers from rules/cpu.py, and the kernels asked for their own buffers (shadow_probe).
-shadow_cuda is the CUDA side's counterpart. The rules over many ops, each measured on CPU
-audits (inplace_accumulate and index_accumulate live in shadow_tracker, rng_state and
-storage_resize in patches, gloo_collectives in rules/collectives, the rest here):
+own buffers from shadow/rules/cpu.py, and the kernels asked for their own buffers (shadow/probe).
+shadow/cuda is the CUDA side's counterpart. The rules over many ops, each measured on CPU
+audits (inplace_accumulate and index_accumulate live in shadow/tracker, rng_state and
+storage_resize in patches, gloo_collectives in shadow/rules/collectives, the rest here):
   inplace_accumulate  autograd's gradient sum (an add during backward whose first operand, not a
                       view and contiguous, dies with it) reuses that operand's memory; autograd
                       decides so only for a tensor Python has never seen, so watching prevents it;
@@ -28,9 +28,9 @@ storage_resize in patches, gloo_collectives in rules/collectives, the rest here)
                       scalar and its cast, made after the output, freed in reverse; in bf16/fp16
                       the sum runs in fp32 (an fp32 result, the input cast to fp32) first
   kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
-                      CPUs with native bf16): their own buffers asked of the kernel (shadow_probe)
+                      CPUs with native bf16): their own buffers asked of the kernel (shadow/probe)
   gloo_collectives    under torchrun on CPU, gloo's buffers in the collectives and CPU _chunk_cat's
-                      padded copies of uneven gradients (rules/collectives: gloo_buffers, chunk_cat_pads)
+                      padded copies of uneven gradients (shadow/rules/collectives: gloo_buffers, chunk_cat_pads)
   storage_resize      untyped_storage().resize_ (FSDP2's unsharded parameters: freed with
                       resize_(0), made again with resize_(n)) frees the storage's allocation and
                       makes one of the new size; no op the dispatcher sees
@@ -46,7 +46,7 @@ Plain Python until a shadow run starts: torch is imported inside the functions.
 
 import math
 
-from . import rules, shadow_probe
+from . import rules, probe
 from .rules import collectives
 from .rules import cpu as cpu_rules  # noqa: F401 -- its rules register themselves
 
@@ -162,7 +162,7 @@ def short_name(func):
 
 
 def cpu_op(tracker, func, args, kwargs, key):
-    """An op of a CPU step's shadow under the rules (module docstring, rules/cpu.py): wrapped scalars and their
+    """An op of a CPU step's shadow under the rules (module docstring, shadow/rules/cpu.py): wrapped scalars and their
     casts, mixed-dtype copies, a foreach op's per-tensor scalars, the outputs, then the kernels'
     own buffers. Returns (out, [ids freed as it returns], the scalars its node may keep)."""
     import torch
@@ -187,7 +187,7 @@ def cpu_op(tracker, func, args, kwargs, key):
         scalars = []  # nothing for the output's autograd node to keep
     for t, nbytes in _mixed_dtype_casts(func, tensors):
         held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
-    rule = rules.parts("cpu", func)  # rules/cpu.py: what the kernel makes before and after its outputs
+    rule = rules.parts("cpu", func)  # shadow/rules/cpu.py: what the kernel makes before and after its outputs
     for name, nbytes in rule["before"](args) if "before" in rule else ():
         held.append(tracker.alloc(f"{key}/{name}" if name else _buffer(key), nbytes)[0])
     before, after = rule["events"](args) if "events" in rule else ((), ())
@@ -203,7 +203,7 @@ def cpu_op(tracker, func, args, kwargs, key):
             held += ids
     # a functional collective's wait returns the tensor it waited on (the fake kernel, a new one)
     out = args[0] if func.namespace == "_c10d_functional" and short_name(func) == "wait_tensor" else func(*args, **kwargs)
-    probed = shadow_probe.wanted(short_name(func), args) and _probed_op(tracker, func, args, kwargs, key, out)
+    probed = probe.wanted(short_name(func), args) and _probed_op(tracker, func, args, kwargs, key, out)
     reduced = _reduced_loss_bytes(func, args, kwargs, out)
     stats = _mixed_layer_norm_stats(func, args, out)
     for t in tree_leaves(out):
@@ -294,7 +294,7 @@ def _mean_buffers(tracker, key, x, out):
 
 def _probed_op(tracker, func, args, kwargs, key, out):
     """The kernel's own allocations and frees around its outputs, in its order, as a kernel
-    probe found them (shadow_probe): an output at its real size (remembered when the fake one
+    probe found them (shadow/probe): an output at its real size (remembered when the fake one
     differs, for the op that reads it next), a buffer as a temporary (_buffer). False where no
     probe could run (the call keeps its fake sizes and is listed as unprobed)."""
     import torch
@@ -303,7 +303,7 @@ def _probed_op(tracker, func, args, kwargs, key, out):
     def real_shape(t):
         return tracker.real_shapes.get(t.untyped_storage()._cdata)
     made = sum(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
-    found = shadow_probe.sequence(func, args, kwargs, real_shape, made)
+    found = probe.sequence(func, args, kwargs, real_shape, made)
     if found is None:
         tracker.unprobed.add(short_name(func))
         return False
@@ -345,9 +345,9 @@ def saved_scalars(out):
 def plan_kernel(op, args, kwargs):
     """What a kernel a compiled wrapper calls allocates inside itself (inductor_plan.replay's
     `kernel`), answered as cpu_op answers the same op in an eager step: asked of the kernel where
-    shadow_probe asks it (bf16/fp16 matmuls through oneDNN; `extern_kernels.mm(a, b, out=buf)` is
+    shadow/probe asks it (bf16/fp16 matmuls through oneDNN; `extern_kernels.mm(a, b, out=buf)` is
     op "mm", its out= variant), else, for a fallback kernel (op "aten.<name>.<overload>"), its
-    outputs and rules/cpu.py's buffers (CPU flash attention's). Returns [("alloc", output index or
+    outputs and shadow/rules/cpu.py's buffers (CPU flash attention's). Returns [("alloc", output index or
     None, bytes) | ("free", index, bytes)]; None where nothing is asked; a reason (str) where the
     kernel would be asked but cannot be. args and kwargs: (size, stride, dtype name) per tensor."""
     import torch
@@ -358,12 +358,12 @@ def plan_kernel(op, args, kwargs):
     def meta(a):
         return torch.empty_strided(a[0], a[1], dtype=getattr(torch, a[2]), device="meta") if isinstance(a, tuple) else a
     m_args, m_kwargs = [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()}
-    if shadow_probe.wanted(name, m_args):
-        found = shadow_probe.sequence(func, m_args, m_kwargs, lambda t: None)
+    if probe.wanted(name, m_args):
+        found = probe.sequence(func, m_args, m_kwargs, lambda t: None)
         if found is not None:  # an out= buffer is the caller's: the kernel's entries are its own
             return found[0]
         if not fallback:
-            return "not asked (a profile recording, its tensors over shadow_probe.LIMIT, or refused)"
+            return "not asked (a profile recording, its tensors over shadow/probe.LIMIT, or refused)"
     rule = rules.parts("cpu", func) if fallback else {}
     if not rule:
         return None

@@ -3,7 +3,7 @@
 A rule is registered beside its definition (`@rule("cuda", "aten.cumsum.default", "after")`),
 as torch's flop counter registers its formulas, and each rule's docstring names the committed
 trace it was read from and the check it passed. A rule has parts, each a function of the op's
-arguments; their signatures are the device's (rules/cuda.py, rules/cpu.py say them):
+arguments; their signatures are the device's (shadow/rules/cuda.py, shadow/rules/cpu.py say them):
   before    what the kernel allocates before its outputs and frees before it returns
   after     what it allocates after its outputs and frees before it returns
   events    (before, after): temporaries that interleave with the outputs, as ("alloc", bytes) |
@@ -39,7 +39,7 @@ def parts(device, func):
     """{part: function} of `func`'s rule on `device` ({} where none is registered)."""
     key = (device, func)
     found = _BY_FUNC.get(key)
-    if found is None:  # (a rules module registers its rules when imported: shadow_cuda imports
-        # rules.cuda, shadow_tracker rules.cpu)
+    if found is None:  # (a rules module registers its rules when imported: shadow/cuda imports
+        # rules.cuda, shadow/tracker rules.cpu)
         found = _BY_FUNC[key] = REGISTRY.get(device, {}).get(str(func), {})
     return found

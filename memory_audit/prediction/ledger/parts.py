@@ -12,7 +12,7 @@ activation lines in forward order, the order autograd saves them. A line is a pl
           block's ln_1 input; SDPA's q/k/v for the attention core): recomputing it allocates nothing
 """
 
-from ..reading.allocator_sim import round_size
+from ...reading.allocator_sim import round_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
 

@@ -10,7 +10,7 @@
 
 Every tensor made inside is fake (FakeTensorMode: shapes, dtypes and storage sizes, no memory)
 and every allocation and free goes through the shadow's tracker, and nothing is restructured
-(shadow_entry.py: the ways in; predict_loop runs a `make`/`step` pair through it). Python's own lifetimes apply: a loss rebound
+(shadow/entry.py: the ways in; predict_loop runs a `make`/`step` pair through it). Python's own lifetimes apply: a loss rebound
 in the next step is freed when the new one exists, as in a real run.
 
 Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is the
@@ -34,21 +34,21 @@ import contextlib
 import os
 import warnings
 
-from .shadow import ShadowError, begin_step, end_step, step_result
-from .shadow_names import address, held_names, name_grads
+from .step import ShadowError, begin_step, end_step, step_result
+from .names import address, held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, answered_read, checked_assume
-from .shadow_loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged,
-                          owning_module, scaler_classes, user_line)
-from .ledger import expandable_from_env
-from .shadow_allocator import replay
-from .shadow_gpu import on_gpu
-from .shadow_ranks import node_size, script_notes, script_ranks
+from .loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged, owning_module,
+                   scaler_classes, user_line)
+from ..ledger.config import expandable_from_env
+from .replay import replay
+from .gpu import on_gpu
+from .ranks import node_size, script_notes, script_ranks
 from .patches import LibraryBranches, cpu_rules, ctc_as_on_real_tensors, cut_lists, fake_modules
-from .shadow_depth import Cut
-from .shadow_blocks import module_labels
-from .shadow_tracker import Tracker, dispatch_mode
-from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
-from ..naming.loop_calls import LoopCalls
+from .depth import Cut
+from .blocks import module_labels
+from .tracker import Tracker, dispatch_mode
+from ...reading.attribute import CUBLASLT_WORKSPACE_SIZE
+from ...naming.loop_calls import LoopCalls
 
 
 class _Stopped(BaseException):
@@ -84,15 +84,15 @@ class Shadow:
         except ValueError as e:
             raise ShadowError(str(e)) from None
         self.result = self.summary = self.given = None  # given: {name: tensor} the code names (predict_loop's inputs)
-        self.depth = depth  # a deep model's equal blocks cut to this many (shadow_depth), or None
+        self.depth = depth  # a deep model's equal blocks cut to this many (shadow/depth), or None
 
     # -- entering and leaving
     def __enter__(self):
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from .. import nosympy
-        from ..nodynamo import stood_in
-        from ..naming.loop_names import LoopNames
+        from ... import nosympy
+        from ...nodynamo import stood_in
+        from ...naming.loop_names import LoopNames
         self.tracker = tracker = Tracker()
         tracker.naming = True
         self.placeholders, self.marked, self.updating = [], False, False
@@ -165,7 +165,7 @@ class Shadow:
 
     def summarize(self, result, repeated=None):
         """self.result and self.summary from the audited step's run() dict (step_result's, or
-        shadow_depth's built at the model's depth: `repeated` says from what)."""
+        shadow/depth's built at the model's depth: `repeated` says from what)."""
         source = "shadow(): the user's code on fake tensors" + (f" ({repeated})" if repeated else "")
         self.result = result
         self.summary = dict(loop_summary(result), steps=self.steps, placeholders=self.placeholders,

@@ -6,7 +6,7 @@ and storage sizes, C++ kernels, no memory): on the CPU build autograd's engine c
 CUDA tensor's backward, and torch.autocast("cuda") turns itself off without a GPU. So what CUDA
 does differently is added here, each rule read from the committed tiny CUDA audits
 (snapshots/examples/cuda-tiny-*, H100, torch 2.11) event by event:
-  autocast_casts     CUDA autocast's policy (shadow_autocast.Autocast: ATen's op lists), its fp32
+  autocast_casts     CUDA autocast's policy (shadow/autocast.Autocast: ATen's op lists), its fp32
                      leaf casts cached until the region ends, F.softmax/F.log_softmax called by
                      the model in fp32 (fp16 in: one fp32 output, CUDA's half-to-float kernel;
                      bf16 in: a cast first: softmax_fp32); cross_entropy's own log_softmax in
@@ -17,11 +17,11 @@ does differently is added here, each rule read from the committed tiny CUDA audi
                      efficient attention (fp32: logsumexp padded to 32, seed and offset on the
                      host); dropout through the fused kernel (a bool mask, made before the output)
   kernel_buffers     what kernels allocate inside themselves, before, between and after their
-                     outputs, and the order of their outputs: one rule per op in rules/cuda.py
+                     outputs, and the order of their outputs: one rule per op in shadow/rules/cuda.py
                      (the _foreach_norm partials, cuDNN and efficient attention's buffers, the
                      softmax backward's, the embedding backward's sort, GroupNorm's, a cumulative
                      op's cast, non-contiguous embedding indices), each naming its trace
-  cublas_workspace   each thread's first GEMM makes its workspace (shadow_tracker), after the
+  cublas_workspace   each thread's first GEMM makes its workspace (shadow/tracker), after the
                      GEMM's output; each thread's first addmm (a Linear with a bias: cuBLASLt's
                      bias epilogue) then makes cuBLASLt's, CUBLASLT_WORKSPACE_SIZE KiB (1 MiB;
                      measured on an H200, torch 2.11: every random config with bias=True, one per
@@ -29,8 +29,8 @@ does differently is added here, each rule read from the committed tiny CUDA audi
 The inputs: train.py makes the batch on the host and copies it to the GPU; only the copies (x,
 then y) are device memory. Wrapped scalars, RNG states and the foreach/for AdamW's `step` are
 host tensors on a CUDA run: no device memory (any CPU tensor an op of the step returns is
-left out: shadow_tracker). Checkpointing's recomputation runs under the same
-rules (shadow_autocast.recomputed). Plain Python until a shadow run starts: torch is imported inside.
+left out: shadow/tracker). Checkpointing's recomputation runs under the same
+rules (shadow/autocast.recomputed). Plain Python until a shadow run starts: torch is imported inside.
 """
 
 import contextlib
@@ -68,7 +68,7 @@ def cross_entropy_cuda(input, target, weight=None, size_average=None, ignore_ind
 
 def before_outputs(func, args):
     """[bytes] a CUDA kernel allocates before its outputs and frees before it returns (its
-    rules/cuda.py rule's)."""
+    shadow/rules/cuda.py rule's)."""
     f = parts("cuda", func).get("before")
     return f(args) if f else []
 
@@ -100,7 +100,7 @@ def device_kernels(sdpa_backend, note=None):
     path (one _foreach_norm, one _foreach_mul_) as on CUDA tensors, SDPA in fp16/bf16 runs the
     kernel the device picks (cuDNN's on an H100 with torch 2.11), and dropout runs CUDA's fused
     kernel, caught by a torch-function mode (inside nn.MultiheadAttention too: patches.inside_modes).
-    Yields the torch-function mode (shadow_autocast.recomputed enters it again around a
+    Yields the torch-function mode (shadow/autocast.recomputed enters it again around a
     recomputation)."""
     import torch
     from torch.nn.utils import clip_grad
@@ -167,7 +167,7 @@ def _sdpa(backend, note, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False
 
 def outputs(func, out):
     """[(tensor, bytes or None)] of an op's outputs in the order CUDA allocates them: its rule's
-    order where rules/cuda.py has one (cuDNN attention's philox seed and offset first, the fused
+    order where shadow/rules/cuda.py has one (cuDNN attention's philox seed and offset first, the fused
     dropout's mask before its output), else the result's tensors as they come."""
     import torch
     from torch.utils._pytree import tree_leaves

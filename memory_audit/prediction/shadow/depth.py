@@ -4,7 +4,7 @@ parameters in seconds, on a GPU the machine does not have).
 The script's model is built as written, but the first list of DEEP or more equal blocks made
 while it runs (nn.ModuleList or nn.Sequential of modules alike: alike()) keeps its first 3
 blocks in one shadow run of the whole script and its first 4 in a second, every allocation and
-event tagged with its block (shadow_blocks.mark_blocks). shadow_repeat builds the step at the
+event tagged with its block (shadow/blocks.mark_blocks). shadow/repeat builds the step at the
 model's own depth from the two, as it does for nanoGPT's blocks, the 4-block run checking the
 rule event by event. Where nothing is cut the first run is the prediction itself; where the rule
 does not hold (a block's run out of place, a size inside a block that depends on the depth, the
@@ -22,8 +22,8 @@ import contextlib
 import io
 import sys
 
-from .shadow_blocks import mark_blocks
-from .shadow_repeat import SOURCE, block_pattern, expand
+from .blocks import mark_blocks
+from .repeat import SOURCE, block_pattern, expand
 
 DEEP = 12  # the fewest blocks cut: two shallow runs (3 and 4 blocks, the rest of the model twice)
 # took about as long as the whole run of 10 blocks (scripts/depth_check.py's seconds, seed 121143)
@@ -75,7 +75,7 @@ def _plain(v, torch):
 
 
 class Cut:
-    """One shadow run's cut (shadow_script.Shadow(depth=...)): the first list of DEEP or more
+    """One shadow run's cut (shadow/script.Shadow(depth=...)): the first list of DEEP or more
     alike blocks made while it runs keeps its first `depth`, watched by mark_blocks.
     n: the depth it had (None: nothing was cut); path: its module path in the trained model
     (place()), None where it is not the model's."""

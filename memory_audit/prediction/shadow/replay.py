@@ -1,7 +1,7 @@
 """The shadow's CUDA history played through the caching allocator's model (reading/allocator_model): what
 memory_allocated() and memory_reserved() would count, and the predicted step as a CUDA snapshot.
 
-The shadow run (shadow.py) gives every request of the process in order, from model.to(device)
+The shadow run (shadow/step.py) gives every request of the process in order, from model.to(device)
 on; allocator_model.CachingAllocatorModel chooses the blocks and the segments as the allocator does
 (rounding, best fit, the split rule, merging on free). The snapshot it writes has the schema a
 real CUDA snapshot has (segments with their blocks, a trace with segment_alloc, alloc,
@@ -12,9 +12,9 @@ measurement; each event's one frame names its ledger key (schema.PREDICTED_FRAME
 from array import array
 from itertools import accumulate
 
-from ..reading.allocator_sim import round_size
-from ..reading.trace import fastcore
-from ..schema import PHASES_KEY, PREDICTED_FRAME
+from ...reading.allocator_sim import round_size
+from ...reading.trace import fastcore
+from ...schema import PHASES_KEY, PREDICTED_FRAME
 
 
 STREAM_SPAN = 1 << 52  # each stream's segments in an address range of their own
@@ -55,7 +55,7 @@ def _placed(events, expandable):
 
 
 def _placed_py(events, expandable):
-    from ..reading.allocator_model import CachingAllocatorModel
+    from ...reading.allocator_model import CachingAllocatorModel
     model, at = CachingAllocatorModel(expandable), {}
     block, addr, seg, grown = [], [], [], []
     for action, _, nbytes, aid in events:
@@ -80,7 +80,7 @@ def _placed_py(events, expandable):
 def play(result, expandable=False, names=None):
     """Yields (position, action, name, bytes asked, block bytes, address, new segment or None,
     stream) for every event of the shadow's history and step, the step's by `names` where given
-    (shadow_names.audit_names: as an audit names them); a new segment is (start, bytes)."""
+    (shadow/names.audit_names: as an audit names them); a new segment is (start, bytes)."""
     _, block, addr, seg, grown = placed(result, expandable)
     names, streams = names or {}, result.get("streams", {})
     for i, (action, key, nbytes, aid) in enumerate(result["history"] + result["events"]):

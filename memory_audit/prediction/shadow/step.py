@@ -3,14 +3,14 @@
 model.py's GPT, the loss, autograd's backward (checkpointing's recomputation included), the
 GradScaler, the gradient clipping and the AdamW step run at the target config on tensors with
 shapes, dtypes and storage sizes but no memory (FakeTensorMode for a CPU step, meta tensors for
-a CUDA one), under shadow_tracker's dispatch mode, which records each new storage and its free.
+a CUDA one), under shadow/tracker's dispatch mode, which records each new storage and its free.
 The order and the lifetimes are PyTorch's own; nothing here knows which op saves what. What the
-dispatcher cannot see is added by rules: shadow_tracker's and rules/cpu.py's (measured on CPU audits) and, for
-a GPU, shadow_cuda's (autocast, kernel choices) and rules/cuda.py's, one per op, each naming
+dispatcher cannot see is added by rules: shadow/tracker's and shadow/rules/cpu.py's (measured on CPU audits) and, for
+a GPU, shadow/cuda's (autocast, kernel choices) and shadow/rules/cuda.py's, one per op, each naming
 the CUDA traces it was read from; a CUDA step's whole process is then
-played through the caching allocator's model (shadow_allocator). Eager: one process, or one rank
-of a torchrun strategy on either device (shadow_dist; on a GPU FSDP2's own streams, patches.py);
-torch.compile is not in it. shadow_script.py shadow-runs a user's own code (and predict_loop a
+played through the caching allocator's model (shadow/replay). Eager: one process, or one rank
+of a torchrun strategy on either device (shadow/distributed; on a GPU FSDP2's own streams, shadow/patches.py);
+torch.compile is not in it. shadow/script.py shadow-runs a user's own code (and predict_loop a
 make/step loop through it) with the same tracker and rules.
 
 run() returns plain data: the step's events [(action, key, bytes, id)] in order (and on CUDA the
@@ -21,15 +21,16 @@ counts them as the device would; snapshot() writes a CPU step in the snapshot sc
 import contextlib
 import gc
 
-from . import shadow_autocast, shadow_cuda, shadow_dist, shadow_probe, shadow_repeat
-from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
-from .. import nosympy
-from ..nodynamo import stood_in
-from .shadow_names import held_names, lines, name_grads, naming, snapshot  # noqa: F401 (lines, snapshot: read as shadow.*)
+from . import autocast as shadow_autocast, cuda as shadow_cuda, distributed, probe
+from . import repeat as shadow_repeat
+from ...reading.attribute import CUBLASLT_WORKSPACE_SIZE
+from ... import nosympy
+from ...nodynamo import stood_in
+from .names import held_names, lines, name_grads, naming, snapshot  # noqa: F401 (lines, snapshot: read as shadow.*)
 from .patches import cpu_rules, fsdp_on_gpu, meta, no_init, propagation_unseen, storage_resizes
-from .shadow_blocks import block_tags, module_labels
-from .shadow_tracker import Tracker, dispatch_mode
-from .shadow_error import ShadowError  # noqa: F401 (read as shadow.ShadowError)
+from .blocks import block_tags, module_labels
+from .tracker import Tracker, dispatch_mode
+from .error import ShadowError  # noqa: F401 (read as shadow.ShadowError)
 
 def _held(state, scaler):
     """What the loop itself holds between steps, by the names an audit gives it."""
@@ -98,10 +99,10 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see step_result). fake=False runs the same on real tensors (a
     check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
-    view op through the tracker's whole path (the check of shadow_metacache and of that
-    shortcut; otherwise the process's one cache, shadow_metacache.SHARED, answers). blocks=True
+    view op through the tracker's whole path (the check of shadow/metacache and of that
+    shortcut; otherwise the process's one cache, shadow/metacache.SHARED, answers). blocks=True
     tags each allocation and event with its block and micro-step (result["blocks"],
-    result["micro"], for shadow_repeat). names=True also names what the audited forward made as
+    result["micro"], for shadow/repeat). names=True also names what the audited forward made as
     an audit does (result["saved"], read by lines(); it costs a graph walk, which fit and plan do
     without). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
@@ -110,7 +111,7 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     tracker.lt_workspace_bytes = CUBLASLT_WORKSPACE_SIZE if tracker.workspace_bytes else 0
     tracker.tagging = blocks
     if device_type == "cuda" and fake and cache:
-        from .shadow_metacache import SHARED
+        from .metacache import SHARED
         tracker.meta_cache = SHARED
     return stopped_as_one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
 
@@ -132,9 +133,9 @@ def stopped_as_one_line(tracker, fn, *args):
 
 @contextlib.contextmanager
 def _cuda_kernels(sdpa_backend, tracker):
-    """CUDA's kernel choices (shadow_cuda.device_kernels: a kernel no trace measured is noted in
+    """CUDA's kernel choices (shadow/cuda.device_kernels: a kernel no trace measured is noted in
     tracker.unmeasured), checkpointing's recomputation under them and the forward's autocast
-    region (shadow_autocast.recomputed)."""
+    region (shadow/autocast.recomputed)."""
     with shadow_cuda.device_kernels(sdpa_backend, tracker.unmeasured.add) as mode, shadow_autocast.recomputed((mode,)):
         yield
 
@@ -151,17 +152,17 @@ def _run(cfg, device_type, fake, tracker, sdpa_backend):
     # host memory), on either device storage resizes (FSDP2's unsharded parameters)
     rules = cpu_rules(tracker) if device_type == "cpu" else storage_resizes(tracker)
     gpu = fsdp_on_gpu(cfg, tracker) if device_type == "cuda" else contextlib.nullcontext()
-    with shadow_dist.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda, gpu, \
+    with distributed.rank_of(cfg), base, dispatch_mode(tracker, device_type), rules, cuda, gpu, \
             propagation_unseen(tracker, cfg):
         model = _model(cfg, device_type, fake)
         if device_type == "cuda":  # the whole history, for the allocator's model: from model.to(device) on
             tracker.recording = True
             shadow_cuda.to_device(model, tracker)
-        shadow_dist.parallelize(model, cfg)  # torchrun's strategies: this rank's shards
+        distributed.parallelize(model, cfg)  # torchrun's strategies: this rank's shards
         optimizer, scaler, get_batch, autocast = _loop_parts(model, cfg, device_type)
-        train_model = shadow_dist.wrap(model, cfg, tracker)  # DDP around it, as train.py does
+        train_model = distributed.wrap(model, cfg, tracker)  # DDP around it, as train.py does
         handles = module_labels(model, tracker)
-        if tracker.tagging:  # each event's block, for shadow_repeat
+        if tracker.tagging:  # each event's block, for shadow/repeat
             handles += block_tags(model, tracker)
         tracker.phase = "inputs"
         state = {"loss": None}
@@ -255,8 +256,8 @@ def step_result(tracker, pre, phases):
     """{"events": [(action, key, bytes, id)] of the step in order, "history": the same before it
     (a CUDA shadow records from model.to(device) on; empty on CPU), "pre": [(id, key, bytes)]
     live when it starts, "start_bytes", "phases": {phase: position in events}, "peak", "probed"
-    and "unprobed": the ops whose kernels a probe asked, and those it could not (shadow_probe),
-    "unmeasured": the CUDA rules applied outside the shapes a trace measured (rules/cuda.py's SAMPLES)}."""
+    and "unprobed": the ops whose kernels a probe asked, and those it could not (shadow/probe),
+    "unmeasured": the CUDA rules applied outside the shapes a trace measured (shadow/rules/cuda.py's SAMPLES)}."""
     events, cut, blocks, micros = [], {}, [], []
     for i, (action, aid) in enumerate(tracker.events):
         for phase, at in phases.items():
@@ -306,12 +307,12 @@ def replayed(cfg, device, repeat=True, names=False):
     """The shadow run of `cfg` on `device` (predict.device_facts' dict) counted as the device
     counts it: {"steady_state", "before_backward", "peak", "peak_event", "end", "reserved"} of step 2, plus
     "result" (run()'s). On CUDA every request goes through the caching allocator's model from
-    model.to(device) on (shadow_allocator.replay); a CPU step is its own bytes (reserved: None).
-    repeat: a deep CUDA step from the shadow runs of 3 and 4 blocks (shadow_repeat) where the
+    model.to(device) on (shadow/replay.replay); a CPU step is its own bytes (reserved: None).
+    repeat: a deep CUDA step from the shadow runs of 3 and 4 blocks (shadow/repeat) where the
     rule holds; repeat=False runs every block. names: run(..., names=True) (a CUDA step is then
     run whole: a repeated one has no names)."""
     if device["type"] != "cuda":
-        with shadow_probe.on_cpu(device.get("cpu"), cfg["dtype"]):
+        with probe.on_cpu(device.get("cpu"), cfg["dtype"]):
             result = run(cfg, names=names)
         levels = step_levels(result)
         at = {phase: levels[i] for phase, i in result["phases"].items()}
@@ -329,7 +330,7 @@ def replayed(cfg, device, repeat=True, names=False):
         while len(_LAST) >= _KEEP:  # the oldest goes
             _LAST.pop(next(iter(_LAST)))
         _LAST[key] = result
-    from .shadow_allocator import replay
+    from .replay import replay
     with collector_paused():
         return dict(replay(result, device.get("expandable_segments", False)), result=result)
 
@@ -344,7 +345,7 @@ def step_levels(result):
 
 
 def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0):
-    """run(cfg, "cuda") built by shadow_repeat from shadow runs of 3 and 4 blocks (and, with
+    """run(cfg, "cuda") built by shadow/repeat from shadow runs of 3 and 4 blocks (and, with
     many micro-steps, of 3 and 4 micro-steps at each depth), or None where the repeat rule does
     not hold for this config (then run it whole)."""
     kw = dict(sdpa_backend=sdpa_backend, workspace_bytes=workspace_bytes, blocks=True)

@@ -201,7 +201,7 @@ def reducer_reads(tracker):
 
 
 def runs_real(func, args, kwargs):
-    """An op DDP's reducer runs on tensors it reads (shadow_dist.reducer_reads): every tensor
+    """An op DDP's reducer runs on tensors it reads (shadow/distributed.reducer_reads): every tensor
     argument real, or an empty integer tensor made from nothing."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor

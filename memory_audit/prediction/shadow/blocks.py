@@ -1,6 +1,6 @@
 """Where a shadow run's op runs: the module (module_labels: tracker.label, the innermost module
 path, which names what the op makes) and the transformer block (block_tags, op_block: each
-allocation and event tagged with its block transformer.h.N, so shadow_repeat can repeat a deep
+allocation and event tagged with its block transformer.h.N, so shadow/repeat can repeat a deep
 step's equal blocks; mark_blocks: the same for any model's list of equal blocks).
 Plain Python until a shadow run starts: torch is imported inside the functions.
 """
@@ -26,7 +26,7 @@ def module_labels(model, tracker, root="gpt"):
 
 
 def op_block(tracker, args):
-    """The block (transformer.h.N) an op belongs to, for shadow_repeat: in backward (a
+    """The block (transformer.h.N) an op belongs to, for shadow/repeat: in backward (a
     recomputation included) the autograd node's (block_tags); in a forward the module it runs
     in; in the optimizer its tensors' block if they share one. None outside any block."""
     import torch
@@ -98,7 +98,7 @@ def block_tags(model, tracker):
 
 
 def mark_blocks(blocks, tracker):
-    """block_tags for any model's list of equal blocks (shadow_depth): as block N's forward
+    """block_tags for any model's list of equal blocks (shadow/depth): as block N's forward
     runs, tracker.in_block names it (op_block), its parameters and buffers are tagged N, and the
     autograd nodes it made are tagged as it returns (walked from its outputs back to the nodes
     of its inputs, positional or keyword). Returns the hook handles."""

@@ -15,7 +15,7 @@ Recompute cost is counted in matmul FLOPs (2*m*n*k per product; pointwise ops le
 """
 
 from .parts import act, linear_input_key, materialized_scores, sdpa_kernel
-from ..schema import sac_ops
+from ...schema import sac_ops
 
 # the ops whose outputs the SAC rule knows in this model; anything else is refused, not guessed
 SAC_MODELLED = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
