@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from memory_audit.prediction.tensor_parallel import check  # the rule train.py and the predictor use
+from memory_audit.prediction.ledger.tensor_parallel import check  # the rule train.py and the predictor use
 
 
 def _as_replicated(module, inputs, mesh):
