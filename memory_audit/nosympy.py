@@ -82,23 +82,25 @@ _ANSWERS = {
 }
 
 
+class _NoSympyObject:
+    """sympy.Basic while sympy is not imported: no sympy object can exist, so nothing is one
+    (torch._prims_common.elementwise_dtypes asks isinstance(x, sympy.Basic) of every argument)."""
+
+
 class _StandIn(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
+        if name == "Basic" and self.__name__ == "sympy" and sys.modules.get("sympy") in (None, self):
+            return _NoSympyObject  # asked again once the real sympy is imported (a module that
+            # bound this stand-in while it was in place), the real class
         return getattr(_real(self.__name__), name)
-
-
-class _NoSympyObject:
-    """sympy.Basic while sympy is not imported: no sympy object can exist, so nothing is one
-    (torch._prims_common.elementwise_dtypes asks isinstance(x, sympy.Basic) of every argument)."""
 
 
 _SHAPES = _StandIn(NAME, __doc__)
 for _name, (_ok, _fn) in _ANSWERS.items():
     setattr(_SHAPES, _name, _answer(_name, _ok, _fn))
 _SYMPY = _StandIn("sympy", "sympy, stood in for by memory_audit.nosympy")
-_SYMPY.Basic = _NoSympyObject
 _STAND_INS = {NAME: _SHAPES, "sympy": _SYMPY}
 
 
@@ -121,11 +123,13 @@ def _parent(name):
 
 
 def _real(name):
-    """The real module, imported now if its stand-in is in its place."""
+    """The real module, imported now if its stand-in is in its place (symbolic_shapes after the
+    real sympy: its `import sympy` would otherwise bind the stand-in for good)."""
     if sys.modules.get(name) is _STAND_INS[name]:
+        if name == NAME:
+            _real("sympy")
         _remove(name)
-        importlib.import_module(name)
-    return sys.modules[name]
+    return importlib.import_module(name)
 
 
 _SPECS = {}  # name -> its spec, found once (a search of sys.path each shadow run otherwise)

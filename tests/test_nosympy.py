@@ -113,6 +113,30 @@ print(sorted(k for k, v in executed.items() if v > 1))
     assert _python(code) == "[]"
 
 
+def test_the_real_modules_bind_the_real_sympy_when_imported_under_the_stand_in():
+    """A CPU shadow's FakeTensorMode imports the real symbolic_shapes while sympy is stood in for:
+    it binds the real sympy, and a module that bound the stand-in meanwhile reads the real
+    sympy.Basic once sympy is imported. Then a compiled prediction in the same process lowers its
+    graph (it stopped with "cannot extract sympy expressions from 8 <class 'sympy...Integer'>")."""
+    code = """
+import sys
+from memory_audit import nosympy
+with nosympy.stood_in():
+    import sympy as bound  # a module's `import sympy` under the stand-in
+    import torch.fx.experimental.symbolic_shapes as shapes
+    shapes.ShapeEnv  # anything past the stand-in's answers: the real module, imported now
+real = sys.modules["sympy"]
+assert type(real).__name__ == "module" and type(bound).__name__ == "_StandIn"
+assert shapes.sympy is real and bound.Basic is real.Basic and isinstance(real.Integer(8), bound.Basic)
+from memory_audit.prediction.predict import device_facts, prediction
+cpu = device_facts("cpu")
+tiny = dict(n_layer=1, n_head=1, n_embd=8, vocab_size=64, block_size=16, batch_size=1, dtype="float32")
+prediction(tiny, cpu)  # a CPU shadow: its FakeTensorMode imports symbolic_shapes
+print(prediction(dict(tiny, compile=True), cpu)["totals"]["from"])
+"""
+    assert _python(code) == "inductor's plan (compile=True)"
+
+
 # counts each module file executed, for the checks that a submodule asked for under a stand-in
 # is executed once (the import under way would run it again once the real package had)
 EXECUTED = """
