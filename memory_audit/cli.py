@@ -105,9 +105,6 @@ def _check_overwrite(path, force):
 
 # -- predict / fit ---------------------------------------------------------------------------
 
-
-
-
 def cmd_predict(args, extra):
     from .prediction.predict import traced
     cfg = overrides(extra)

@@ -63,7 +63,7 @@ PHASES = ("step2_start", "step2_before_backward", "step2_end")
 # copied into the trace entries' user_metadata).
 MARKER_PREFIX = "memory_audit::"
 RECOMPUTE_LABEL = "recompute:"
-# The filename of the one frame each event of a predicted snapshot (shadow.snapshot) carries;
+# The filename of the one frame each event of a predicted snapshot (shadow/step.snapshot) carries;
 # the frame's name is the event's ledger key, which attribution reads back.
 PREDICTED_FRAME = "<predicted>"
 # A predicted snapshot's own top-level key: {phase: the trace entry at which it begins}, what

@@ -314,3 +314,29 @@ def test_predict_script_on_a_gpu_it_does_not_have():
     bad = subprocess.run(run + ["--gpu=H1000", "examples/train_classifier.py"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "H1000" in bad.stderr
+
+
+def test_what_torch_adds_to_the_foreach_types_during_a_gpu_shadow_stays():
+    """The GPU shadow lets the optimizers take fake tensors for foreach ones (FakeTensor added to
+    torch.optim's list of foreach types) and takes only that out again: DTensor, which
+    torch.distributed.tensor appends at its import, stays when that import happens inside."""
+    from test_nodynamo import _python
+    code = """
+import sys
+import torch
+from torch.optim import optimizer
+import memory_audit
+assert "torch.distributed.tensor" not in sys.modules
+with memory_audit.shadow(device="cuda", gpu="H100") as s:
+    import torch.distributed.tensor
+    m = torch.nn.Linear(4, 4).cuda()
+    opt = torch.optim.AdamW(m.parameters(), foreach=True)
+    for _ in range(3):
+        m(torch.randn(2, 4, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+from torch.distributed.tensor import DTensor
+from torch._subclasses.fake_tensor import FakeTensor
+print(DTensor in optimizer._foreach_supported_types, FakeTensor in optimizer._foreach_supported_types)
+"""
+    assert _python(code) == "True False"

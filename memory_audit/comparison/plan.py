@@ -129,7 +129,7 @@ def plan(cfg, dev, headroom, jobs=None):
     the options' shadow runs on that many forked workers (workers.py; default every CPU)."""
     limit = budget(dev, headroom)
     todo = candidates(cfg)
-    groups = {}  # one task per config: its allocator settings replay the same step (shadow._LAST)
+    groups = {}  # one task per config: its allocator settings replay the same step (shadow/step._LAST)
     for c, d in [(cfg, dev)] + [_asked(cfg, o, dev) for _, o in todo]:
         groups.setdefault(repr(sorted(c.items())), {})[_key(c, d)] = (c, d)
     tasks = sorted(groups.values(), key=lambda g: -_work(next(iter(g.values()))[0]))  # the longest first

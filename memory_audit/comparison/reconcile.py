@@ -319,7 +319,7 @@ def against_shadow(run_dir, rec):
 
 def shadow_lines_off(measured, result):
     """The lines of each phase the shadow names otherwise than the audit measured them
-    (shadow.lines against a report's rows, or a results row's measured_lines {phase: {key:
+    (shadow/step.lines against a report's rows, or a results row's measured_lines {phase: {key:
     bytes}}; the allocator's gaps are not the shadow's to name): ["phase:key shadow B vs
     measured B"], [] where every line agrees."""
     from ..prediction.shadow.step import lines

@@ -12,7 +12,7 @@ user's are the values saved for backward, in the order the compiled function han
   the audit names each packed tensor by its position and each wrapper buffer by its name.
 - `inductor_plans(model, inputs, budget)` runs inductor's own compile_fx and stops once both
   wrappers are written (no kernel compiled, no step run): the partition and the memory plan
-  compiled.py turns into a ledger.
+  prediction/compiled.py turns into a ledger.
 
 A warm inductor cache skips the partitioner; `no_cache()` turns the FX graph and AOT autograd
 caches off for the audited process (the compiled code is the same).

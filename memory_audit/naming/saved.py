@@ -104,6 +104,7 @@ def saved_tensor_ledger(model, out, device, ident=None, recomputing=None):
         _name_unpacked(first_seen, savers, tensor_info, modules.seq_log, impls)
         out.extend(saved_records(first_seen, savers, device, checkpointed=bool(windows), short=short))
 
+    modules.hook()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 checkpoint_observers(model, windows, keep, device.startswith("cuda"), short,
@@ -122,8 +123,10 @@ class _ModuleStack:
     alone, so the stack stays the forward's."""
 
     def __init__(self, model):
-        self.stack, self.seq_log, self.weak = [], [], []
+        self.stack, self.seq_log, self.weak, self.handles = [], [], [], []
         self.names = {m: n for n, m in model.named_modules()}
+
+    def hook(self):
         self.handles = [h for m in self.names for h in (m.register_forward_pre_hook(self.pre),
                                                        m.register_forward_hook(self.post))]
 

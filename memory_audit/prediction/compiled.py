@@ -2,7 +2,7 @@
 
 The eager predictor's rules (ledger/parts.py) describe what autograd saves op by op; a compiled step
 saves what AOTAutograd's partitioner chose and runs the buffers inductor planned. Both are
-decided before anything runs, so the prediction asks inductor itself: compiled.inductor_plans
+decided before anything runs, so the prediction asks inductor itself: naming/compiled.inductor_plans
 traces the model, partitions it at the run's activation memory budget and generates the
 wrappers' code, stopping before any kernel is compiled (seconds, no step, no GPU memory). Then:
 

@@ -67,7 +67,7 @@ def name_from_frames(frames, live=True):
     any moment of its trace (timeline.py), so the peak and the end table agree."""
     if not frames:
         return None, None
-    if frames[0].get("filename") == PREDICTED_FRAME:  # a predicted snapshot (shadow.snapshot): its key
+    if frames[0].get("filename") == PREDICTED_FRAME:  # a predicted snapshot (shadow/step.snapshot): its key
         return frames[0].get("name"), "predicted"
     text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames)
     if "_init_group" in text and ("adam" in text or "optim" in text):

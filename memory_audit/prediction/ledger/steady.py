@@ -10,6 +10,7 @@ from . import fsdp
 
 GiB = 2 ** 30
 
+
 def param_shapes(cfg):
     """[(name, shape)] of GPT's parameters in model order (lm_head tied to wte, listed once)."""
     d, L, bias = cfg["n_embd"], cfg["n_layer"], cfg["bias"]

@@ -133,7 +133,7 @@ def optimizer_defaults():
 
 @contextlib.contextmanager
 def on_gpu(device, note=None):
-    """Every piece above for `device` (ledger.device_facts' dict); `note` is told each rule a
+    """Every piece above for `device` (ledger/config.device_facts' dict); `note` is told each rule a
     call takes that no GPU trace has measured."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_module(device["gpu"], device["total_memory"], device["capability"]))

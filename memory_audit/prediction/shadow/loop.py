@@ -184,7 +184,7 @@ def scaler_classes(torch):
 
 
 def loop_device(device, gpu):
-    """ledger.device_facts for the device the code is shadow-run for (the torch it will run under
+    """ledger/config.device_facts for the device the code is shadow-run for (the torch it will run under
     is taken to be this one's)."""
     import torch
     from ..ledger.config import GPUS, device_facts, gpu_name

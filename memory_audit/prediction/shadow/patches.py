@@ -61,14 +61,9 @@ def cpu_rules(tracker):
             finally:
                 tracker.adds_in_place = outer
         return call
-    for (owner, name), original in originals.items():
-        setattr(owner, name, in_place(original))
-    try:
-        with rng_states(tracker), storage_resizes(tracker):
-            yield
-    finally:
-        for (owner, name), original in originals.items():
-            setattr(owner, name, original)
+    with patched([(owner, name, in_place(original)) for (owner, name), original in originals.items()]), \
+            rng_states(tracker), storage_resizes(tracker):
+        yield
 
 
 @contextlib.contextmanager
@@ -83,11 +78,8 @@ def storage_resizes(tracker):
         tracker.before_op()
         resize(storage, nbytes)
         tracker.resized(storage, nbytes)
-    torch.UntypedStorage.resize_ = resized
-    try:
+    with patched([(torch.UntypedStorage, "resize_", resized)]):
         yield
-    finally:
-        torch.UntypedStorage.resize_ = resize
 
 
 @contextlib.contextmanager
@@ -105,11 +97,8 @@ def rng_states(tracker):
         aid, _ = tracker.alloc(tracker.key("checkpoint.rng_state"), state.untyped_storage().nbytes())
         tracker.saved.append((StorageWeakRef(state.untyped_storage()), aid))
         return state
-    torch.get_rng_state = get_rng_state
-    try:
+    with patched([(torch, "get_rng_state", get_rng_state)]):
         yield
-    finally:
-        torch.get_rng_state = original
 
 
 @contextlib.contextmanager
@@ -183,15 +172,12 @@ def meta():
     """Meta tensors stand for the GPU's: shapes, dtypes and storages of the right size with no
     memory, their kernels in C++ (several times faster than FakeTensorMode's Python dispatch).
     Fused AdamW is allowed on them as on CUDA tensors. The model is built under
-    torch.device("meta") (shadow._model); after that every factory the step calls names its
+    torch.device("meta") (shadow/step._model); after that every factory the step calls names its
     device (a tensor's), so no device context stands between each torch call and its kernel."""
     from torch.optim import optimizer
-    saved = optimizer._get_fused_kernels_supported_devices
-    optimizer._get_fused_kernels_supported_devices = lambda: saved() + ["meta"]
-    try:
+    devices_of = optimizer._get_fused_kernels_supported_devices
+    with patched([(optimizer, "_get_fused_kernels_supported_devices", lambda: devices_of() + ["meta"])]):
         yield
-    finally:
-        optimizer._get_fused_kernels_supported_devices = saved
 
 
 @contextlib.contextmanager

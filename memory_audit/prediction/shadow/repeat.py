@@ -53,7 +53,7 @@ def micro_repeatable(cfg):
     return cfg.get("gradient_accumulation_steps", 1) > sum(SOURCE) and cfg.get("parallel", "none") == "none"
 
 
-CHANNELS = ("blocks", "micro")  # what a run's events are tagged with (shadow.run(..., blocks=True))
+CHANNELS = ("blocks", "micro")  # what a run's events are tagged with (step.run(..., blocks=True))
 
 
 def expand(r3, r4, n, channel="blocks", carry=True, pattern=_BLOCK):
@@ -327,11 +327,11 @@ def _renamed(source, name, src, key):
     return source.pattern.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + shift}", name)
 
 
-NAMED = ("saved", "made", "end")  # a named run's {allocation: name} dicts (shadow.step_result)
+NAMED = ("saved", "made", "end")  # a named run's {allocation: name} dicts (step.step_result)
 
 
 def _result(source, events, sources, phases, carry=True):
-    """shadow.run()'s dict from the expanded process: the history before step 2, its events,
+    """step.run()'s dict from the expanded process: the history before step 2, its events,
     what is live when it starts, the phases, the peak, and (carry) the other channel's tags."""
     start = phases["step2_start"]
     history, step = events[:start], events[start:]

@@ -63,7 +63,7 @@ class Tracker:
         self.saved_names = {}  # allocation id -> the audit's name of what the audited forward saved (shadow/names.naming)
         self.made_names = {}  # allocation id -> what else the code made, named by its call (naming/loop_calls)
         self.end_names = {}  # allocation id -> the name the loop gives it as the audited step ends
-        self.naming = False  # name what the audited forward makes as an audit does (shadow.run(names=True))
+        self.naming = False  # name what the audited forward makes as an audit does (step.run(names=True))
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow/distributed)
         self.on_op = None  # called with each op before it runs (shadow/script's step boundaries), or None

@@ -40,6 +40,6 @@ def parts(device, func):
     key = (device, func)
     found = _BY_FUNC.get(key)
     if found is None:  # (a rules module registers its rules when imported: shadow/cuda imports
-        # rules.cuda, shadow/tracker rules.cpu)
+        # rules.cuda, shadow/cpu rules.cpu)
         found = _BY_FUNC[key] = REGISTRY.get(device, {}).get(str(func), {})
     return found
