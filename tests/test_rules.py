@@ -51,8 +51,9 @@ def test_a_rule_outside_its_sample_is_said_in_words():
 def test_every_cpu_rule_is_found_by_its_op_and_names_where_it_was_read():
     """shadow/rules/cpu.py: each op's rule reached by the tracker's lookup, its docstring naming the
     audits it was read from by a file in the repository (a test, a script or a results file)."""
-    from memory_audit.prediction.shadow.rules import cpu  # noqa: F401 -- registers
-    assert len(REGISTRY["cpu"]) >= 9
+    from memory_audit.prediction.shadow.rules import collectives, cpu  # noqa: F401 -- registers
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 -- defines fsdp.chunk_cat
+    assert len(REGISTRY["cpu"]) >= 14
     for name, found in REGISTRY["cpu"].items():
         packet, op, overload = name.split(".")
         assert parts("cpu", getattr(getattr(getattr(torch.ops, packet), op), overload)) == found, name

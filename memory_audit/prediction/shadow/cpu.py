@@ -30,7 +30,7 @@ storage_resize in patches, gloo_collectives in shadow/rules/collectives, the res
   kernel_probe        oneDNN's kernels (LSTM layers, convolution, batch norm; bf16 matmuls on
                       CPUs with native bf16): their own buffers asked of the kernel (shadow/probe)
   gloo_collectives    under torchrun on CPU, gloo's buffers in the collectives and CPU _chunk_cat's
-                      padded copies of uneven gradients (shadow/rules/collectives: gloo_buffers, chunk_cat_pads)
+                      padded copies of uneven gradients (shadow/rules/collectives, registered as rules/cpu.py's are)
   storage_resize      untyped_storage().resize_ (FSDP2's unsharded parameters: freed with
                       resize_(0), made again with resize_(n)) frees the storage's allocation and
                       makes one of the new size; no op the dispatcher sees
@@ -47,7 +47,7 @@ Plain Python until a shadow run starts: torch is imported inside the functions.
 import math
 
 from . import rules, probe
-from .rules import collectives
+from .rules import collectives  # noqa: F401 -- gloo's rules register themselves
 from .rules import cpu as cpu_rules  # noqa: F401 -- its rules register themselves
 
 # elementwise ops whose CPU kernels copy an operand of another dtype to the common one first
@@ -214,11 +214,6 @@ def cpu_op(tracker, func, args, kwargs, key):
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in rule["after"](args, out)][::-1]
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
         held[:0] = _mean_buffers(tracker, key, args[0], out)
-    if getattr(func, "namespace", "") == "fsdp" and short_name(func) == "chunk_cat":  # uneven shards padded
-        held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in collectives.chunk_cat_pads(args[0], args[1], args[2])]
-    for group in collectives.gloo_buffers(func, args):  # each group made in order, let go in reverse
-        for aid in [tracker.alloc(_buffer(key), n)[0] for n in group][::-1]:
-            tracker.free(aid)
     return out, held, scalars
 
 

@@ -10,6 +10,8 @@ which no trace has measured; a prediction that uses it lists it as not measured 
 Plain Python: no torch imported here.
 """
 
+from . import rule
+
 NCCL = {  # what a CUDA rank's shadow assumes of its strategy's collectives under NCCL over several
     # ranks; at world size 1 the H100 audits of snapshots/examples/nccl-ws1 (ddp, fsdp, tp) are predicted
     # to the byte (tests/test_ranks_on_gpu.py), the reduce-scatter stream's pool included
@@ -31,39 +33,56 @@ def nccl_assumptions(parallel, world_size):
     return [f"parallel={parallel} on NCCL over {world_size} ranks: {text}" for kind, text in NCCL.items() if kind in parallel]
 
 
-def gloo_buffers(func, args):
-    """[[bytes]]: the groups of buffers gloo makes in a collective FSDP2 calls, one group after
-    the other, each made in order and let go in reverse (measured on CPU audits under torchrun):
-    all_gather_into_tensor stages a flat output on the calling thread, then gloo's thread makes
-    another (each the output's size); reduce_scatter_tensor stages its input while gloo's thread
-    divides the result by the world size (ReduceOp.AVG) through a wrapped scalar (8 B) and its
-    cast to the output's dtype. Sequence parallelism's functional all_gather_into_tensor stages
-    its input, then gloo's thread makes one of the output's size; its reduce_scatter_tensor
-    stages its input."""
-    import torch
-    if func.namespace == "_c10d_functional" and func.__name__.startswith("all_gather_into_tensor."):
-        return [[_nbytes(args[0])], [_nbytes(args[0]) * args[1]]]  # input, args[1] ranks
-    if func.namespace == "_c10d_functional" and func.__name__.startswith("reduce_scatter_tensor."):
-        return [[_nbytes(args[0])]]
-    c10d = getattr(torch.ops, "c10d", None)
-    if c10d is None or func not in (c10d._allgather_base_.default, c10d._reduce_scatter_base_.default):
-        return []
+# gloo on CPU ranks, as rules/cpu.py's rules: each an "events" part (before, after) of the op,
+# the buffers made after its outputs and let go before it returns
+
+@rule("cpu", "_c10d_functional.all_gather_into_tensor.default", "events")
+def functional_all_gather_buffers(args):
+    """Sequence parallelism's functional all_gather_into_tensor: gloo stages its input on the
+    calling thread, then gloo's thread makes one of the output's size (args[1] ranks), each let go
+    before the next is made (CPU audits of tp-sp under torchrun: tests/test_distributed.py's
+    tensor and sequence parallel ranks, event by event)."""
+    n = _nbytes(args[0])
+    return (), [("alloc", n), ("free", 0), ("alloc", n * args[1]), ("free", 1)]
+
+
+@rule("cpu", "_c10d_functional.reduce_scatter_tensor.default", "events")
+def functional_reduce_scatter_buffers(args):
+    """Sequence parallelism's functional reduce_scatter_tensor: its input staged, let go as it
+    returns (tests/test_distributed.py's tensor and sequence parallel ranks)."""
+    return (), [("alloc", _nbytes(args[0])), ("free", 0)]
+
+
+@rule("cpu", "c10d._allgather_base_.default", "events")
+def all_gather_buffers(args):
+    """FSDP2's all-gather: a flat output staged on the calling thread, then another of the same
+    size made by gloo's thread, each let go before the next (CPU audits of FSDP2 under torchrun:
+    snapshots/results/cpu-parallel.jsonl's fsdp rows, tests/test_distributed.py)."""
+    n = _nbytes(args[0])
+    return (), [("alloc", n), ("free", 0), ("alloc", n), ("free", 1)]
+
+
+@rule("cpu", "c10d._reduce_scatter_base_.default", "events")
+def reduce_scatter_buffers(args):
+    """FSDP2's reduce-scatter with ReduceOp.AVG: its input staged while gloo's thread divides the
+    result by the world size through a wrapped scalar (8 B) and its cast to the output's dtype,
+    let go in reverse (snapshots/results/cpu-parallel.jsonl's fsdp rows,
+    tests/test_distributed.py)."""
     out, inp = args[0], args[1]
-    if func is c10d._allgather_base_.default:
-        return [[_nbytes(out)], [_nbytes(out)]]
-    return [[_nbytes(inp), 8, out.element_size()]]
+    return (), [("alloc", _nbytes(inp)), ("alloc", 8), ("alloc", out.element_size()),
+                ("free", 2), ("free", 1), ("free", 0)]
 
 
-def chunk_cat_pads(tensors, dim, chunks):
-    """[bytes] of the padded copies CPU _chunk_cat makes (FSDP2's reduce-scatter input: each
-    gradient split into `chunks` rows of the buffer) of the tensors whose size along `dim` the
-    chunks do not divide: padded up to the next multiple, made in order, freed as it returns."""
-    out = []
-    for t in tensors:
-        size = t.shape[dim]
-        if size % chunks:
-            out.append(_nbytes(t) // max(size, 1) * (-(-size // chunks) * chunks))
-    return out
+@rule("cpu", "fsdp.chunk_cat.default", "events")
+def chunk_cat_pads(args):
+    """The padded copies CPU _chunk_cat makes (FSDP2's reduce-scatter input: each gradient split
+    into `chunks` rows of the buffer) of the tensors whose size along `dim` the chunks do not
+    divide: padded up to the next multiple, made in order after the output, let go in order as it
+    returns (tests/test_distributed.py's FSDP2 with dimensions that do not split evenly)."""
+    tensors, dim, chunks = args[0], args[1], args[2]
+    pads = [_nbytes(t) // max(t.shape[dim], 1) * (-(-t.shape[dim] // chunks) * chunks)
+            for t in tensors if t.shape[dim] % chunks]
+    return (), [("alloc", n) for n in pads] + [("free", k) for k in range(len(pads))]
 
 
 def _nbytes(t):
