@@ -8,7 +8,7 @@ Plain Python until a shadow starts.
 
 import contextlib
 
-from . import patches, cuda as shadow_cuda
+from . import cuda, patches
 
 # CUDA autocast's policy, by the name a torch function (or Tensor method) has at the Python
 # level; from ATen/autocast_mode.h (torch 2.11-2.13): lower_precision_fp, fp32,
@@ -113,7 +113,7 @@ class Autocast:
         if name in _BANNED and any(_eligible(a) for a in args[:1]):
             raise RuntimeError(_BANNED[name])
         if name in _COMPOSITE:
-            return shadow_cuda.cross_entropy_cuda(*args, **kwargs)
+            return cuda.cross_entropy_cuda(*args, **kwargs)
         if policy == "lower":
             args, kwargs = _cast_all(args, kwargs, self.dtype, self.cache)
         elif policy == "fp32":
@@ -121,7 +121,7 @@ class Autocast:
         elif policy == "fp32_set_opt_dtype":
             if args and _eligible(args[0]) and kwargs.get("dtype") is None and not _dtype_given(name, args):
                 if name in ("softmax", "log_softmax"):
-                    return shadow_cuda.softmax_fp32(name, args, kwargs)
+                    return cuda.softmax_fp32(name, args, kwargs)
                 kwargs = dict(kwargs, dtype=torch.float32)
         elif policy == "promote":
             to = _widest(args, kwargs, self.dtype)

@@ -25,7 +25,7 @@ model (shadow/replay) for reserved memory. Plain Python until a shadow starts.
 
 import contextlib
 
-from . import patches, cuda as shadow_cuda
+from . import cuda, patches
 from .autocast import autocast, recomputed
 from .streams import Stream
 
@@ -139,7 +139,7 @@ def on_gpu(device, note=None):
         stack.enter_context(cuda_module(device["gpu"], device["total_memory"], device["capability"]))
         stack.enter_context(patches.meta())
         stack.enter_context(optimizer_defaults())
-        kernels = stack.enter_context(shadow_cuda.device_kernels(device["sdpa_backend"], note))
+        kernels = stack.enter_context(cuda.device_kernels(device["sdpa_backend"], note))
         stack.enter_context(autocast())
         on_device = stack.enter_context(devices())
         stack.enter_context(recomputed((kernels, on_device)))

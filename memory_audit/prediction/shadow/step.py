@@ -21,8 +21,7 @@ counts them as the device would; snapshot() writes a CPU step in the snapshot sc
 import contextlib
 import gc
 
-from . import autocast as shadow_autocast, cuda as shadow_cuda, distributed, probe
-from . import repeat as shadow_repeat
+from . import autocast as shadow_autocast, cuda as shadow_cuda, distributed, probe, repeat as shadow_repeat
 from ...reading.attribute import CUBLASLT_WORKSPACE_SIZE
 from ... import nosympy
 from ...nodynamo import stood_in
