@@ -2,11 +2,12 @@
 train.py --audit's own report predicted and what `predict` prints for the same config.
 
     python scripts/compile_check.py [--n=20] [--seed=S] [--dtype=bfloat16] [--out=FILE.jsonl]
+    python scripts/compile_check.py --device=cuda --keep=DIR ...   # on a GPU: the step's traces kept
 
 Draws --n configs with sweep.random_compiled_config (the eager random space without
 checkpointing, fp32 or bf16, an activation memory budget from 0 to 1; a new seed each run unless
 --seed replays one; the seed is printed first), audits each with `train.py --audit --compile=True`
-on CPU, and prints per config the measured peak, report.json's prediction, prediction()'s
+on CPU (or --device=cuda, each audited step kept with its whole trace under --keep), and prints per config the measured peak, report.json's prediction, prediction()'s
 (what `predict --compile=True` prints; inductor's plan made again in this process) and the
 report's lines that differ. Not a test: each config compiles twice (~1 min on 2 cores).
 """
@@ -30,10 +31,11 @@ def compare(run, cfg):
     from memory_audit.reading.loader import load_meta
     with open(os.path.join(run, "report.json")) as f:
         report = json.load(f)
-    peak = report["totals"]["peak"]
+    peak, dev = report["totals"]["peak"], load_meta(run)["device"]
     row = {"config": cfg, "measured": peak["actual"], "predictor": peak["predicted"],
-           "predictor_from": report.get("predicted_from"), "cpu": load_meta(run)["device"].get("cpu"),
-           "torch": report.get("torch_version"), "resolved_config": report["config"], "status": "ok", "device": "cpu",
+           "predictor_from": report.get("predicted_from"), "cpu": dev.get("cpu"), "gpu": dev.get("name"),
+           "torch": report.get("torch_version"), "resolved_config": report["config"], "status": "ok",
+           "device": dev.get("type", "cpu"),
            "unattributed_bytes": report["unattributed_bytes"],
            # what re-predicts the row without compiling again: the measured totals and lines, inductor's plan
            "totals": {k: {"actual": v["actual"]} for k, v in report["totals"].items()},
@@ -55,13 +57,15 @@ def main():
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None, help="run every drawn config at this dtype")
     p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--keep", default=None, help="copy each run's step2_end snapshot, meta and report here")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)
     print(f"seed {seed} (replay: --seed={seed})", flush=True)
     overrides = {"dtype": args.dtype} if args.dtype else {}
     rows = []
     for i, row in checked(args.n, seed, lambda rng: dict(random_compiled_config(rng), **overrides), args.out,
-                          compare=compare):
+                          device=args.device, keep=args.keep, compare=compare):
         rows.append(row)
         if "error" in row:
             print(f"{i}: error {row['error']}", flush=True)

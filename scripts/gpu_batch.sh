@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU_RUNS.md's items 1, 5, 6 and 8 side by side in ONE command of under 10 minutes (every stream
+# GPU_RUNS.md's items 1, 2, 5, 6 and 8 side by side in ONE command of under 10 minutes (every stream
 # stops SECONDS_FOR_WORK seconds after the start, default 470). From the repo root, with the
 # machine's own python3:
 #   OUT=$OUT SECONDS_FOR_WORK=470 bash scripts/gpu_batch.sh
@@ -7,17 +7,20 @@
 # another's, so running them together changes no byte measured):
 #   - 2 x scripts/shadow_check.py --device=cuda (random tiny configs, seeds printed; one stream at
 #     fp16, which the CPU draw lacks), every audited step kept with its whole trace (--keep);
+#   - 2 x scripts/compile_check.py --device=cuda (random compiled tiny configs, fp32/bf16 and fp16,
+#     every budget), each audited step kept with its whole trace and inductor's CUDA plan in its row;
 #   - tests/test_cuda.py and tests/test_nodynamo.py (the OOM test last and alone: it fills the GPU);
 #   - scripts/zoo_audit.py: random library-model loops (transformers, timm, torchvision, plain
-#     torch) audited, tiny ones kept with their traces, and a few GPT-2-sized ones (rows only);
-#   - NCCL at world size 1 (ddp, fsdp, tp on cpu-tiny, rank traces kept, `report --trace` each)
-#     and the full-checkpointing-with-dropout run;
-#   - NCCL at world size 1 on random draws as well (random_config's space, every strategy; seed printed);
-#   - scripts/gpu_probe.py 3,2: which part of an Audit raises the SystemError of checkpointing with
-#     dropout, and who imports torch._dynamo in a CUDA shadow step;
-#   - scripts/gpu_scale_audit.py: step 2 of benchmarks/scale_llama.py's 1.5B loop audited (GPU_RUNS.md 13);
+#     torch) audited, tiny ones kept with their traces; GRU, LSTM and U-Net loops at more shapes
+#     (kept); a few GPT-2-sized ones (rows only) and GPT-2-sized encoder ViTs (kept);
+#   - NCCL at world size 1: DDP with set_to_none True and False at 1 and 2 micro-steps, each twice
+#     (when DDP's old bucket is freed), and random draws (random_config's space, every strategy;
+#     seed printed), each rank's trace kept and `report --trace` on it;
+#   - scripts/gpu_probe.py 2: who imports torch._dynamo in a shadow step (tests/test_nodynamo.py);
+#   - SCALE=1: scripts/gpu_scale_audit.py (step 2 of benchmarks/scale_llama.py's 1.5B loop audited);
 #   - RESERVED=1: scripts/gpu_reserved.sh with TRACE=1 on GPT-2-sized rows as well.
-# Returns at most 8 files in $OUT: logs.tgz, keep-{a,d}.tgz, zoo.tgz, nccl.tgz, scale.tgz (reserved.tgz).
+# Returns at most 8 files in $OUT: logs.tgz, keep-{a,d}.tgz, compile.tgz, zoo.tgz, vit.tgz, nccl.tgz
+# (scale.tgz, reserved.tgz).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OMP_NUM_THREADS=2
 OUT=${OUT:-/tmp/gpu_out}
@@ -38,29 +41,48 @@ for s in a d; do
     timeout "$(left)" python3 scripts/shadow_check.py --device="$DEVICE" --n=60 "${extra[@]}" \
         --out="$W/shadow-$s.jsonl" --keep="$W/keep-$s" > "$W/shadow-$s.log" 2>&1 &
 done
+for s in b e; do  # compiled steps: the draw's dtypes, then fp16
+    extra=(); [ "$s" = e ] && [ "$DEVICE" = cuda ] && extra=(--dtype=float16)
+    timeout "$(left)" python3 scripts/compile_check.py --device="$DEVICE" --n=30 "${extra[@]}" \
+        --out="$W/compile-$s.jsonl" --keep="$W/compile/keep-$s" > "$W/compile-$s.log" 2>&1 &
+done
 if [ "$DEVICE" = cuda ]; then
     timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -n 3 tests/test_cuda.py tests/test_nodynamo.py \
         -k "not oom" > "$W/tests.log" 2>&1 &
 fi
-timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=60 --out="$W/zoo.jsonl" --keep="$W/zoo" \
+timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=60 --out="$W/zoo.jsonl" --keep="$W/zoo/tiny" \
     > "$W/zoo.log" 2>&1 &
-[ "$DEVICE" = cuda ] && timeout "$(left)" python3 scripts/zoo_audit.py --device=cuda --size=gpt2 --n=10 \
-    --out="$W/zoo-gpt2.jsonl" > "$W/zoo-gpt2.log" 2>&1 &
+timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=16 --names=gru,lstm,unet \
+    --out="$W/zoo-rnn-unet.jsonl" --keep="$W/zoo/rnn-unet" > "$W/zoo-rnn-unet.log" 2>&1 &
 if [ "$DEVICE" = cuda ]; then
-    (   # NCCL at world size 1: its streams and record_stream frees, one rank's trace per strategy (kept)
-        for par in ddp fsdp tp; do
-            timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=1 train.py --audit --device=cuda --preset=cpu-tiny \
-                --parallel=$par --audit_dir="$W/nccl" --run_name=$par
-            d="$W/nccl/$par"; [ -d "$d/rank0" ] && d="$d/rank0"
-            timeout "$(left)" python3 -m memory_audit report "$d" --trace | tail -25
-        done
+    timeout "$(left)" python3 scripts/zoo_audit.py --device=cuda --size=gpt2 --n=10 \
+        --out="$W/zoo-gpt2.jsonl" > "$W/zoo-gpt2.log" 2>&1 &
+    timeout "$(left)" python3 scripts/zoo_audit.py --device=cuda --size=gpt2 --n=2 --names=encoder_vit \
+        --keep-max=$((40 << 20)) --out="$W/zoo-gpt2-vit.jsonl" --keep="$W/vit" > "$W/zoo-gpt2-vit.log" 2>&1 &
+fi
+if [ "$DEVICE" = cuda ]; then
+    (   # DDP at world size 1: when the old bucket is freed, by set_to_none and micro-steps, each twice
+        D6="--n_layer=2 --n_head=1 --n_embd=16 --vocab_size=50 --batch_size=2 --block_size=32 --dtype=float16
+            --attention=manual --activation=relu --bias=True --activation_checkpointing=sac --ac_every=1
+            --grad_clip=0.0 --keep_logits=True --optimizer_impl=for --sac_save_ops=addmm,mm"
+        for stn in False True; do for acc in 2 1; do for rep in 1 2; do
+            name=ddp-stn$stn-acc$acc-$rep; [ "$(left)" -gt 20 ] || break 3
+            echo "== $name"
+            timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=1 train.py --audit --device=cuda \
+                --preset=cpu-tiny --parallel=ddp $D6 --set_to_none=$stn --gradient_accumulation_steps=$acc \
+                --audit_dir="$W/nccl" --run_name=$name < /dev/null 2>&1 | tail -2
+            d="$W/nccl/$name"; [ -d "$d/rank0" ] && d="$d/rank0"
+            timeout "$(left)" python3 -m memory_audit report "$d" --trace < /dev/null | tail -10
+        done; done; done
+    ) > "$W/nccl-ddp.log" 2>&1 &
+    (
         # random draws at world size 1 (seed printed), each rank's trace kept and reported
         python3 - > "$W/nccl-draws.txt" <<'PY'
 import random, sys
 from memory_audit.comparison.sweep import random_config
 from memory_audit.prediction.ledger.tensor_parallel import check
 seed = random.randrange(10**6); print("seed", seed, file=sys.stderr); rng = random.Random(seed)
-for i in range(8):
+for i in range(14):
     while True:
         cfg = dict(parallel=rng.choice(("ddp", "fsdp", "tp", "fsdp+tp")), **random_config(rng))
         cfg["dtype"] = rng.choice(("float16", "bfloat16", "float32"))
@@ -79,15 +101,11 @@ PY
             d="$W/nccl/draw$i"; [ -d "$d/rank0" ] && d="$d/rank0"
             timeout "$(left)" python3 -m memory_audit report "$d" --trace < /dev/null | tail -12
         done < "$W/nccl-draws.txt"
-        # the SystemError of full checkpointing with dropout (torch 2.11): audited, then not
-        timeout "$(left)" python3 train.py --audit --device=cuda --preset=cpu-tiny --activation_checkpointing=full \
-            --dropout=0.1 --audit_dir="$W/nccl" --run_name=ac-dropout 2>&1 | tail -5
-        timeout "$(left)" python3 train.py --device=cuda --preset=cpu-tiny --activation_checkpointing=full --dropout=0.1 2>&1 | tail -3
     ) > "$W/nccl.log" 2>&1 &
 fi
 if [ "$DEVICE" = cuda ]; then
-    timeout "$(left)" python3 scripts/gpu_probe.py 3,2 > "$W/probe.log" 2>&1 &
-    timeout "$(left)" python3 scripts/gpu_scale_audit.py --out="$W/scale" > "$W/scale.log" 2>&1 &
+    timeout "$(left)" python3 scripts/gpu_probe.py 2 > "$W/probe.log" 2>&1 &
+    [ "${SCALE:-0}" = 1 ] && timeout "$(left)" python3 scripts/gpu_scale_audit.py --out="$W/scale" > "$W/scale.log" 2>&1 &
 fi
 G1="gpt2-sdpa-fp32-b4 gpt2-bias-b8 gpt2-manual-fp16 xl-manual-bf16"
 G2="gpt2-vocab32000-b8 medium-full-b8 large-sdpa-fp16-b8 large-manual-fp16-b10"
@@ -105,17 +123,14 @@ if [ "$DEVICE" = cuda ]; then
         > "$W/tests-oom.log" 2>&1
 fi
 
-tar czf "$OUT/logs.tgz" -C "$W" --exclude='keep-*' --exclude='runs*' --exclude=reserved --exclude=zoo --exclude=nccl --exclude=scale .
-[ -d "$W/zoo" ] && tar czf "$OUT/zoo.tgz" -C "$W" zoo
-[ -d "$W/nccl" ] && tar czf "$OUT/nccl.tgz" -C "$W" nccl
-[ -d "$W/reserved" ] && tar czf "$OUT/reserved.tgz" -C "$W" reserved
-[ -d "$W/scale" ] && tar czf "$OUT/scale.tgz" -C "$W" scale
-for s in a d; do [ -d "$W/keep-$s" ] && tar czf "$OUT/keep-$s.tgz" -C "$W" "keep-$s"; done
+tar czf "$OUT/logs.tgz" -C "$W" --exclude='keep-*' --exclude='runs*' --exclude=reserved --exclude=zoo --exclude=nccl \
+    --exclude=scale --exclude=compile --exclude=vit .
+for d in zoo vit nccl compile reserved scale keep-a keep-d; do [ -d "$W/$d" ] && tar czf "$OUT/$d.tgz" -C "$W" "$d"; done
 echo "== probe"; grep -v USDT "$W/probe.log" | cut -c1-300 | tail -60
-echo "== scale"; grep -v USDT "$W/scale.log" | cut -c1-300 | tail -12
-for f in "$W"/shadow-?.log; do echo "== $f"; grep -v -e "^ *$" -e USDT "$f" | cut -c1-400 | tail -8; done
-echo "== zoo"; grep -v -e USDT -e transformers "$W/zoo.log" | cut -c1-300 | tail -70
-echo "== nccl"; cut -c1-300 "$W/nccl.log" 2>/dev/null | tail -60
+[ -f "$W/scale.log" ] && { echo "== scale"; grep -v USDT "$W/scale.log" | cut -c1-300 | tail -12; }
+for f in "$W"/shadow-?.log "$W"/compile-?.log; do echo "== $f"; grep -v -e "^ *$" -e USDT "$f" | cut -c1-400 | tail -8; done
+for f in "$W"/zoo*.log; do echo "== $f"; grep -v -e USDT -e transformers "$f" | cut -c1-250 | tail -30; done
+echo "== nccl"; cut -c1-300 "$W/nccl-ddp.log" "$W/nccl.log" 2>/dev/null | grep -v -e "^ *$" | tail -90
 echo "== tests"; tail -15 "$W/tests.log" 2>/dev/null; tail -3 "$W/tests-oom.log" 2>/dev/null
 for f in "$W"/reserved-?.log; do echo "== $f"; cut -c1-300 "$f" | tail -40; done
 ls -la "$OUT"

@@ -8,8 +8,8 @@
    early stop (on/off) raise it, and whether it happens with no recording at all.
 3. Which part of an Audit raises that SystemError (a checkpointed encoder with dropout through
    the public Audit API): the whole Audit, then with one of its parts replaced by a no-op.
-2. What imports the real torch._dynamo while the shadow runs a CUDA step (tests/test_nodynamo.py):
-   the Python stack at that import.
+2. What imports the real torch._dynamo while the shadow runs a CUDA step, then a CPU one
+   (tests/test_nodynamo.py's STEP): the Python stack at that import.
 """
 
 import os
@@ -52,10 +52,11 @@ import torch
 sys.meta_path.insert(0, Hook())
 from memory_audit.prediction.shadow import step as shadow
 from memory_audit.prediction.ledger.config import resolved
-cfg = resolved({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2, "gradient_accumulation_steps": 2,
-                "activation_checkpointing": "selective", "dropout": 0.1, "dtype": "float16"})
-shadow.run(cfg, "cuda")
-print("dynamo imported:", "torch._dynamo" in sys.modules)
+for device, extra in (("cuda", {"dtype": "float16"}), ("cpu", {})):  # as tests/test_nodynamo.py's STEP
+    cfg = resolved(dict({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2, "gradient_accumulation_steps": 2,
+                         "activation_checkpointing": "selective", "dropout": 0.1}, **extra))
+    shadow.run(cfg, device)
+    print(f"after the {device} step: dynamo imported:", "torch._dynamo" in sys.modules, flush=True)
 """
 
 
@@ -200,9 +201,9 @@ def main():
     if "3" in parts:
         part3()
     if "2" in parts:
-        print("2. who imports torch._dynamo in a CUDA shadow step")
+        print("2. who imports torch._dynamo in a CUDA shadow step, then a CPU one")
         rc, out = run(WHO)
-        print("\n".join("  " + line for line in out[-40:]))
+        print("\n".join("  " + line for line in out[-90:]))
 
 
 def part1():

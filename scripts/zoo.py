@@ -304,6 +304,14 @@ def train(spec, device, audit=None, steps=3, model=None, optimizer=None):
     return losses  # a non-finite loss (fused AdamW on a tiny BERT) changes no byte: kept as it is
 
 
-def specs(seed, n, size="tiny"):
+def specs(seed, n, size="tiny", names=None):
+    """n loops drawn from seed; with names, the first n drawn of those models (gru, unet, ...)."""
     rng = random.Random(seed)
-    return [draw(rng, size) for _ in range(n)]
+    if not names:
+        return [draw(rng, size) for _ in range(n)]
+    out = []
+    while len(out) < n:
+        spec = draw(rng, size)
+        if spec["name"] in names:
+            out.append(spec)
+    return out

@@ -66,11 +66,11 @@ def row_of(spec, run_dir, losses, seconds):
 KEEP_MAX = 3 << 20  # a kept run's step2_end.pickle above this is dropped (its row stays)
 
 
-def _trim(run_dir):
+def _trim(run_dir, keep_max=KEEP_MAX):
     if not os.path.isdir(run_dir):
         return
     end = os.path.join(run_dir, "step2_end.pickle")
-    if not os.path.exists(end) or os.path.getsize(end) > KEEP_MAX:
+    if not os.path.exists(end) or os.path.getsize(end) > keep_max:
         shutil.rmtree(run_dir, ignore_errors=True)
         return
     for name in os.listdir(run_dir):
@@ -87,6 +87,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--keep", default=None)
     ap.add_argument("--only", default=None, help="the loops of the seed to run, by index (9,11,33)")
+    ap.add_argument("--names", default=None, help="only the drawn loops of these models (gru,lstm,unet): "
+                    "drawn until --n of them are found")
+    ap.add_argument("--keep-max", type=int, default=KEEP_MAX, help="bytes: a kept step2_end.pickle above this is dropped")
     args = ap.parse_args()
     only = {int(i) for i in args.only.split(",")} if args.only else None
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 20)
@@ -95,7 +98,7 @@ def main():
     print(f"seed {seed}, device {args.device} ({gpu}), torch {torch.__version__}", flush=True)
     done = failed = 0
     with open(args.out, "a") as f:
-        for i, spec in enumerate(zoo.specs(seed, args.n, args.size)):
+        for i, spec in enumerate(zoo.specs(seed, args.n, args.size, names=args.names and args.names.split(","))):
             if only is not None and i not in only:
                 continue
             if time.time() > deadline - 20:
@@ -135,7 +138,7 @@ def main():
             if not args.keep:
                 shutil.rmtree(run_dir, ignore_errors=True)
             else:  # step2_end.pickle holds the whole trace; the other phases' files repeat it
-                _trim(run_dir)
+                _trim(run_dir, args.keep_max)
             model = opt = audit = None  # this loop's tensors go before the next loop starts
             gc.collect()
             if args.device == "cuda":  # the next loop makes its own cuBLAS workspaces, as in a process of its own
