@@ -125,3 +125,19 @@ def test_an_eager_train_py_audit_computes_the_same_without_importing_dynamo(tmp_
     assert losses[0] == losses[1] and len(losses[0]) >= 3
     rows = [{(r["phase"], r["key"]): r["actual"] for r in reconcile(str(tmp_path / n))["rows"]} for n in ("alone", "real")]
     assert rows[0] == rows[1] and len(rows[0]) > 50
+
+
+def test_a_kernel_probe_does_not_import_inductor_or_dynamo():
+    # the shadow's CPU kernel probe runs under the profiler, whose start asks
+    # hasattr(torch, "_inductor"); where the probe's cache misses (another torch: the GPU machine's
+    # 2.11) that imported torch._inductor and the real torch._dynamo inside the step
+    code = """
+import json, sys, torch
+from memory_audit import nodynamo
+from memory_audit.prediction.shadow import probe
+with nodynamo.stood_in():
+    events, out = probe._profiled(torch.mm, (torch.randn(64, 64), torch.randn(64, 64)), {}, torch)
+print(json.dumps([len(events), "torch._inductor" in sys.modules, "torch._dynamo" in sys.modules]))
+"""
+    n, inductor, dynamo = json.loads(_python(code))
+    assert n > 0 and not inductor and not dynamo

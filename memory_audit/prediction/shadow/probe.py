@@ -193,8 +193,9 @@ def _profiled(func, args, kwargs, torch):
     result."""
     from torch._C._profiler import _EventType
     from torch.profiler._memory_profiler import OpTree
+    from ...nodynamo import inductor_not_offered
     cpu = torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
+    with inductor_not_offered(), torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
         out = func(*args, **kwargs)
     events = [(e.extra_fields.ptr, e.extra_fields.alloc_size) for e in OpTree(prof.profiler.kineto_results).sorted_nodes
               if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"]
