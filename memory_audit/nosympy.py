@@ -89,8 +89,11 @@ class _NoSympyObject:
 
 class _StandIn(types.ModuleType):
     def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
+        if name.startswith("__"):  # the import machinery's questions: the real module's, once it is imported
+            real = sys.modules.get(self.__name__)
+            if real is None or real is self:
+                raise AttributeError(name)
+            return getattr(real, name)
         if name == "Basic" and self.__name__ == "sympy" and sys.modules.get("sympy") in (None, self):
             return _NoSympyObject  # asked again once the real sympy is imported (a module that
             # bound this stand-in while it was in place), the real class

@@ -128,6 +128,7 @@ with nosympy.stood_in():
 real = sys.modules["sympy"]
 assert type(real).__name__ == "module" and type(bound).__name__ == "_StandIn"
 assert shapes.sympy is real and bound.Basic is real.Basic and isinstance(real.Integer(8), bound.Basic)
+assert bound.__version__ == real.__version__  # inductor's lowering asked it: AttributeError before
 from memory_audit.prediction.predict import device_facts, prediction
 cpu = device_facts("cpu")
 tiny = dict(n_layer=1, n_head=1, n_embd=8, vocab_size=64, block_size=16, batch_size=1, dtype="float32")
