@@ -16,6 +16,7 @@ line each); a loop the shadow cannot run is a row with its one-line reason.
 """
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -81,7 +82,8 @@ def main():
     ap.add_argument("--inherited-workspaces", action="store_true",
                     help="the rows' process kept earlier loops' cuBLAS workspaces (compare's docstring)")
     args = ap.parse_args()
-    rows = [json.loads(line) for line in open(args.rows)]
+    with (gzip.open if args.rows.endswith(".gz") else open)(args.rows, "rt") as f:
+        rows = [json.loads(line) for line in f]
     only = None if args.only is None else {int(i) for i in args.only.split(",")}
     tmp = tempfile.TemporaryDirectory()
     runs = {}
@@ -90,8 +92,9 @@ def main():
             tar.extractall(tmp.name, filter="data")
         for root, dirs, _ in os.walk(tmp.name):
             for d in dirs:
-                if d.startswith("zoo-"):
-                    runs[int(d.rsplit("-", 1)[1])] = os.path.join(root, d)
+                if d.startswith("zoo-"):  # zoo-SEED-INDEX
+                    _, seed, index = d.rsplit("-", 2)
+                    runs[int(seed), int(index)] = os.path.join(root, d)
     import transformers
     print(f"{args.rows}: {len(rows)} rows; here torch {torch.__version__}, transformers {transformers.__version__} "
           f"(the GPU runs: torch {rows[0].get('torch')}, transformers 5.17.0)", flush=True)
@@ -108,7 +111,7 @@ def main():
             print(f"{i:3d} skipped ({lib} not installed): {row['describe']}", flush=True)
             continue
         try:
-            r = compare(row, runs.get(i), args.inherited_workspaces)
+            r = compare(row, runs.get((row["seed"], i)), args.inherited_workspaces)
         except Exception as e:  # a loop the shadow cannot run is a row too
             print(f"{i:3d} {row['describe']}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             done += 1

@@ -13,7 +13,7 @@ from conftest import ROOT
 from memory_audit.prediction.shadow import cuda as shadow_cuda
 from memory_audit.prediction.shadow.rules import REGISTRY, cuda, parts, rule
 
-SOURCES = ("tiny H100 audit", "random H200 audits", "random H100 audits", "GPT-2-sized H200 runs", "zoo H100 traces")
+SOURCES = ("tiny H100 audit", "random H200 audits", "random H100 audits", "GPT-2-sized H200 runs", "zoo H100 traces", "zoo H200 traces")
 
 
 def test_every_cuda_rule_is_found_by_its_op_and_names_its_trace():

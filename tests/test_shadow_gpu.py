@@ -340,3 +340,30 @@ from torch._subclasses.fake_tensor import FakeTensor
 print(DTensor in optimizer._foreach_supported_types, FakeTensor in optimizer._foreach_supported_types)
 """
     assert _python(code) == "True False"
+
+
+def test_a_gpt2_sized_encoder_vit_forward_event_by_event(tmp_path):
+    """nn.TransformerEncoder at GPT-2's width over a patch embedding (H200, seed 424047 row 0,
+    fp32, batch 8): its residual stream keeps the embedding's transposed layout, so CUDA's
+    LayerNorm copies its input before its outputs, and nn.MultiheadAttention's packed projection
+    of its transposed input is a matmul with the bias added in place. The whole forward and loss
+    agree event by event (452 events); the first event apart is the bias gradient's reduction
+    buffer in the backward (a CUDA reduce's global memory, not modelled), and step 2's start,
+    its moment before backward and its end are exact."""
+    import gzip
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import zoo
+    from memory_audit.comparison.reconcile import first_divergence, step_events
+    with tarfile.open(os.path.join(ZOO, "h200-zoo-gpt2-vit-424047-575634-runs.tgz")) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith("zoo-424047-00/")]
+        tar.extractall(tmp_path, members=members, filter="data")
+    with gzip.open(os.path.join(ZOO, "h200-zoo-gpt2-vit-424047-575634.jsonl.gz"), "rt") as f:
+        row = next(r for r in map(json.loads, f) if r["seed"] == 424047 and r["index"] == 0)
+    with memory_audit.shadow(device="cuda", gpu="H200") as s:
+        zoo.train(row["spec"], "cuda", steps=10)
+    apart = first_divergence(step_events(os.path.join(tmp_path, "zoo-424047-00")), s.result["events"])
+    assert apart["position"] == 453 and apart["measured"][0] == "alloc" and apart["measured"][2] == 9830400, apart
+    alloc = s.summary["allocator"]
+    assert [alloc["steady_state"], alloc["before_backward"], alloc["end"]] == [
+        row["phases"][p]["memory_allocated"] for p in ("step2_start", "step2_before_backward", "step2_end")]

@@ -17,7 +17,11 @@ wrappers' code, stopping before any kernel is compiled (seconds, no step, no GPU
                  does not use it; its buffers, and the saved storages it frees) and, on CPU, the
                  eager stretch after backward (clipping, the optimizer's step: after_backward_lines)
 On CPU the kernels a wrapper calls are asked for their own buffers as the eager shadow asks
-them (shadow/cpu.plan_kernel: oneDNN's bf16 matmul scratch, CPU flash attention's buffers).
+them (shadow/cpu.plan_kernel: oneDNN's bf16 matmul scratch, CPU flash attention's buffers); on
+CUDA the CUDA rules answer them (shadow/cuda.plan_kernel: cuDNN and efficient attention's
+buffers), an addmm with a 1-D bias makes cuBLASLt's workspace on its thread (the forward's, and
+autograd's where the backward recomputes a biased Linear), and the tangents stay held through the
+backward's call (measured in 22 random H200 compiled steps: snapshots/results/compile/).
 
 Needs torch and model.py (it builds the model); the eager predictor stays torch-free.
 """
@@ -127,6 +131,8 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user, kernel=None):
         held.add(user[0][0])
     for j, (_, nbytes) in enumerate(user):
         inputs[f"tangents_{j + 1}"] = (f"tangent:{j + 1}", nbytes)
+        if s["dt"] != "cpu":  # held through the backward's call on CUDA (the 22 H200 compiled traces);
+            held.add(f"tangent:{j + 1}")  # a CPU backward's wrapper frees them (the committed CPU rows)
     # the saved values' dtypes (an input's assert line gives its size and stride)
     layouts = dict({v["node"]: [v["shape"], [], v["dtype"]] for v in plan["saved"]}, **(plan.get("backward_layouts") or {}))
     bw = replay(plan["backward"], inputs, frozenset(held), tag="backward", layouts=layouts, kernel=kernel)
@@ -228,6 +234,18 @@ def peak_candidates(s, cfg, plan, acts, keys, fw_user, kernel=None, ledger=None)
                      "candidates": [{"at": name, "delta_bytes": total(lines)} for name, lines in candidates]}
 
 
+def _lt_workspaces(lines, s, seen):
+    """A compiled CUDA step's cuBLASLt workspaces: one per thread whose wrapper calls an addmm with
+    a 1-D bias (seen["cublaslt"]: the forward's, and the backward's where it recomputes a biased
+    Linear), in place of the eager step's (ledger/steady.lt_threads)."""
+    from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
+    from ..schema import PHASES
+    kept = [l for l in lines if l["key"] != "workspace/cublaslt"]
+    return kept + [line(s, "workspace/cublaslt", CUBLASLT_WORKSPACE_SIZE, "uint8", [CUBLASLT_WORKSPACE_SIZE],
+                        "CUBLASLT_WORKSPACE_SIZE (1024 KiB)", PHASES, thread)
+                   for thread in sorted(seen.get("cublaslt", ()), reverse=True)]
+
+
 def _on_cpu(dev, cfg):
     if dev["type"] != "cpu":
         return contextlib.nullcontext()
@@ -253,15 +271,22 @@ def predict_compiled(config=None, device=None, plan=None):
                              "(fake CUDA tensors cannot be made without one); --gpu=cpu predicts the CPU plan")
     plan = plan or plan_for(cfg, dev["type"])
     params = param_shapes(cfg)
-    kernel = None
+    seen = {}  # the CUDA kernels' cuBLASLt threads and unmeasured rules, as the wrappers call them
     if dev["type"] == "cpu":  # the kernels answered as the eager shadow answers them, as on the audited CPU
         from .shadow import cpu as shadow_cpu
-        kernel = shadow_cpu.plan_kernel
+        fw_kernel = bw_kernel = shadow_cpu.plan_kernel
+    else:
+        from .shadow import cuda as shadow_cuda
+        fw_kernel, bw_kernel = shadow_cuda.plan_kernel("forward", seen), shadow_cuda.plan_kernel("backward", seen)
     with _on_cpu(dev, cfg):
-        acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: short_module(m, "", "gpt"), kernel)
-        steady = [plain(l) for l in steady_lines(s, cfg, dev, params) + acts]
-        peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user, kernel,
-                                         steady if dev["type"] == "cpu" else None)
+        acts, keys, fw_user = compiled_activation_lines(s, cfg, plan, lambda m: short_module(m, "", "gpt"), fw_kernel)
+        if dev["type"] == "cpu":
+            steady = [plain(l) for l in steady_lines(s, cfg, dev, params) + acts]
+            peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user, bw_kernel, steady)
+        else:  # the wrappers' replays say which threads make a cuBLASLt workspace
+            peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user, bw_kernel)
+            steady = [plain(l) for l in _lt_workspaces(steady_lines(s, cfg, dev, params), s, seen) + acts]
+    backward["notes"] += sorted(f"not measured on a GPU: {u}" for u in seen.get("unmeasured", ()))
     backward["notes"] = [f"{op} at forward line {i}: {why}" for i, op, why in fw_user[0]["unasked"]] + backward["notes"]
     ledger = steady + [plain(l) for l in peak]
     totals = totals_of(ledger, params, dev, None, cfg)

@@ -113,6 +113,8 @@ def device_kernels(sdpa_backend, note=None):
                 return _sdpa(sdpa_backend, note, *args, **(kwargs or {}))
             if func is torch.nn.functional.dropout:
                 return _dropout(*args, **(kwargs or {}))
+            if func is torch.nn.functional.linear:
+                return _linear(*args, **(kwargs or {}))
             if composite(func):
                 return inside_modes(self, func, args, kwargs or {})
             return func(*args, **(kwargs or {}))
@@ -120,6 +122,20 @@ def device_kernels(sdpa_backend, note=None):
     with patched([(clip_grad, "_has_foreach_support", lambda tensors, device: True),
                   (clip_grad, "_device_has_foreach_support", lambda device: True)]), mode:
         yield mode
+
+
+def _linear(input, weight, bias=None):
+    """F.linear as ATen runs it on device tensors: a 2-D input, or a contiguous one with a bias,
+    as one addmm; otherwise a matmul and, with a bias, `add_` into its output. Under a dispatch
+    mode (the shadow's) ATen takes every input for a tensor subclass and adds out of place, a
+    second output-sized buffer: nn.MultiheadAttention's packed projection of its transposed
+    (batch_first) input, 14.5 MB more than measured in the GPT-2-sized encoder ViTs (H200 zoo
+    seeds 424047, 575634)."""
+    import torch
+    if bias is None or input.dim() == 2 or input.is_contiguous():
+        return torch.nn.functional.linear(input, weight, bias)
+    out = torch.matmul(input, weight.t())
+    return out.add_(bias)
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
@@ -195,3 +211,56 @@ def batch(B, T):
     """The device copies of train.py's CUDA batch: x, then y (int64)."""
     import torch
     return torch.empty(B, T, dtype=torch.long, device="meta"), torch.empty(B, T, dtype=torch.long, device="meta")
+
+
+def plan_kernel(thread, seen):
+    """kernel(op, args, kwargs) for inductor_plan.replay of a compiled CUDA wrapper run on
+    `thread` ("forward": the main thread; "backward": autograd's): what a kernel the wrapper
+    calls allocates inside itself, as the eager shadow's CUDA ops allocate it (shadow/tracker's
+    _device_op: the buffers before its outputs, the temporaries among them, its outputs in CUDA's
+    order, the buffers after them; each rule of shadow/rules/cuda.py). The extern matmuls
+    (`extern_kernels.mm(a, b, out=buf)`) allocate nothing of their own: cuBLAS's workspace is held
+    from step 1 on; an addmm with a 1-D bias (cuBLASLt's bias epilogue) adds `thread` to
+    seen["cublaslt"] (its first on a thread makes cuBLASLt's workspace, held from then on).
+    Rules applied outside the shapes they were read at go to seen["unmeasured"]. Returns
+    [("alloc", output index or None, bytes) | ("free", entry index, 0)], or None for no buffers.
+    args and kwargs: (size, stride, dtype name) per tensor, as inductor_plan hands them."""
+    def kernel(op, args, kwargs):
+        import torch
+        if not op.startswith("aten."):
+            if op == "addmm" and args and isinstance(args[0], tuple) and len(args[0][0]) == 1:
+                seen.setdefault("cublaslt", set()).add(thread)
+            return None
+        name, overload = op.split(".")[1:]
+        func = getattr(getattr(torch.ops.aten, name), overload)
+
+        def meta(a):
+            return torch.empty_strided(a[0], a[1], dtype=getattr(torch, a[2]), device="meta") if isinstance(a, tuple) else a
+        m_args, m_kwargs = [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()}
+        outside = outside_sample(func, m_args)
+        if outside:
+            seen.setdefault("unmeasured", set()).add(outside)
+        entries = [("alloc", None, n) for n in before_outputs(func, m_args)]
+        made = []
+        before, after = kernel_events(func, m_args) or ((), ())
+        _play(entries, made, before)
+        out = func(*m_args, **m_kwargs)
+        flat = list(out) if isinstance(out, (tuple, list)) else [out]
+        for t, nbytes in outputs(func, out):
+            if t.device.type != "cpu":  # a host tensor (a philox seed kept on the host) is no device memory
+                j = next(i for i, o in enumerate(flat) if o is t)
+                entries.append(("alloc", j, nbytes if nbytes is not None else t.untyped_storage().nbytes()))
+        _play(entries, made, after)
+        entries += [("alloc", None, n) for n in after_outputs(func, m_args)]
+        return entries or None
+    return kernel
+
+
+def _play(entries, made, events):
+    """A rule's ("alloc", bytes) | ("free", k) events as replay's entries (k: the k-th alloc)."""
+    for action, n in events:
+        if action == "alloc":
+            made.append(len(entries))
+            entries.append(("alloc", None, n))
+        else:
+            entries.append(("free", made[n], 0))

@@ -9,7 +9,10 @@ replay them; torch 2.11 throughout. The sources, as the rules' docstrings name t
                                  kept whole in snapshots/examples/shadow-cuda/h100-*
   the GPT-2-sized H200 runs      snapshots/results/reserved-traces
   the zoo's H100 traces          snapshots/results/zoo/h100-zoo-408334-runs.tgz (seed 408334; seed
-                                 691115's rows out of sample: scripts/zoo_cuda_check.py) A shape-dependent rule says where a
+                                 691115's rows out of sample: scripts/zoo_cuda_check.py)
+  the zoo's H200 traces          snapshots/results/zoo/h200-zoo-256239-runs.tgz (tiny loops),
+                                 snapshots/results/zoo/h200-zoo-gpt2-vit-424047-575634-runs.tgz
+                                 (GPT-2-sized encoder ViTs) A shape-dependent rule says where a
 call lies outside the shapes it was measured at (its "outside" part, SAMPLES), and the
 prediction lists it as not measured on a GPU. The parts are described in shadow/rules/__init__.py.
 Plain Python until a rule is called: torch is imported inside.
@@ -216,3 +219,30 @@ def softmax_backward_buffer(args):
     import torch
     grad, output = args[0], args[1]
     return [grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize]
+
+
+@rule("cuda", "aten.native_layer_norm.default", "before")
+def layer_norm_input_copy(args):
+    """A non-contiguous X is copied contiguous before the outputs (X.expect_contiguous()), freed
+    as it returns: every LayerNorm of a pre-norm encoder whose residual stream keeps a patch
+    embedding's transposed layout (zoo H200 traces: the GPT-2-sized encoder ViTs of seeds 424047
+    and 575634, 4.8 MB at B 8, their forwards event by event; seed 256239's row 37)."""
+    x = args[0]
+    return [] if x.is_contiguous() else [x.numel() * x.element_size()]
+
+
+@rule("cuda", "aten.native_layer_norm_backward.default", "before")
+def layer_norm_backward_input_copy(args):
+    """The backward copies a non-contiguous saved X the same way, before its outputs (zoo H200
+    traces: seed 256239's row 37, a tiny encoder ViT)."""
+    x = args[1]  # grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
+    return [] if x.is_contiguous() else [x.numel() * x.element_size()]
+
+
+@rule("cuda", "aten.convolution_backward.default", "before")
+def convolution_backward_grad_copy(args):
+    """A non-contiguous grad_output is copied contiguous before the gradients are made (zoo H200
+    traces: seed 256239's row 37, a patch embedding flattened and transposed: its gradient comes
+    back transposed)."""
+    g = args[0]  # grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, ...
+    return [] if g.is_contiguous() else [g.numel() * g.element_size()]
