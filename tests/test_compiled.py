@@ -297,28 +297,36 @@ def test_a_compiled_cuda_prediction_without_a_gpu_is_one_line():
 H200_COMPILED = os.path.join(os.path.dirname(RESULTS), "compile", "h200-compile-cuda-201281-799563-466808-284003.jsonl.gz")
 
 
+# each H200 compiled row's predicted peak less its measured one, by (seed, row of that seed): the
+# misses of 512 and 1,024 B are small blocks held at the backward's busiest line that no trace
+# names yet; -22,016 B is the row whose efficient attention backward the plan reader cannot ask
+H200_PEAK_OFF = {
+    (201281, 0): 512, (201281, 1): -512, (201281, 2): 0, (201281, 3): -512, (201281, 4): -512, (201281, 5): 0,
+    (201281, 6): -22016, (201281, 7): 0, (799563, 0): 0, (799563, 1): -512, (799563, 2): 0, (799563, 3): 0,
+    (799563, 4): 512, (799563, 5): 0, (799563, 6): 0, (799563, 7): -1024, (466808, 0): 0, (466808, 1): -512,
+    (466808, 2): 0, (284003, 0): 0, (284003, 1): -1024, (284003, 2): -512}
+
+
 def test_the_h200_compiled_rows_are_predicted_from_their_plans():
     """22 random compiled CUDA configs (H200, fp32, bf16 and fp16, budgets 0 to 1; committed with
     inductor's CUDA plan, so a machine without a GPU predicts them as `predict` does on the GPU):
     the kernels the wrappers call answered by the CUDA rules, the tangents autograd hands the
     compiled backward held through it, a cuBLASLt workspace on each thread whose wrapper calls an
-    addmm with a 1-D bias. Every steady state exact; 11 peaks exact, the others within 1,024 B
-    where every kernel of the wrappers was asked (one fp32 row's efficient attention backward is
-    not: its tensor layouts are not in the wrapper, and it is 22,016 B under)."""
+    addmm with a 1-D bias. Every steady state exact; each peak off by what H200_PEAK_OFF records
+    (11 exact)."""
+    import collections
     import gzip
     from memory_audit.comparison.reconcile import device_from_meta
     from memory_audit.prediction.compiled import predict_compiled
     with gzip.open(H200_COMPILED, "rt") as f:
         rows = [json.loads(line) for line in f]
-    assert len(rows) == 22
-    exact = 0
+    seen, off = collections.Counter(), {}
     for r in rows:
         dev = device_from_meta({"device": {"type": "cuda", "name": r["gpu"]}, "torch_version": r["torch"]})
         p = predict_compiled(r["resolved_config"], dev, plan=r["inductor_plan"])
         t = p["totals"]
         assert t["steady_state_allocated"] == r["totals"]["steady_state"]["actual"], r["config"]
-        off = t["peak_allocated_bytes"] - r["measured"]
-        exact += off == 0
-        unasked = any("layout is not in the wrapper" in n for n in p["backward"]["notes"])
-        assert abs(off) <= 1024 or (unasked and off == -22016), (r["config"], off)
-    assert exact == 11
+        off[r["seed"], seen[r["seed"]]] = t["peak_allocated_bytes"] - r["measured"]
+        seen[r["seed"]] += 1
+    assert off == H200_PEAK_OFF
+    assert sum(v == 0 for v in off.values()) == 11

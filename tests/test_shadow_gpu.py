@@ -347,7 +347,7 @@ def test_a_gpt2_sized_encoder_vit_forward_event_by_event(tmp_path):
     fp32, batch 8): its residual stream keeps the embedding's transposed layout, so CUDA's
     LayerNorm copies its input before its outputs, and nn.MultiheadAttention's packed projection
     of its transposed input is a matmul with the bias added in place. The whole forward and loss
-    agree event by event (452 events); the first event apart is the bias gradient's reduction
+    agree event by event (the first 453 events); the first event apart is the bias gradient's reduction
     buffer in the backward (a CUDA reduce's global memory, not modelled), and step 2's start,
     its moment before backward and its end are exact."""
     import gzip
@@ -367,3 +367,26 @@ def test_a_gpt2_sized_encoder_vit_forward_event_by_event(tmp_path):
     alloc = s.summary["allocator"]
     assert [alloc["steady_state"], alloc["before_backward"], alloc["end"]] == [
         row["phases"][p]["memory_allocated"] for p in ("step2_start", "step2_before_backward", "step2_end")]
+
+
+def test_a_tiny_encoder_vit_backward_through_its_layer_norms_and_patch_embedding(tmp_path):
+    """Seed 256239's row 37 (H200, fp32, batch 1): the backward's LayerNorms copy their
+    non-contiguous saved input and the patch embedding's convolution_backward its transposed
+    grad_output; the step agrees event by event up to the convolution's last output (243 events).
+    There the real kernel frees its copy before it makes the bias gradient, where the rule holds
+    it to the return: the next two events swap (512 B blocks each), and the peak is exact."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import zoo
+    from memory_audit.comparison.reconcile import first_divergence, step_events
+    with tarfile.open(os.path.join(ZOO, "h200-zoo-256239-runs.tgz")) as tar:
+        members = [m for m in tar.getmembers() if "zoo-256239-37/" in m.name]
+        tar.extractall(tmp_path, members=members, filter="data")
+    run = next(os.path.join(r, d) for r, ds, _ in os.walk(tmp_path) for d in ds if d == "zoo-256239-37")
+    with open(os.path.join(ZOO, "h200-zoo-256239.jsonl")) as f:
+        row = next(r for r in map(json.loads, f) if r["index"] == 37)
+    with memory_audit.shadow(device="cuda", gpu="H200") as s:
+        zoo.train(row["spec"], "cuda", steps=10)
+    apart = first_divergence(step_events(run), s.result["events"])
+    assert apart["position"] == 243 and apart["measured"][:3] == ("free", "?", 2304), apart
+    assert apart["predicted"][2] == 64 and s.summary["allocator"]["peak"] == row["peak"]["bytes"]

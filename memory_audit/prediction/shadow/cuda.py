@@ -125,14 +125,19 @@ def device_kernels(sdpa_backend, note=None):
 
 
 def _linear(input, weight, bias=None):
-    """F.linear as ATen runs it on device tensors: a 2-D input, or a contiguous one with a bias,
-    as one addmm; otherwise a matmul and, with a bias, `add_` into its output. Under a dispatch
-    mode (the shadow's) ATen takes every input for a tensor subclass and adds out of place, a
-    second output-sized buffer: nn.MultiheadAttention's packed projection of its transposed
-    (batch_first) input, 14.5 MB more than measured in the GPT-2-sized encoder ViTs (H200 zoo
-    seeds 424047, 575634)."""
+    """F.linear as ATen runs it on device tensors: a 2-D input, or a contiguous one of 3 or more
+    dimensions, with a bias as one addmm; otherwise a matmul and, with a bias, `add_` into its
+    output. Under a dispatch mode (the shadow's) ATen takes every input for a tensor subclass and
+    adds out of place, a second output-sized buffer: nn.MultiheadAttention's packed projection of
+    its transposed (batch_first) input, 14.5 MB more than measured in the GPT-2-sized encoder
+    ViTs (H200 zoo seeds 424047, 575634). (The CPU path folds such an add into its operand after
+    the fact, patches.cpu_rules; here the matmul's output is a view of the mm's, which the fold
+    does not take.)"""
     import torch
-    if bias is None or input.dim() == 2 or input.is_contiguous():
+    from torch._subclasses.fake_tensor import FakeTensor
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter, FakeTensor) for t in (input, weight, bias))
+    fused = input.dim() == 2 or (input.dim() >= 3 and input.is_contiguous())
+    if bias is None or fused or not plain:  # a real subclass (DTensor): ATen adds out of place itself
         return torch.nn.functional.linear(input, weight, bias)
     out = torch.matmul(input, weight.t())
     return out.add_(bias)
@@ -215,7 +220,7 @@ def batch(B, T):
 
 def plan_kernel(thread, seen):
     """kernel(op, args, kwargs) for inductor_plan.replay of a compiled CUDA wrapper run on
-    `thread` ("forward": the main thread; "backward": autograd's): what a kernel the wrapper
+    `thread` ("forward thread": the main one; "backward thread": autograd's): what a kernel the wrapper
     calls allocates inside itself, as the eager shadow's CUDA ops allocate it (shadow/tracker's
     _device_op: the buffers before its outputs, the temporaries among them, its outputs in CUDA's
     order, the buffers after them; each rule of shadow/rules/cuda.py). The extern matmuls
@@ -227,6 +232,7 @@ def plan_kernel(thread, seen):
     args and kwargs: (size, stride, dtype name) per tensor, as inductor_plan hands them."""
     def kernel(op, args, kwargs):
         import torch
+        from torch.utils._pytree import tree_leaves
         if not op.startswith("aten."):
             if op == "addmm" and args and isinstance(args[0], tuple) and len(args[0][0]) == 1:
                 seen.setdefault("cublaslt", set()).add(thread)
@@ -244,10 +250,16 @@ def plan_kernel(thread, seen):
         made = []
         before, after = kernel_events(func, m_args) or ((), ())
         _play(entries, made, before)
-        out = func(*m_args, **m_kwargs)
-        flat = list(out) if isinstance(out, (tuple, list)) else [out]
+        try:
+            out = func(*m_args, **m_kwargs)
+        except Exception as e:  # noqa: BLE001 -- no meta kernel: listed as not asked (replay's "unasked")
+            return f"its meta kernel failed ({type(e).__name__})"
+        flat = tree_leaves(out)
+        inputs = {a.untyped_storage()._cdata for a in tree_leaves((m_args, m_kwargs)) if isinstance(a, torch.Tensor)}
         for t, nbytes in outputs(func, out):
-            if t.device.type != "cpu":  # a host tensor (a philox seed kept on the host) is no device memory
+            # a host tensor (a philox seed kept on the host) is no device memory; an output that is
+            # an input's storage (an in-place or aliasing op) is no new allocation
+            if t.device.type != "cpu" and t.untyped_storage()._cdata not in inputs:
                 j = next(i for i, o in enumerate(flat) if o is t)
                 entries.append(("alloc", j, nbytes if nbytes is not None else t.untyped_storage().nbytes()))
         _play(entries, made, after)

@@ -19,7 +19,9 @@ NCCL = {  # what a CUDA rank's shadow assumes of its strategy's collectives unde
             "per stream, freed in program order (no record_stream); NCCL's own buffers outside PyTorch's "
             "allocator (measured at world size 1 only, where no all-gather runs)",
     "ddp": "DDP's buckets and the reducer's small index tensors on the compute stream; NCCL's all-reduce in "
-           "place, its own buffers outside PyTorch's allocator (measured at world size 1 only)",
+           "place, its own buffers outside PyTorch's allocator (measured at world size 1 only); the old bucket "
+           "freed at the rebuild in step 2's first forward, where NCCL still holding step 1's last all-reduce "
+           "keeps it longer (a race: 5 of 22 H200 runs at world size 1; 74 ms in one)",
     "tp": "DTensor's collectives' outputs on the compute stream, freed in program order; NCCL's own buffers "
           "outside PyTorch's allocator (measured at world size 1 only)",
 }

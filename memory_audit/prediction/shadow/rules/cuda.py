@@ -226,7 +226,8 @@ def layer_norm_input_copy(args):
     """A non-contiguous X is copied contiguous before the outputs (X.expect_contiguous()), freed
     as it returns: every LayerNorm of a pre-norm encoder whose residual stream keeps a patch
     embedding's transposed layout (zoo H200 traces: the GPT-2-sized encoder ViTs of seeds 424047
-    and 575634, 4.8 MB at B 8, their forwards event by event; seed 256239's row 37)."""
+    and 575634, 4.8 MB at B 8, the two un-checkpointed ones' forwards event by event; seed
+    256239's row 37)."""
     x = args[0]
     return [] if x.is_contiguous() else [x.numel() * x.element_size()]
 
@@ -243,6 +244,7 @@ def layer_norm_backward_input_copy(args):
 def convolution_backward_grad_copy(args):
     """A non-contiguous grad_output is copied contiguous before the gradients are made (zoo H200
     traces: seed 256239's row 37, a patch embedding flattened and transposed: its gradient comes
-    back transposed)."""
+    back transposed). The kernel frees the copy before it makes the bias gradient; the rule holds
+    it to the return (a "before" part cannot end between two outputs): those two events swap."""
     g = args[0]  # grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, ...
     return [] if g.is_contiguous() else [g.numel() * g.element_size()]
