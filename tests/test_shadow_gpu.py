@@ -390,3 +390,29 @@ def test_a_tiny_encoder_vit_backward_through_its_layer_norms_and_patch_embedding
     apart = first_divergence(step_events(run), s.result["events"])
     assert apart["position"] == 243 and apart["measured"][:3] == ("free", "?", 2304), apart
     assert apart["predicted"][2] == 64 and s.summary["allocator"]["peak"] == row["peak"]["bytes"]
+
+
+def test_cudnn_paths_without_a_rule_are_listed_as_not_measured():
+    """A convolution and a GRU on a GPU the shadow stands for: cuDNN's convolution workspaces and
+    its RNN kernel have no rule (the zoo's fp32 U-Nets and every GRU/LSTM loop miss), so each is
+    named once under "not measured on a GPU"; a Linear-only loop names neither."""
+    from torch import nn
+    from memory_audit.prediction.shadow.cuda import UNMODELLED
+
+    def run(conv_and_gru):
+        with memory_audit.shadow(device="cuda", gpu="H200") as s:
+            lin = nn.Linear(8, 8).cuda()
+            mods = [lin] + ([nn.Conv2d(3, 8, 3).cuda(), nn.GRU(8, 16, batch_first=True).cuda()] if conv_and_gru else [])
+            opt = torch.optim.AdamW([p for m in mods for p in m.parameters()])
+            for _ in range(3):
+                if conv_and_gru:
+                    y = mods[1](torch.randn(2, 3, 8, 8, device="cuda")).flatten(2).transpose(1, 2)
+                    y = mods[2](lin(y))[0]
+                else:
+                    y = lin(torch.randn(2, 8, device="cuda"))
+                y.sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return s.summary["unmeasured"]
+    assert sorted(run(True)) == sorted([UNMODELLED["conv"], UNMODELLED["rnn"]])
+    assert run(False) == []
