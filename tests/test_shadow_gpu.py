@@ -347,27 +347,36 @@ def test_a_gpt2_sized_encoder_vit_forward_event_by_event(tmp_path):
     fp32, batch 8): its residual stream keeps the embedding's transposed layout, so CUDA's
     LayerNorm copies its input before its outputs, and nn.MultiheadAttention's packed projection
     of its transposed input is a matmul with the bias added in place. The whole forward and loss
-    agree event by event (the first 453 events); the first event apart is the bias gradient's reduction
-    buffer in the backward (a CUDA reduce's global memory, not modelled), and step 2's start,
-    its moment before backward and its end are exact."""
-    import gzip
+    agree event by event (the first 453 events); the first event apart is the bias gradient's
+    reduction buffer in the backward (a CUDA reduce's global memory, not modelled), and step 2's
+    start, its moment before backward and its end are exact. In a process of its own: after a
+    compiled plan was made in a process (a torch.compile whose backend raised), CPython 3.11 no
+    longer inlines Python calls there, and `_sa_block(self.norm1(x))` holds LayerNorm's output
+    until the call returns, three events later (docs/limits.md)."""
+    import subprocess
     import sys
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import zoo
-    from memory_audit.comparison.reconcile import first_divergence, step_events
     with tarfile.open(os.path.join(ZOO, "h200-zoo-gpt2-vit-424047-575634-runs.tgz")) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith("zoo-424047-00/")]
         tar.extractall(tmp_path, members=members, filter="data")
-    with gzip.open(os.path.join(ZOO, "h200-zoo-gpt2-vit-424047-575634.jsonl.gz"), "rt") as f:
-        row = next(r for r in map(json.loads, f) if r["seed"] == 424047 and r["index"] == 0)
-    with memory_audit.shadow(device="cuda", gpu="H200") as s:
-        zoo.train(row["spec"], "cuda", steps=10)
-    apart = first_divergence(step_events(os.path.join(tmp_path, "zoo-424047-00")), s.result["events"])
+    code = f"""
+import gzip, json, sys
+sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, "scripts")!r}]
+import zoo, memory_audit
+from memory_audit.comparison.reconcile import first_divergence, step_events
+with gzip.open({os.path.join(ZOO, "h200-zoo-gpt2-vit-424047-575634.jsonl.gz")!r}, "rt") as f:
+    row = next(r for r in map(json.loads, f) if r["seed"] == 424047 and r["index"] == 0)
+with memory_audit.shadow(device="cuda", gpu="H200") as s:
+    zoo.train(row["spec"], "cuda", steps=10)
+a = s.summary["allocator"]
+apart = first_divergence(step_events({os.path.join(str(tmp_path), "zoo-424047-00")!r}), s.result["events"])
+print(json.dumps([apart, [a["steady_state"], a["before_backward"], a["end"]],
+                  [row["phases"][p]["memory_allocated"] for p in ("step2_start", "step2_before_backward", "step2_end")]]))
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    apart, predicted, measured = json.loads(p.stdout.strip().splitlines()[-1])
     assert apart["position"] == 453 and apart["measured"][0] == "alloc" and apart["measured"][2] == 9830400, apart
-    alloc = s.summary["allocator"]
-    assert [alloc["steady_state"], alloc["before_backward"], alloc["end"]] == [
-        row["phases"][p]["memory_allocated"] for p in ("step2_start", "step2_before_backward", "step2_end")]
-
+    assert predicted == measured
 
 def test_a_tiny_encoder_vit_backward_through_its_layer_norms_and_patch_embedding(tmp_path):
     """Seed 256239's row 37 (H200, fp32, batch 1): the backward's LayerNorms copy their
