@@ -234,18 +234,6 @@ def peak_candidates(s, cfg, plan, acts, keys, fw_user, kernel=None, ledger=None)
                      "candidates": [{"at": name, "delta_bytes": total(lines)} for name, lines in candidates]}
 
 
-def _lt_workspaces(lines, s, seen, dev):
-    """A compiled CUDA step's cuBLASLt workspaces: one per thread whose wrapper calls an addmm with
-    a 1-D bias (seen["cublaslt"]: the forward's, and the backward's where it recomputes a biased
-    Linear), in place of the eager step's (ledger/steady.lt_threads)."""
-    from ..reading.attribute import CUBLASLT_WORKSPACE_SIZE
-    from ..schema import PHASES
-    kept = [l for l in lines if l["key"] != "workspace/cublaslt"]
-    return kept + [line(s, "workspace/cublaslt", CUBLASLT_WORKSPACE_SIZE, "uint8", [CUBLASLT_WORKSPACE_SIZE],
-                        "CUBLASLT_WORKSPACE_SIZE (1024 KiB)", PHASES, thread)
-                   for thread in sorted(seen.get("cublaslt", ()), reverse=True) if dev["workspaces"]]
-
-
 def _on_cpu(dev, cfg):
     if dev["type"] != "cpu":
         return contextlib.nullcontext()
@@ -286,7 +274,8 @@ def predict_compiled(config=None, device=None, plan=None):
             peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user, bw_kernel, steady)
         else:  # the wrappers' replays say which threads make a cuBLASLt workspace
             peak, backward = peak_candidates(s, cfg, plan, acts, keys, fw_user, bw_kernel)
-            steady = [plain(l) for l in _lt_workspaces(steady_lines(s, cfg, dev, params), s, seen, dev) + acts]
+            lt = sorted(seen.get("cublaslt", ()), reverse=True)  # an addmm with a 1-D bias: cuBLASLt's, per thread
+            steady = [plain(l) for l in steady_lines(s, cfg, dev, params, lt=lt) + acts]
     backward["notes"] += sorted(f"not measured on a GPU: {u}" for u in seen.get("unmeasured", ()))
     backward["notes"] = [f"{op} at forward line {i}: {why}" for i, op, why in fw_user[0]["unasked"]] + backward["notes"]
     ledger = steady + [plain(l) for l in peak]

@@ -55,10 +55,12 @@ def ddp_bucket_numels(params):
     return sizes + ([cur] if cur else [])
 
 
-def steady_lines(s, cfg, dev, params, owned=None):
+def steady_lines(s, cfg, dev, params, owned=None, lt=None):
     """Weights, buffers, grads, optimizer state, the batch, the loss and the cuBLAS workspaces.
     params: (name, shape) as this rank holds them (FSDP2: padded shards); owned: the rows it
-    owns (FSDP2: unpadded, which the optimizer's state follows), else params."""
+    owns (FSDP2: unpadded, which the optimizer's state follows), else params. lt: the threads
+    that make a cuBLASLt workspace where the step says so (a compiled step's wrappers), else
+    lt_threads' (a biased Linear's)."""
     dt, L, T, B = dev["type"], cfg["n_layer"], cfg["block_size"], cfg["batch_size"]
     out = [line(s, f"weights/{n}", 4 * _numel(sh), "float32", sh, "4*" + "*".join(map(str, sh)), PHASES)
            for n, sh in params]
@@ -93,9 +95,11 @@ def steady_lines(s, cfg, dev, params, owned=None):
     out += [line(s, "workspace/cublas", dev["workspace_bytes"], "uint8", [dev["workspace_bytes"]],
                  "CUBLAS_WORKSPACE_CONFIG size", PHASES, ("forward thread", "backward thread")[i])
             for i in range(dev["workspaces"])]
-    if dev["workspaces"] and cfg.get("bias"):  # cuBLASLt's, one per thread that runs an addmm (a biased Linear)
+    if lt is None:  # cuBLASLt's, one per thread that runs an addmm (a biased Linear)
+        lt = lt_threads(cfg) if cfg.get("bias") else []
+    if dev["workspaces"]:
         out += [line(s, "workspace/cublaslt", CUBLASLT_WORKSPACE_SIZE, "uint8", [CUBLASLT_WORKSPACE_SIZE],
-                     "CUBLASLT_WORKSPACE_SIZE (1024 KiB)", PHASES, thread) for thread in lt_threads(cfg)]
+                     "CUBLASLT_WORKSPACE_SIZE (1024 KiB)", PHASES, thread) for thread in lt]
     return out
 
 

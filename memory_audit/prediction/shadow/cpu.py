@@ -349,10 +349,7 @@ def plan_kernel(op, args, kwargs):
     fallback = op.startswith("aten.")
     name, overload = op.split(".")[1:] if fallback else (op, "out")
     func = getattr(getattr(torch.ops.aten, name), overload)
-
-    def meta(a):
-        return torch.empty_strided(a[0], a[1], dtype=getattr(torch, a[2]), device="meta") if isinstance(a, tuple) else a
-    m_args, m_kwargs = [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()}
+    m_args, m_kwargs = rules.meta_args(args, kwargs)
     if probe.wanted(name, m_args):
         found = probe.sequence(func, m_args, m_kwargs, lambda t: None)
         if found is not None:  # an out= buffer is the caller's: the kernel's entries are its own

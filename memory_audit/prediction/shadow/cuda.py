@@ -35,7 +35,7 @@ rules (shadow/autocast.recomputed). Plain Python until a shadow run starts: torc
 
 import contextlib
 
-from .rules import parts
+from .rules import meta_args, parts
 from .rules.cuda import SAMPLES
 
 GEMMS = frozenset(("mm", "addmm", "bmm", "baddbmm"))  # the aten ops that reach cuBLAS
@@ -257,10 +257,7 @@ def plan_kernel(thread, seen):
             return None
         name, overload = op.split(".")[1:]
         func = getattr(getattr(torch.ops.aten, name), overload)
-
-        def meta(a):
-            return torch.empty_strided(a[0], a[1], dtype=getattr(torch, a[2]), device="meta") if isinstance(a, tuple) else a
-        m_args, m_kwargs = [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()}
+        m_args, m_kwargs = meta_args(args, kwargs)
         outside = outside_sample(func, m_args)
         if outside:
             seen.setdefault("unmeasured", set()).add(outside)

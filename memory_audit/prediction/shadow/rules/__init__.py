@@ -43,3 +43,14 @@ def parts(device, func):
         # rules.cuda, shadow/cpu rules.cpu)
         found = _BY_FUNC[key] = REGISTRY.get(device, {}).get(str(func), {})
     return found
+
+
+def meta_args(args, kwargs):
+    """A compiled wrapper's kernel call as inductor_plan hands it ((size, stride, dtype name) per
+    tensor, other values as they are) with meta tensors in place of the tuples, for a rule or a
+    meta kernel (shadow/cpu.plan_kernel, shadow/cuda.plan_kernel)."""
+    import torch
+
+    def meta(a):
+        return torch.empty_strided(a[0], a[1], dtype=getattr(torch, a[2]), device="meta") if isinstance(a, tuple) else a
+    return [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()}
