@@ -297,14 +297,10 @@ def test_a_compiled_cuda_prediction_without_a_gpu_is_one_line():
 H200_COMPILED = os.path.join(os.path.dirname(RESULTS), "compile", "h200-compile-cuda-201281-799563-466808-284003.jsonl.gz")
 
 
-# each H200 compiled row's predicted peak less its measured one, by (seed, row of that seed): the
-# misses of 512 and 1,024 B are small blocks held at the backward's busiest line that no trace
-# names yet; -22,016 B is the row whose efficient attention backward the plan reader cannot ask
-H200_PEAK_OFF = {
-    (201281, 0): 512, (201281, 1): -512, (201281, 2): 0, (201281, 3): -512, (201281, 4): -512, (201281, 5): 0,
-    (201281, 6): -22016, (201281, 7): 0, (799563, 0): 0, (799563, 1): -512, (799563, 2): 0, (799563, 3): 0,
-    (799563, 4): 512, (799563, 5): 0, (799563, 6): 0, (799563, 7): -1024, (466808, 0): 0, (466808, 1): -512,
-    (466808, 2): 0, (284003, 0): 0, (284003, 1): -1024, (284003, 2): -512}
+# the H200 compiled rows whose predicted peak is not the measured one, by (seed, row of that seed):
+# predicted less measured. -22,016 B: the row whose efficient attention backward the plan reader
+# cannot ask (its layouts are not in the wrapper). Every other row is exact.
+H200_PEAK_OFF = {(201281, 6): -22016}
 
 
 def test_the_h200_compiled_rows_are_predicted_from_their_plans():
@@ -312,8 +308,9 @@ def test_the_h200_compiled_rows_are_predicted_from_their_plans():
     inductor's CUDA plan, so a machine without a GPU predicts them as `predict` does on the GPU):
     the kernels the wrappers call answered by the CUDA rules, the tangents autograd hands the
     compiled backward held through it, a cuBLASLt workspace on each thread whose wrapper calls an
-    addmm with a 1-D bias. Every steady state exact; each peak off by what H200_PEAK_OFF records
-    (11 exact)."""
+    addmm with a 1-D bias, each tangent at the layout the backward asserts, the busiest line
+    found in the allocator's 512 B blocks. Every steady state exact; every peak but H200_PEAK_OFF's
+    one exact (21 of 22)."""
     import collections
     import gzip
     from memory_audit.comparison.reconcile import device_from_meta
@@ -326,7 +323,8 @@ def test_the_h200_compiled_rows_are_predicted_from_their_plans():
         p = predict_compiled(r["resolved_config"], dev, plan=r["inductor_plan"])
         t = p["totals"]
         assert t["steady_state_allocated"] == r["totals"]["steady_state"]["actual"], r["config"]
-        off[r["seed"], seen[r["seed"]]] = t["peak_allocated_bytes"] - r["measured"]
+        if t["peak_allocated_bytes"] != r["measured"]:
+            off[r["seed"], seen[r["seed"]]] = t["peak_allocated_bytes"] - r["measured"]
         seen[r["seed"]] += 1
     assert off == H200_PEAK_OFF
-    assert sum(v == 0 for v in off.values()) == 11
+    assert sum(seen.values()) == 22

@@ -28,9 +28,9 @@ Needs torch and model.py (it builds the model); the eager predictor stays torch-
 
 import contextlib
 
-from ..reading.inductor_plan import replay
+from ..reading.inductor_plan import asserted, replay, strided_bytes
 from .ledger.levers import forward_flops
-from .ledger.parts import act, grad_phases, line, shape_facts
+from .ledger.parts import act, grad_phases, line, round_block, shape_facts
 from .ledger.config import DEFAULTS, device_facts, validate
 from .ledger.steady import param_shapes, plain, steady_lines, totals as totals_of
 from ..naming.tensors import short_module
@@ -47,7 +47,7 @@ def delta(s, key, nbytes, formula, note=""):
 def backward_begun(s, cfg):
     """What every moment after backward() is called holds: the prefetched batch, fp16's scaled
     loss and the grad seed backward() keeps until it returns."""
-    out = [delta(s, "inputs/next_batch", 2 * 8 * s["B"] * s["T"], "2*8*B*T", "prefetched X, Y")]
+    out = [delta(s, f"inputs/next_{v}", 8 * s["B"] * s["T"], "8*B*T", f"prefetched {v.upper()}") for v in ("x", "y")]
     if cfg["dtype"] == "float16":
         out.append(delta(s, "temporary/scaled_loss", 4, "4", "scaler.scale(loss)"))
     out.append(delta(s, "temporary/grad_seed", 4, "4", "ones_like(loss) for backward"))
@@ -87,11 +87,16 @@ def _primals(plan):
     return {f"primals_{i + 1}": (f"primal:{i + 1}", p["nbytes"]) for i, p in enumerate(plan["inputs"])}
 
 
-def _forward(plan, kernel=None):
+def _counted(s):
+    """What the device counts for a buffer: its busiest line is the busiest in these bytes."""
+    return lambda nbytes: round_block(nbytes, s["dt"]) if nbytes else 0
+
+
+def _forward(plan, kernel=None, count=None):
     """Replay the forward: every input is the caller's (weights, the batch)."""
     inputs = _primals(plan)
     fw = replay(plan["forward"], inputs, held=frozenset(sid for sid, _ in inputs.values()), tag="forward",
-                layouts=plan.get("forward_layouts"), kernel=kernel)
+                layouts=plan.get("forward_layouts"), kernel=kernel, count=count)
     n_user = len(fw["outputs"]) - len(plan["saved"])
     if n_user < 1:
         raise ValueError("the forward returns fewer values than the partition saved")
@@ -101,7 +106,7 @@ def _forward(plan, kernel=None):
 def compiled_activation_lines(s, cfg, plan, short=short_module, kernel=None):
     """(activation lines, {storage id: key} of what the forward saved, the forward's replay).
     kernel: what the extern kernels the wrappers call allocate inside themselves (replay's)."""
-    fw, user, saved = _forward(plan, kernel)
+    fw, user, saved = _forward(plan, kernel, _counted(s))
     lines, keys = [], {}
     for v, (sid, nbytes) in zip(plan["saved"], saved):
         if sid is None or sid.startswith("primal:") or sid in keys:
@@ -118,6 +123,19 @@ def compiled_activation_lines(s, cfg, plan, short=short_module, kernel=None):
     return lines, keys, (fw, user)
 
 
+def _tangent_bytes(plan, name, output_sid, output_bytes):
+    """Bytes of the gradient autograd hands the backward for one of the forward's outputs: a new
+    tensor at the layout the backward asserts for it (contiguous: 4,800 B for fp16 (3, 16, 50)
+    logits whose forward buffer is padded to rows of 56, 5,376 B; an H200 trace), in the output's
+    dtype; the output's own bytes where the wrapper or the forward's layouts do not say."""
+    layout = asserted(plan["backward"], name)
+    buffer = (output_sid or "").split(":")[-1].split("@")[0]
+    dtype = ((plan.get("forward_layouts") or {}).get(buffer) or [None, None, None])[2]
+    if layout is None or dtype is None:
+        return output_bytes
+    return strided_bytes(layout[0], layout[1], dtype)
+
+
 def compiled_peak_lines(s, cfg, plan, keys, fw_user, kernel=None):
     """(the backward's busiest line as changes from the before-backward ledger, the backward's
     replay)."""
@@ -129,13 +147,14 @@ def compiled_peak_lines(s, cfg, plan, keys, fw_user, kernel=None):
         inputs.setdefault(v["node"], (sid, nbytes))
     if cfg["keep_logits"]:
         held.add(user[0][0])
-    for j, (_, nbytes) in enumerate(user):
-        inputs[f"tangents_{j + 1}"] = (f"tangent:{j + 1}", nbytes)
+    for j, (sid, nbytes) in enumerate(user):
+        inputs[f"tangents_{j + 1}"] = (f"tangent:{j + 1}", _tangent_bytes(plan, f"tangents_{j + 1}", sid, nbytes))
         if s["dt"] != "cpu":  # held through the backward's call on CUDA (the 22 H200 compiled traces);
             held.add(f"tangent:{j + 1}")  # a CPU backward's wrapper frees them (the committed CPU rows)
     # the saved values' dtypes (an input's assert line gives its size and stride)
     layouts = dict({v["node"]: [v["shape"], [], v["dtype"]] for v in plan["saved"]}, **(plan.get("backward_layouts") or {}))
-    bw = replay(plan["backward"], inputs, frozenset(held), tag="backward", layouts=layouts, kernel=kernel)
+    bw = replay(plan["backward"], inputs, frozenset(held), tag="backward", layouts=layouts, kernel=kernel,
+                count=_counted(s))
     batch = [f"primal:{i + 1}" for i, p in enumerate(plan["inputs"]) if not p["param"]]
     names = dict(keys, **dict(zip(batch, ("inputs/x", "inputs/y"))))
     tangents = [t for t in bw["inputs"] if t.startswith("tangents_") and inputs[t][0] not in bw["freed_at_peak"]]

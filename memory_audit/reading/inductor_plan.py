@@ -56,6 +56,15 @@ def _call_lines(code):
     return lines[start:end]
 
 
+def asserted(code, name):
+    """(size, stride) the wrapper asserts for its input `name`, or None where it asserts none."""
+    for stmt in call_body(code):
+        m = _ASSERT.match(stmt)
+        if m and m.group(1) == name:
+            return _ints(m.group(2)), _ints(m.group(3))
+    return None
+
+
 def call_function(code):
     """The wrapper's `call` function alone (its memory plan; the kernels' source left out)."""
     return "\n".join(_call_lines(code)) + "\n"
@@ -71,7 +80,7 @@ def call_body(code):
     return body
 
 
-def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None):
+def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None, count=None):
     """Replay a wrapper's memory plan.
 
     inputs: {input name: (storage id, bytes)}; names that share a storage id are one storage.
@@ -86,7 +95,9 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None)
     be asked but cannot be (listed in "unasked"). Its tensors are given as (size, stride, dtype).
     What it holds at its busiest counts at that line (_Kernels.held), its own buffers named
     "unplanned" in peak_live as the audit names allocations inside a compiled kernel. layouts
-    also give the inputs' dtypes.
+    also give the inputs' dtypes. count(bytes): what the device counts for a buffer of that many
+    bytes (CUDA: the caching allocator's 512 B rounding), which decides the busiest line; default
+    the bytes themselves.
     Returns {"inputs": [names], "peak": bytes above the start, "peak_line": index,
     "end": bytes above the start once it has returned (its locals gone), "outputs": [(storage id, bytes) per output],
     "peak_live": {name: bytes of buffers made by the graph, live at the peak},
@@ -97,7 +108,7 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None)
     order = next(([n.strip() for n in stmt[:-len("= args")].split(",") if n.strip()]
                   for stmt in body if stmt.endswith("= args")), [])
     sizing = {"layouts": layouts or {}, "tuples": {m.group(2) for m in map(_ITEM.match, body) if m}}
-    plan = _Storages(inputs, order, held, tag, sizing)
+    plan = _Storages(inputs, order, held, tag, sizing, count or (lambda n: n))
     kernels = _Kernels(kernel, layouts or {}, order, sizing["tuples"]) if kernel else None
     peak, peak_line, peak_live, freed_at_peak = 0, -1, {}, []
     for i, stmt in enumerate(body):
@@ -107,8 +118,9 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None)
                         freed_at_peak=freed_at_peak, allocations=plan.allocations,
                         unasked=kernels.unasked if kernels else [])
         plan.run(i, stmt)
-        if plan.live + sum(inside.values()) > peak:
-            peak, peak_line = plan.live + sum(inside.values()), i
+        busy = plan.live + sum(plan.count(n) for n in inside.values())
+        if busy > peak:
+            peak, peak_line = busy, i
             peak_live = dict(plan.buffers(), **inside)
             freed_at_peak = list(plan.freed)
     raise PlanError("the wrapper's call(args) has no return")
@@ -119,7 +131,7 @@ class _Storages:
     last name is deleted, unless the caller holds it (`held`); `live` is the bytes the graph has
     added above its start."""
 
-    def __init__(self, inputs, order, held, tag, sizing):
+    def __init__(self, inputs, order, held, tag, sizing, count):
         self.names, self.storages, self.size = {}, {}, {}  # name -> storage; storage -> names; storage -> bytes
         for n in order:
             sid, nbytes = inputs.get(n, (f"input:{n}", 0))
@@ -127,6 +139,7 @@ class _Storages:
             self.storages.setdefault(sid, set()).add(n)
             self.size[sid] = nbytes
         self.input_sids, self.held, self.tag, self.sizing = {self.names[n] for n in order}, held, tag, sizing
+        self.count = count
         self.live = 0
         self.made, self.freed = {}, []  # storages the graph allocated -> first name; inputs it freed
         self.allocations = []  # [name, bytes] of every buffer it makes, in order (what the trace shows)
@@ -143,7 +156,7 @@ class _Storages:
             grew = _assign(stmt, self.names, self.storages, self.size, self.made, f"{self.tag}:{{}}@{i}", self.sizing)
             if grew:
                 self.allocations.append([target, grew])
-            self.live += grew
+            self.live += self.count(grew)
 
     def drop(self, name):
         sid = self.names.pop(name, None)
@@ -151,7 +164,7 @@ class _Storages:
             return
         self.storages[sid].discard(name)
         if not self.storages[sid] and sid not in self.held:
-            self.live -= self.size[sid]
+            self.live -= self.count(self.size[sid])
             self.made.pop(sid, None)
             if sid in self.input_sids:
                 self.freed.append(sid)
@@ -169,7 +182,7 @@ class _Storages:
             outputs.append((self.names[ref], self.size[self.names[ref]]) if ref in self.names else (None, 0))
         returned = {sid for sid, _ in outputs}
         return {"outputs": outputs, "output_buffers": [self.made.get(sid) for sid, _ in outputs],
-                "end": self.live - sum(self.size[s] for s in self.made if s not in returned)}  # the call's locals die
+                "end": self.live - sum(self.count(self.size[s]) for s in self.made if s not in returned)}  # the call's locals die
 
 
 class _Kernels:
