@@ -298,9 +298,10 @@ H200_COMPILED = os.path.join(os.path.dirname(RESULTS), "compile", "h200-compile-
 
 
 # the H200 compiled rows whose predicted peak is not the measured one, by (seed, row of that seed):
-# predicted less measured. -22,016 B: the row whose efficient attention backward the plan reader
-# cannot ask (its layouts are not in the wrapper). Every other row is exact.
-H200_PEAK_OFF = {(201281, 6): -22016}
+# predicted less measured. -23,040 B: the second micro-step's forward gets its logits (8,529,408 B)
+# in the block the first micro-step's backward freed (8,552,448 B), unsplit: the caching
+# allocator's, which the compiled prediction does not replay. Every other row is exact.
+H200_PEAK_OFF = {(201281, 6): -23040}
 
 
 def test_the_h200_compiled_rows_are_predicted_from_their_plans():
@@ -323,6 +324,8 @@ def test_the_h200_compiled_rows_are_predicted_from_their_plans():
         p = predict_compiled(r["resolved_config"], dev, plan=r["inductor_plan"])
         t = p["totals"]
         assert t["steady_state_allocated"] == r["totals"]["steady_state"]["actual"], r["config"]
+        # every kernel call is asked (a list argument such as grad_input_mask is read)
+        assert not [n for n in p["backward"]["notes"] if "layout is not in the wrapper" in n], r["config"]
         if t["peak_allocated_bytes"] != r["measured"]:
             off[r["seed"], seen[r["seed"]]] = t["peak_allocated_bytes"] - r["measured"]
         seen[r["seed"]] += 1

@@ -27,6 +27,7 @@ _ASSERT = re.compile(r"^assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
 _EXTERN = re.compile(r"^extern_kernels\.(\w+)\((.*)\)$")
 _FALLBACK = re.compile(r"^\w+ = torch\.ops\.(aten\.\w+\.\w+)\((.*)\)$")
 _LITERAL = {"True": True, "False": False, "None": None}
+_LIST = re.compile(r"^\[((True|False|-?\d+)(, )?)*\]$")
 _REINTERPRET_ARG = re.compile(r"^reinterpret_tensor\((\w+), \(([^)]*)\), \(([^)]*)\), [^)]*\)$")
 
 
@@ -91,7 +92,8 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None,
     kernel(op, args, kwargs): what an extern kernel (`extern_kernels.mm(a, b, out=buf4)`) or a
     fallback kernel (`buf7 = torch.ops.aten.<op>.<overload>(...)`, op "aten.<op>.<overload>")
     allocates inside itself, outputs included: [("alloc", output index or None, bytes) | ("free",
-    index of the alloc entry, bytes)]; None where it is not asked; a reason (str) where it would
+    index of the alloc entry, bytes) | ("host", output index, 0): an output kept on the host, which
+    its `bufN = bufM[k]` line then sizes 0]; None where it is not asked; a reason (str) where it would
     be asked but cannot be (listed in "unasked"). Its tensors are given as (size, stride, dtype).
     What it holds at its busiest counts at that line (_Kernels.held), its own buffers named
     "unplanned" in peak_live as the audit names allocations inside a compiled kernel. layouts
@@ -107,9 +109,9 @@ def replay(code, inputs, held=frozenset(), tag="buf", layouts=None, kernel=None,
     body = call_body(code)
     order = next(([n.strip() for n in stmt[:-len("= args")].split(",") if n.strip()]
                   for stmt in body if stmt.endswith("= args")), [])
-    sizing = {"layouts": layouts or {}, "tuples": {m.group(2) for m in map(_ITEM.match, body) if m}}
+    sizing = {"layouts": layouts or {}, "tuples": {m.group(2) for m in map(_ITEM.match, body) if m}, "host": set()}
     plan = _Storages(inputs, order, held, tag, sizing, count or (lambda n: n))
-    kernels = _Kernels(kernel, layouts or {}, order, sizing["tuples"]) if kernel else None
+    kernels = _Kernels(kernel, layouts or {}, order, sizing) if kernel else None
     peak, peak_line, peak_live, freed_at_peak = 0, -1, {}, []
     for i, stmt in enumerate(body):
         inside = kernels.held(i, stmt, body) if kernels else {}  # what a kernel holds inside the line
@@ -191,8 +193,9 @@ class _Kernels:
     from `layouts` where the line does not say), each extern or fallback call's tensors read from
     them, and the calls that would be asked but could not be (`unasked`: [(line, op, reason)])."""
 
-    def __init__(self, kernel, layouts, inputs, tuples):
-        self.kernel, self.layouts, self.tuples, self.unasked = kernel, layouts, tuples, []
+    def __init__(self, kernel, layouts, inputs, sizing):
+        self.kernel, self.layouts, self.tuples, self.unasked = kernel, layouts, sizing["tuples"], []
+        self.host = sizing["host"]  # names of a tuple's outputs the kernel keeps on the host
         self.shape_of = {n: list(layouts[n]) for n in inputs if n in layouts}  # name -> [size, stride, dtype]
 
     def held(self, i, stmt, body):
@@ -211,6 +214,7 @@ class _Kernels:
         target = stmt.split("=", 1)[0].strip() if _FALLBACK.match(stmt) else None
         items = {int(k.group(3)): k.group(1) for k in map(_ITEM.match, body[i + 1:i + 64])
                  if k and k.group(2) == target} if target in self.tuples else {}
+        self.host.update(items[j] for action, j, _ in answer or () if action == "host" and j in items)
         return _busiest(answer or (), items)
 
     def _note(self, stmt):
@@ -253,6 +257,8 @@ def _call_layouts(m, shape_of):
             v = float(value) if any(c in value for c in ".e") else int(value)
         elif value in _LITERAL:
             v = _LITERAL[value]
+        elif _LIST.match(value):  # a list of literals ([True, True, True, False]), passed as a list
+            v = [_LITERAL[x] if x in _LITERAL else int(x) for x in _split_top(value[1:-1])]
         else:
             return None
         if key:
@@ -262,8 +268,8 @@ def _call_layouts(m, shape_of):
     out = kwargs.get("out")
     dtype = out[2] if isinstance(out, list) else None
 
-    def fixed(v):
-        return (tuple(v[0]), tuple(v[1]), v[2] or dtype) if isinstance(v, list) else v
+    def fixed(v):  # a tensor's [size, stride, dtype] as a tuple; a list of literals stays a list
+        return (tuple(v[0]), tuple(v[1]), v[2] or dtype) if isinstance(v, list) and v and isinstance(v[0], list) else v
     args, kwargs = [fixed(a) for a in args], {k: fixed(v) for k, v in kwargs.items()}
     if any(isinstance(v, tuple) and (v[2] is None or len(v[0]) != len(v[1])) for v in args + list(kwargs.values())):
         return None
@@ -292,7 +298,8 @@ def _busiest(entries, items):
 
 def _assign(stmt, names, storages, size, made, sid_format, sizing):
     """One assignment: a new buffer (returns its bytes) or a new name for an existing storage.
-    sizing: {"layouts": buffer layouts, "tuples": names of multi-output kernels' results}."""
+    sizing: {"layouts": buffer layouts, "tuples": names of multi-output kernels' results, "host":
+    names of outputs a kernel keeps on the host}."""
     layouts = sizing["layouts"]
     m = _ALLOC.match(stmt)
     if m:
@@ -304,6 +311,8 @@ def _assign(stmt, names, storages, size, made, sid_format, sizing):
         return 0
     name = stmt.split("=", 1)[0].strip()
     if _ITEM.match(stmt) or (name.startswith("buf") and "(" in stmt):  # a fallback kernel's output(s)
+        if name in sizing["host"]:  # an output the kernel keeps on the host (a philox seed)
+            return _new(name, 0, names, storages, size, made, sid_format)
         if name in layouts:
             return _new(name, strided_bytes(*layouts[name]), names, storages, size, made, sid_format)
         if name in sizing["tuples"]:  # several outputs: the tuple itself holds no memory of its own

@@ -246,7 +246,8 @@ def plan_kernel(thread, seen):
     from step 1 on; an addmm with a 1-D bias (cuBLASLt's bias epilogue) adds `thread` to
     seen["cublaslt"] (its first on a thread makes cuBLASLt's workspace, held from then on).
     Rules applied outside the shapes they were read at go to seen["unmeasured"]. Returns
-    [("alloc", output index or None, bytes) | ("free", entry index, 0)], or None for no buffers.
+    [("alloc", output index or None, bytes) | ("free", entry index, 0) | ("host", output index, 0):
+    an output on the host], or None for no buffers.
     args and kwargs: (size, stride, dtype name) per tensor, as inductor_plan hands them."""
     def kernel(op, args, kwargs):
         import torch
@@ -271,12 +272,19 @@ def plan_kernel(thread, seen):
             return f"its meta kernel failed ({type(e).__name__})"
         flat = tree_leaves(out)
         inputs = {a.untyped_storage()._cdata for a in tree_leaves((m_args, m_kwargs)) if isinstance(a, torch.Tensor)}
-        for t, nbytes in outputs(func, out):
+        listed = outputs(func, out)
+        for t, nbytes in listed:
             # a host tensor (a philox seed kept on the host) is no device memory; an output that is
             # an input's storage (an in-place or aliasing op) is no new allocation
-            if t.device.type != "cpu" and t.untyped_storage()._cdata not in inputs:
-                j = next(i for i, o in enumerate(flat) if o is t)
+            j = next(i for i, o in enumerate(flat) if o is t)
+            if t.device.type == "cpu":
+                entries.append(("host", j, 0))
+            elif t.untyped_storage()._cdata not in inputs:
                 entries.append(("alloc", j, nbytes if nbytes is not None else t.untyped_storage().nbytes()))
+        # an output its rule leaves out is not device memory (efficient attention's seed and offset)
+        entries += [("host", j, 0) for j, o in enumerate(flat) if isinstance(o, torch.Tensor)
+                    and o.untyped_storage().nbytes() and all(o is not t for t, _ in listed)
+                    and o.untyped_storage()._cdata not in inputs]
         _play(entries, made, after)
         entries += [("alloc", None, n) for n in after_outputs(func, m_args)]
         return entries or None
