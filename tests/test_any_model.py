@@ -227,3 +227,44 @@ def test_a_value_read_is_answered_and_what_cannot_run_is_one_line(tmp_path, spoi
     if spoil == "item":
         assert measure(audit.run_dir)["phases"]["step2_end"]["replay"]["peak"]["bytes"] == r["peak"]
     assert measure(audit.run_dir)["phases"]["step2_end"]["replay"]["peak"]["bytes"] > 0
+
+
+class PatchNet(torch.nn.Module):
+    """Overlapping patches through F.unfold, mixed, put back with F.fold and averaged: the CPU
+    kernels make their output empty_like(input) and resize it (fold keeps the input's larger
+    storage behind its smaller result; unfold grows its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = torch.nn.Linear(48, 48)
+        self.head = torch.nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, x):
+        cols = torch.nn.functional.unfold(x, kernel_size=4, stride=2, padding=1)  # (B, 48, 64)
+        cols = self.mix(cols.transpose(1, 2)).transpose(1, 2)
+        back = torch.nn.functional.fold(cols, (16, 16), kernel_size=4, stride=2, padding=1)
+        counts = torch.nn.functional.fold(torch.ones_like(cols), (16, 16), kernel_size=4, stride=2, padding=1)
+        return self.head((back / counts).flatten(1))
+
+
+def patch_loop():
+    torch.manual_seed(0)
+    model = PatchNet()
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3), torch.randn(4, 3, 16, 16), torch.randint(10, (4,))
+
+
+def test_fold_and_unfold_are_asked_of_their_kernels(tmp_path):
+    """F.fold's result lives in a storage the size of its input (4 x 48 x 64 floats behind a
+    4 x 3 x 16 x 16 result), which no fake kernel says: the shadow asks the CPU kernels (col2im,
+    im2col: shadow/probe.PROBED) and gets every line and the peak of the audit to the byte
+    (without the probe: 86,016 B under on scripts/user_loops_c.py's patch denoiser)."""
+    from memory_audit import predict_loop
+    step = llama_step("float32")
+    _train(patch_loop, step, tmp_path / "run")
+    run = str(tmp_path / "run")
+    m = measure(run)
+    r = predict_loop(patch_loop, step)
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        assert r["summary"]["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
+    assert m["phases"]["step2_end"]["replay"]["peak"]["bytes"] == r["peak"]
+    assert {"col2im", "im2col"} <= set(r["probed"])

@@ -34,6 +34,11 @@ PROBED = frozenset((
     # packed-sequence check, (position_diff != 1).cumsum(-1): 648 B for 81 positions;
     # scripts/zoo_check.py seed 418482)
     "cumsum",
+    # F.fold / F.unfold: the CPU kernel makes its output empty_like(input), then resize_s it to
+    # the output's shape (a fold's output keeps the input's larger storage: 49,152 B for a
+    # 12,288 B (4, 3, 16, 16) result; an unfold's grows it, reallocating). A patch denoiser
+    # trained through fold and unfold: 86,016 B under at its peak (scripts/user_loops_c.py)
+    "col2im", "im2col",
 ))
 # bf16 (fp16) matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported(),
 # _is_mkldnn_fp16_supported())
