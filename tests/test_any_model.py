@@ -268,3 +268,95 @@ def test_fold_and_unfold_are_asked_of_their_kernels(tmp_path):
         assert r["summary"]["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
     assert m["phases"]["step2_end"]["replay"]["peak"]["bytes"] == r["peak"]
     assert {"col2im", "im2col"} <= set(r["probed"])
+
+
+def _script_loop(steps, audit=None):
+    """A loop as users write it: constants made before it (torch.tensor, zeros), the step's
+    block, then `del` of what the step made (after zero_grad, outside the block)."""
+    import contextlib
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if audit is not None:
+        audit = audit(model, opt)
+    scale = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    shift = torch.zeros(4)
+    for i in range(steps):
+        with audit.step(i) if audit is not None else contextlib.nullcontext():
+            x = torch.randn(16, 8)
+            out = model(x) * scale + shift
+            loss = out.pow(2).mean()
+            if audit is not None:
+                audit.before_backward(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        del out, loss, x
+
+
+def test_a_scripts_constants_and_its_dels_after_the_step_are_where_an_audit_has_them(tmp_path):
+    """memory_audit.shadow() around a loop that makes tensors before it (named by their call, as
+    the Audit names them: activations/zeros) and lets the step's tensors go
+    after zero_grad, outside the step's block (before the next step starts, as the Audit counts
+    it: the shadow's step starts at the loop's next op): every line of the three phases and the
+    peak equal to the audit's."""
+    import memory_audit
+    holder = {}
+
+    def audited(model, opt):
+        holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
+        return holder["audit"]
+    _script_loop(3, audited)
+    run = holder.pop("audit").run_dir
+    m = measure(run)
+    with memory_audit.shadow() as s:
+        _script_loop(10)
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
+    assert "activations/zeros" in s.summary["phase_lines"]["step2_start"]  # named by its call
+    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+
+
+class Diagonal(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(5, 5))
+
+    def forward(self):
+        return self.weight.diagonal()  # a strided view of the weight: (5,) at stride 6
+
+
+def _diagonal_loop(steps, audit=None):
+    import contextlib
+    torch.manual_seed(0)
+    model = Diagonal()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    audit = audit(model, opt) if audit is not None else None
+    for i in range(steps):
+        with audit.step(i) if audit is not None else contextlib.nullcontext():
+            loss = model().sum()
+            if audit is not None:
+                audit.before_backward(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_weight_read_through_a_strided_view_is_its_storage(tmp_path):
+    """The CPU audit sizes a weight made before it from the recorder's own reading of its storage
+    (100 B for a 5 x 5 weight), not from the profiler, which sizes an older tensor from the views
+    it saw and makes a (5,) view at stride 6 120 B; the shadow agrees line by line and at the peak."""
+    import memory_audit
+    holder = {}
+
+    def audited(model, opt):
+        holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
+        return holder["audit"]
+    _diagonal_loop(3, audited)
+    m = measure(holder.pop("audit").run_dir)
+    assert m["phases"]["step2_start"]["attribution"]["lines"]["weights/weight"] == 100
+    with memory_audit.shadow() as s:
+        _diagonal_loop(10)
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
+    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]

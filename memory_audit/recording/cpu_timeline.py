@@ -35,7 +35,7 @@ def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True):
     Returns (events, marker_times): events is a time-ordered list of
     (t_ns, "alloc"|"free"|"pre", addr, size, frames, category, user_metadata); "pre" is a tensor
     that existed before the profile began and whose address is in `keep` (the recorder's named
-    addresses: weights made before an Audit was); marker_times maps
+    addresses: weights made before an Audit was; a dict gives each storage's bytes); marker_times maps
     marker -> t_ns. user_metadata is "recompute:<module>" for an allocation made inside a
     labelled recomputation (as CUDA's allocator records it), else "". info: a dict that gets
     "source": "memory_profile" or "raw allocations" (the road taken, below). alive: addresses the
@@ -122,6 +122,10 @@ def _tensor_events(mp, keep, stacks, ranges):
             # Audit). Others are left out: numpy's memory wrapped by torch.from_numpy (memmap
             # batches) shows up this way too, and its free is never reported.
             if key.storage.ptr in keep:
+                # its storage's bytes as the recorder read them: the profiler sizes an older
+                # tensor from the views it saw, which overshoots a strided one (a (5,) diagonal
+                # with stride 6 of a 100 B weight: 120 B)
+                size = (keep.get(key.storage.ptr) or size) if isinstance(keep, dict) else size
                 live[key] = (key.storage.ptr, size)
                 events.append((-1, "pre", key.storage.ptr, size, stacks.get(key, []), None, ""))
             continue

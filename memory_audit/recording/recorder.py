@@ -277,9 +277,12 @@ class AuditRecording:
             self.files.append(file)
 
     def named_addresses(self):
-        """Every storage address a phase named (registry, saved tensors)."""
-        ptrs = {r["data_ptr"] for info in self.phases.values() for r in info.get("registry", []) + info.get("held", [])}
-        return ptrs | {s["data_ptr"] for s in self.saved_tensors}
+        """{storage address: its bytes} of every storage a phase named (registry, saved tensors)."""
+        named = {}
+        for r in [r for info in self.phases.values() for r in info.get("registry", []) + info.get("held", [])] \
+                + list(self.saved_tensors):
+            named[r["data_ptr"]] = max(named.get(r["data_ptr"], 0), r.get("nbytes") or 0)
+        return named
 
     # -- CPU: profiler timeline -> snapshot schema
     def _write_cpu_snapshots(self):

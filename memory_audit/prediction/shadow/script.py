@@ -95,7 +95,7 @@ class Shadow:
         from ...naming.loop_names import LoopNames
         self.tracker = tracker = Tracker()
         tracker.naming = True
-        self.placeholders, self.marked, self.updating = [], False, False
+        self.placeholders, self.marked, self.updating, self.starting = [], False, False, False
         self.phases, self.made, self.pre = {}, {}, None
         self.steps, self.pending, self.optimizer, self.model = 0, False, None, None
         self.step_site, self.ended = None, False
@@ -251,6 +251,8 @@ class Shadow:
             patch(scaler, "update", scaler_update(scaler.update))
 
         def on_op(func):  # the first op after an optimizer step, zero_grad not called first: the step ends
+            if session.starting:
+                session._freed_before_start()
             if session.pending and not session.updating and func.namespace != "profiler":  # (record_function's exit)
                 session._boundary()
         self.tracker.on_op = on_op
@@ -321,6 +323,21 @@ class Shadow:
         self.pre = begin_step(self.tracker, {**self._made_now(), **self._named(merged(self.found.held(), held))},
                               self.phases)
         self.made["ledger"] = LoopLedger(self.tracker, self.model)
+        self.starting = not self.marked  # an optimizer's step: the frees before the next op are the last step's
+
+    def _freed_before_start(self):
+        """The audited step began at the last step's zero_grad (or optimizer step); what the loop
+        let go after it and before its next op (`del loss, out` after the step's block, where
+        an Audit's step ends) was let go before this step, as an Audit counts it: out of the
+        step's start and its events."""
+        self.starting = False
+        start = self.phases["step2_start"]
+        late = self.tracker.events[start:]
+        if not late or any(action != "free" for action, _ in late):
+            return
+        freed = {aid for _, aid in late}
+        self.phases["step2_start"] = len(self.tracker.events)  # the frees go to the step's history
+        self.pre = [(aid, name) for aid, name in self.pre if aid not in freed]
 
     def _found_model(self):
         params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
@@ -350,11 +367,15 @@ class Shadow:
 
     def _made_now(self):
         """{storage: name} of what else the code made and is live now, by its call (loop_calls):
-        where the shadow's own key is an op's (what the shadow stands in for itself, DDP's
-        buckets, cuBLAS's workspaces, keeps its name, as the audit's rules name those first)."""
+        where the shadow's own key is an op's, in a step or before the first (a tensor the code
+        makes before its loop, `torch.tensor(...)`, is named by its call, as an Audit made
+        before it names it); what the shadow stands in for itself (DDP's buckets, cuBLAS's
+        workspaces) keeps its name, as the audit's rules name those first."""
         live, allocs = self.tracker.live, self.tracker.allocs
-        return {sid: name for sid, name in self.calls.names().items()
-                if sid in live and allocs[live[sid][0]][0].startswith(("activations/", "temporary/"))}
+
+        def an_op(key):
+            return key.startswith(("activations/", "temporary/")) or "/" not in key
+        return {sid: name for sid, name in self.calls.names().items() if sid in live and an_op(allocs[live[sid][0]][0])}
 
     def _made(self):
         """_made_now() kept for the phases' lines."""
