@@ -360,3 +360,56 @@ def test_a_weight_read_through_a_strided_view_is_its_storage(tmp_path):
     for phase in ("step2_start", "step2_before_backward", "step2_end"):
         assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
     assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+
+
+class Picks(torch.nn.Module):
+    """A table read through gather, index_select and topk, and a dense layer through gelu and
+    softmax, trained on the plain sum of what it makes: the sum's backward hands on an expanded
+    gradient (a zero stride), and the picking ops' backward fills new zeros in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(12, 6))
+        self.dense = torch.nn.Linear(6, 6)
+
+    def forward(self, idx):
+        picked = self.table.gather(0, idx) + self.table.index_select(0, idx[:, 0])
+        top = picked.topk(3, dim=1).values
+        return torch.nn.functional.gelu(self.dense(picked)).softmax(-1).sum() + top.sum()
+
+
+def _picks_loop(steps, audit=None):
+    import contextlib
+    torch.manual_seed(0)
+    model = Picks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    audit = audit(model, opt) if audit is not None else None
+    for i in range(steps):
+        with audit.step(i) if audit is not None else contextlib.nullcontext():
+            idx = torch.randint(0, 12, (8, 6))
+            loss = model(idx)
+            if audit is not None:
+                audit.before_backward(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_expanded_gradients_and_filled_zeros_are_the_kernels(tmp_path):
+    """An op given an expanded tensor is asked of its CPU kernel (mm, gelu's and softmax's
+    backward copy it whole first), and gather's, index_select's and topk's backward, which fill
+    new zeros in place in a real run and out of place on fake tensors, hold one buffer, not two
+    (shadow/tracker.SCATTERED_BACKWARD): every line and the peak of the audit's, to the byte."""
+    import memory_audit
+    holder = {}
+
+    def audited(model, opt):
+        holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
+        return holder["audit"]
+    _picks_loop(3, audited)
+    m = measure(holder.pop("audit").run_dir)
+    with memory_audit.shadow() as s:
+        _picks_loop(10)
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
+    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]

@@ -168,6 +168,7 @@ def cpu_op(tracker, func, args, kwargs, key):
     import torch
     from torch.utils._pytree import tree_leaves
     scalars, local = _wrapped_scalars(func, args)
+    wraps = bool(scalars)  # (its kernel's wrapped scalars are the rules': a probe would count them again)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     held = []  # freed once the outputs are made: casts, and a foreach op's last scalar
     # a backward formula (grad mode off: not a checkpoint's recomputation) reads the
@@ -203,7 +204,7 @@ def cpu_op(tracker, func, args, kwargs, key):
             held += ids
     # a functional collective's wait returns the tensor it waited on (the fake kernel, a new one)
     out = args[0] if func.namespace == "_c10d_functional" and short_name(func) == "wait_tensor" else func(*args, **kwargs)
-    probed = probe.wanted(short_name(func), args) and _probed_op(tracker, func, args, kwargs, key, out)
+    probed = probe.wanted(short_name(func), args, wraps) and _probed_op(tracker, func, args, kwargs, key, out)
     reduced = _reduced_loss_bytes(func, args, kwargs, out)
     stats = _mixed_layer_norm_stats(func, args, out)
     for t in tree_leaves(out):

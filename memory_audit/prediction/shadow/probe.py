@@ -39,6 +39,21 @@ PROBED = frozenset((
     # 12,288 B (4, 3, 16, 16) result; an unfold's grows it, reallocating). A patch denoiser
     # trained through fold and unfold: 86,016 B under at its peak (scripts/user_loops_c.py)
     "col2im", "im2col",
+    # CPU kernels that make buffers of their own beside their outputs (index and weight tables,
+    # a contiguous copy of their input, a transposed layout, a sort's scratch): each a miss of
+    # 8 B to 188 KB at the peak of its op's training loop in scripts/op_loops.py (PyTorch's
+    # OpInfo samples as loops), exact once asked
+    *(f"{op}{bw}" for bw in ("", "_backward") for op in (
+        "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+        "avg_pool2d", "avg_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices",
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+        "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+        "grid_sampler_2d", "grid_sampler_3d", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
+        "replication_pad1d", "replication_pad2d", "replication_pad3d")),
+    "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle",
+    "_fft_r2c", "_fft_c2r", "_fft_c2c", "kthvalue", "median", "nanmedian", "sort", "var_mean", "std_mean",
+    "_embedding_bag", "_embedding_bag_backward", "_embedding_bag_dense_backward", "_embedding_bag_per_sample_weights_backward",
 ))
 # bf16 (fp16) matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported(),
 # _is_mkldnn_fp16_supported())
@@ -92,15 +107,33 @@ def on_cpu(facts, dtype):
         torch.set_num_threads(threads)
 
 
-def wanted(name, args):
-    """Whether a CPU op (its short name) is one whose kernel the shadow asks."""
+def wanted(name, args, wraps=False):
+    """Whether a CPU op (its short name) is one whose kernel the shadow asks: an op of PROBED,
+    any op given an expanded tensor (a zero stride: the gradient a sum's backward hands on),
+    which a kernel may first copy whole (mm, softmax's and gelu's backward: scripts/op_loops.py),
+    a native bf16 matmul or flash attention. wraps: the op wraps a Python number into a tensor
+    (shadow/cpu's rules give those; a probe of an expanded input is then not asked)."""
     if name in PROBED:
+        return True
+    if _expanded(args) and not wraps and not name.endswith("_") and name not in NOT_PROBED:
         return True
     if name not in MATMULS and name not in FLASH_CPU:
         return False
     import torch
     return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) and native(a.dtype)
                for a in args)
+
+
+def _expanded(args):
+    import torch
+    return any(isinstance(a, torch.Tensor) and a.layout == torch.strided and a.device.type == "cpu"
+               and any(st == 0 and sz > 1 for sz, st in zip(a.shape, a.stride())) for a in args)
+
+
+# ops that make no memory of their own from an expanded input (views, copies into place)
+NOT_PROBED = frozenset(("expand", "view", "as_strided", "alias", "detach", "clone", "copy", "_to_copy", "contiguous",
+                        "slice", "select", "transpose", "permute", "t", "unsqueeze", "squeeze", "reshape",
+                        "_reshape_alias", "unfold", "lift_fresh", "empty_like", "zeros_like", "ones_like"))
 
 
 def native(dtype):

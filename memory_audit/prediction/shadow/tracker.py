@@ -271,6 +271,8 @@ def dispatch_mode(tracker, device_type):
             # live per expert; scripts/zoo_check.py seed 418482)
             if func is torch.ops.aten.index_put.default and _summing(tracker) and len(args) > 3 and args[3]:
                 _note_accumulate(tracker, args, out)
+            elif _summing(tracker) and str(func.overloadpacket).split(".")[-1] in SCATTERED_BACKWARD:
+                _note_folded(tracker, args[0], out)
             return out
 
     global _PLAIN
@@ -325,11 +327,31 @@ def _device_op(tracker, func, args, kwargs, key):
     return out, held, []
 
 
+# Backward formulas that fill a new zeros tensor in place in a real run (a gather's backward:
+# zeros.scatter_add_(dim, index, grad); index_select's: index_add_; take's: put_; a max, topk or
+# sort's: scatter_; masked_select's: masked_scatter_) and out of place for a tensor subclass, as
+# the shadow's fake tensors are (FunctionsManual's areAnyTensorSubclassLike): the output takes
+# the zeros' memory as they die (scripts/op_loops.py: gather +192 B, index_select +92, topk +992
+# without it)
+SCATTERED_BACKWARD = frozenset(("scatter_add", "scatter", "scatter_reduce", "index_add", "put", "masked_scatter",
+                                "index_copy", "index_fill"))
+
+
 def _summing(tracker):
     """Whether an add may be autograd's gradient sum, which it does in place: in backward with
     grad mode off (a checkpoint's recomputation runs with it on, and adds out of place)."""
     import torch
     return tracker.phase == "backward" and not torch.is_grad_enabled()
+
+
+def _note_folded(tracker, first, out):
+    """before_op folds `out` into `first`'s memory if `first` dies with the op (as autograd's
+    InputBuffer decides for an add: `first` non-overlapping and dense, not a view, of the output's
+    shape and dtype)."""
+    import torch
+    if (isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor) and first.shape == out.shape
+            and first.dtype == out.dtype and dense(first.shape, first.stride()) and not first._is_view()):
+        tracker.accumulate = (out.untyped_storage()._cdata, first.untyped_storage()._cdata)
 
 
 def _note_accumulate(tracker, args, out):
@@ -339,10 +361,8 @@ def _note_accumulate(tracker, args, out):
     contiguous), not a view, of the output's shape and dtype."""
     import torch
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    first = tensors[0] if len(tensors) == 2 else None
-    if (first is not None and isinstance(out, torch.Tensor) and first.shape == out.shape
-            and first.dtype == out.dtype and dense(first.shape, first.stride()) and not first._is_view()):
-        tracker.accumulate = (out.untyped_storage()._cdata, first.untyped_storage()._cdata)
+    if len(tensors) == 2:
+        _note_folded(tracker, tensors[0], out)
 
 
 def dense(sizes, strides):
