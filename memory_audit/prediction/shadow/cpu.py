@@ -168,7 +168,7 @@ def cpu_op(tracker, func, args, kwargs, key):
     import torch
     from torch.utils._pytree import tree_leaves
     scalars, local = _wrapped_scalars(func, args)
-    wraps = bool(scalars)  # (its kernel's wrapped scalars are the rules': a probe would count them again)
+    wraps = bool(scalars)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     held = []  # freed once the outputs are made: casts, and a foreach op's last scalar
     # a backward formula (grad mode off: not a checkpoint's recomputation) reads the
@@ -186,7 +186,9 @@ def cpu_op(tracker, func, args, kwargs, key):
             held.insert(0 if short_name(func) in _COMPARISONS else len(held), scalar)
     if local:
         scalars = []  # nothing for the output's autograd node to keep
-    for t, nbytes in _mixed_dtype_casts(func, tensors):
+    casts = _mixed_dtype_casts(func, tensors)
+    wraps = wraps or bool(casts)
+    for t, nbytes in casts:
         held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
     rule = rules.parts("cpu", func)  # shadow/rules/cpu.py: what the kernel makes before and after its outputs
     for name, nbytes in rule["before"](args) if "before" in rule else ():
@@ -204,7 +206,10 @@ def cpu_op(tracker, func, args, kwargs, key):
             held += ids
     # a functional collective's wait returns the tensor it waited on (the fake kernel, a new one)
     out = args[0] if func.namespace == "_c10d_functional" and short_name(func) == "wait_tensor" else func(*args, **kwargs)
-    probed = probe.wanted(short_name(func), args, wraps) and _probed_op(tracker, func, args, kwargs, key, out)
+    # an op the rules answer (its wrapped scalars, casts, a rule of its own, mean's buffers) is
+    # not asked for an expanded input: the probe would count what they give a second time
+    ruled = wraps or bool(rule) or func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default)
+    probed = probe.wanted(short_name(func), args, ruled) and _probed_op(tracker, func, args, kwargs, key, out)
     reduced = _reduced_loss_bytes(func, args, kwargs, out)
     stats = _mixed_layer_norm_stats(func, args, out)
     for t in tree_leaves(out):

@@ -107,15 +107,15 @@ def on_cpu(facts, dtype):
         torch.set_num_threads(threads)
 
 
-def wanted(name, args, wraps=False):
+def wanted(name, args, ruled=False):
     """Whether a CPU op (its short name) is one whose kernel the shadow asks: an op of PROBED,
     any op given an expanded tensor (a zero stride: the gradient a sum's backward hands on),
     which a kernel may first copy whole (mm, softmax's and gelu's backward: scripts/op_loops.py),
-    a native bf16 matmul or flash attention. wraps: the op wraps a Python number into a tensor
-    (shadow/cpu's rules give those; a probe of an expanded input is then not asked)."""
+    a native bf16 matmul or flash attention. ruled: shadow/cpu's rules answer this call (its
+    wrapped scalars, casts, a rule of its own): an expanded input does not make it asked."""
     if name in PROBED:
         return True
-    if _expanded(args) and not wraps and not name.endswith("_") and name not in NOT_PROBED:
+    if _expanded(args) and not ruled and not name.endswith("_") and name not in NOT_PROBED:
         return True
     if name not in MATMULS and name not in FLASH_CPU:
         return False
