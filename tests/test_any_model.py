@@ -270,9 +270,10 @@ def test_fold_and_unfold_are_asked_of_their_kernels(tmp_path):
     assert {"col2im", "im2col"} <= set(r["probed"])
 
 
-def _script_loop(steps, audit=None):
+def _script_loop(steps, audit=None, tail=True):
     """A loop as users write it: constants made before it (torch.tensor, zeros), the step's
-    block, then `del` of what the step made (after zero_grad, outside the block)."""
+    block, then `del` of what the step made: after zero_grad, outside the block (tail), or as the
+    block's first line in the next step."""
     import contextlib
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -281,8 +282,11 @@ def _script_loop(steps, audit=None):
         audit = audit(model, opt)
     scale = torch.tensor([1.0, 2.0, 3.0, 4.0])
     shift = torch.zeros(4)
+    out = loss = x = None
     for i in range(steps):
         with audit.step(i) if audit is not None else contextlib.nullcontext():
+            if not tail:
+                out = loss = x = None
             x = torch.randn(16, 8)
             out = model(x) * scale + shift
             loss = out.pow(2).mean()
@@ -291,26 +295,29 @@ def _script_loop(steps, audit=None):
             loss.backward()
             opt.step()
             opt.zero_grad()
-        del out, loss, x
+        if tail:
+            out = loss = x = None
 
 
-def test_a_scripts_constants_and_its_dels_after_the_step_are_where_an_audit_has_them(tmp_path):
+@pytest.mark.parametrize("tail", [True, False], ids=["dels-after-the-block", "dels-first-in-the-block"])
+def test_a_scripts_constants_and_its_dels_after_the_step_are_where_an_audit_has_them(tmp_path, tail):
     """memory_audit.shadow() around a loop that makes tensors before it (named by their call, as
     the Audit names them: activations/zeros) and lets the step's tensors go
     after zero_grad, outside the step's block (before the next step starts, as the Audit counts
-    it: the shadow's step starts at the loop's next op): every line of the three phases and the
-    peak equal to the audit's."""
+    it: the shadow's step starts at the loop's next op), or as the block's first line (written
+    above the optimizer step: in the step): every line of the three phases and the peak equal to
+    the audit's."""
     import memory_audit
     holder = {}
 
     def audited(model, opt):
         holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
         return holder["audit"]
-    _script_loop(3, audited)
+    _script_loop(3, audited, tail)
     run = holder.pop("audit").run_dir
     m = measure(run)
     with memory_audit.shadow() as s:
-        _script_loop(10)
+        _script_loop(10, tail=tail)
     for phase in ("step2_start", "step2_before_backward", "step2_end"):
         assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
     assert "activations/zeros" in s.summary["phase_lines"]["step2_start"]  # named by its call

@@ -324,20 +324,28 @@ class Shadow:
                               self.phases)
         self.made["ledger"] = LoopLedger(self.tracker, self.model)
         self.starting = not self.marked  # an optimizer's step: the frees before the next op are the last step's
+        if self.starting:
+            self.free_sites = {}
+            self.tracker.on_free = lambda at: self.free_sites.__setitem__(at, call_site())
 
     def _freed_before_start(self):
         """The audited step began at the last step's zero_grad (or optimizer step); what the loop
-        let go after it and before its next op (`del loss, out` after the step's block, where
-        an Audit's step ends) was let go before this step, as an Audit counts it: out of the
-        step's start and its events."""
-        self.starting = False
+        let go after it and before its next op, on lines written below that optimizer step (`del
+        loss, out` after the step's block, where an Audit's step ends), was let go before this
+        step, as an Audit counts it: out of the step's start and its events. A free on a line
+        above it (the loop's first line rebinding last step's batch) stays in the step."""
+        self.starting, self.tracker.on_free = False, None
         start = self.phases["step2_start"]
         late = self.tracker.events[start:]
-        if not late or any(action != "free" for action, _ in late):
+        if any(action != "free" for action, _ in late):
             return
-        freed = {aid for _, aid in late}
-        self.phases["step2_start"] = len(self.tracker.events)  # the frees go to the step's history
-        self.pre = [(aid, name) for aid, name in self.pre if aid not in freed]
+        k = 0
+        while k < len(late) and not above(self.free_sites.get(start + k), self.step_site):
+            k += 1
+        if k:
+            freed = {aid for _, aid in late[:k]}
+            self.phases["step2_start"] = start + k  # those frees go to the step's history
+            self.pre = [(aid, name) for aid, name in self.pre if aid not in freed]
 
     def _found_model(self):
         params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
