@@ -270,6 +270,26 @@ def test_fold_and_unfold_are_asked_of_their_kernels(tmp_path):
     assert {"col2im", "im2col"} <= set(r["probed"])
 
 
+def _audit_beside_shadow(tmp_path, loop, **kw):
+    """Run `loop(steps, audit_factory, **kw)` audited (3 steps, step 2 recorded) and under
+    memory_audit.shadow() (10 steps, stopped after step 2); assert every line of the three phases
+    and the peak equal; return (the audit's measure, the shadow session)."""
+    import memory_audit
+    holder = {}
+
+    def audited(model, opt):
+        holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
+        return holder["audit"]
+    loop(3, audited, **kw)
+    m = measure(holder.pop("audit").run_dir)
+    with memory_audit.shadow() as s:
+        loop(10, **kw)
+    for phase in ("step2_start", "step2_before_backward", "step2_end"):
+        assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
+    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+    return m, s
+
+
 def _script_loop(steps, audit=None, tail=True):
     """A loop as users write it: constants made before it (torch.tensor, zeros), the step's
     block, then `del` of what the step made: after zero_grad, outside the block (tail), or as the
@@ -307,21 +327,8 @@ def test_a_scripts_constants_and_its_dels_after_the_step_are_where_an_audit_has_
     it: the shadow's step starts at the loop's next op), or as the block's first line (written
     above the optimizer step: in the step): every line of the three phases and the peak equal to
     the audit's."""
-    import memory_audit
-    holder = {}
-
-    def audited(model, opt):
-        holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
-        return holder["audit"]
-    _script_loop(3, audited, tail)
-    run = holder.pop("audit").run_dir
-    m = measure(run)
-    with memory_audit.shadow() as s:
-        _script_loop(10, tail=tail)
-    for phase in ("step2_start", "step2_before_backward", "step2_end"):
-        assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
+    _, s = _audit_beside_shadow(tmp_path, _script_loop, tail=tail)
     assert "activations/zeros" in s.summary["phase_lines"]["step2_start"]  # named by its call
-    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
 
 
 class Diagonal(torch.nn.Module):
@@ -333,41 +340,33 @@ class Diagonal(torch.nn.Module):
         return self.weight.diagonal()  # a strided view of the weight: (5,) at stride 6
 
 
-def _diagonal_loop(steps, audit=None):
+def _module_loop(make, batch=tuple):
+    """loop(steps, audit_factory=None): `make()`'s model trained on the sum of what it returns for
+    `batch()`, SGD with momentum (_audit_beside_shadow's loop)."""
     import contextlib
-    torch.manual_seed(0)
-    model = Diagonal()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    audit = audit(model, opt) if audit is not None else None
-    for i in range(steps):
-        with audit.step(i) if audit is not None else contextlib.nullcontext():
-            loss = model().sum()
-            if audit is not None:
-                audit.before_backward(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+
+    def loop(steps, audit=None):
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        audit = audit(model, opt) if audit is not None else None
+        for i in range(steps):
+            with audit.step(i) if audit is not None else contextlib.nullcontext():
+                loss = model(*batch()).sum()
+                if audit is not None:
+                    audit.before_backward(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    return loop
 
 
 def test_a_weight_read_through_a_strided_view_is_its_storage(tmp_path):
     """The CPU audit sizes a weight made before it from the recorder's own reading of its storage
     (100 B for a 5 x 5 weight), not from the profiler, which sizes an older tensor from the views
     it saw and makes a (5,) view at stride 6 120 B; the shadow agrees line by line and at the peak."""
-    import memory_audit
-    holder = {}
-
-    def audited(model, opt):
-        holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
-        return holder["audit"]
-    _diagonal_loop(3, audited)
-    m = measure(holder.pop("audit").run_dir)
+    m, _ = _audit_beside_shadow(tmp_path, _module_loop(Diagonal))
     assert m["phases"]["step2_start"]["attribution"]["lines"]["weights/weight"] == 100
-    with memory_audit.shadow() as s:
-        _diagonal_loop(10)
-    for phase in ("step2_start", "step2_before_backward", "step2_end"):
-        assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
-    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
-
 
 class Picks(torch.nn.Module):
     """A table read through gather, index_select and topk, and a dense layer through gelu and
@@ -385,38 +384,9 @@ class Picks(torch.nn.Module):
         return torch.nn.functional.gelu(self.dense(picked)).softmax(-1).sum() + top.sum()
 
 
-def _picks_loop(steps, audit=None):
-    import contextlib
-    torch.manual_seed(0)
-    model = Picks()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    audit = audit(model, opt) if audit is not None else None
-    for i in range(steps):
-        with audit.step(i) if audit is not None else contextlib.nullcontext():
-            idx = torch.randint(0, 12, (8, 6))
-            loss = model(idx)
-            if audit is not None:
-                audit.before_backward(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-
 def test_expanded_gradients_and_filled_zeros_are_the_kernels(tmp_path):
     """An op given an expanded tensor is asked of its CPU kernel (mm, gelu's and softmax's
     backward copy it whole first), and gather's, index_select's and topk's backward, which fill
     new zeros in place in a real run and out of place on fake tensors, hold one buffer, not two
     (shadow/tracker.SCATTERED_BACKWARD): every line and the peak of the audit's, to the byte."""
-    import memory_audit
-    holder = {}
-
-    def audited(model, opt):
-        holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
-        return holder["audit"]
-    _picks_loop(3, audited)
-    m = measure(holder.pop("audit").run_dir)
-    with memory_audit.shadow() as s:
-        _picks_loop(10)
-    for phase in ("step2_start", "step2_before_backward", "step2_end"):
-        assert s.summary["phase_lines"][phase] == m["phases"][phase]["attribution"]["lines"], phase
-    assert s.result["peak"] == m["phases"]["step2_end"]["replay"]["peak"]["bytes"]
+    _audit_beside_shadow(tmp_path, _module_loop(Picks, lambda: (torch.randint(0, 12, (8, 6)),)))
