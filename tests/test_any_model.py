@@ -390,3 +390,23 @@ def test_expanded_gradients_and_filled_zeros_are_the_kernels(tmp_path):
     new zeros in place in a real run and out of place on fake tensors, hold one buffer, not two
     (shadow/tracker.SCATTERED_BACKWARD): every line and the peak of the audit's, to the byte."""
     _audit_beside_shadow(tmp_path, _module_loop(Picks, lambda: (torch.randint(0, 12, (8, 6)),)))
+
+
+class Zeroed(torch.nn.Module):
+    """`w.scatter(1, idx, 0.0)`: its backward, grad.scatter(1, idx, 0), is out of place in a real
+    run too; the gradient and its copy are both held there (no fold: the zeros are not new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+        self.register_buffer("idx", torch.randint(0, 64, (64, 8)))
+
+    def forward(self):
+        return self.w.scatter(1, self.idx, 0.0).mul_(2.0)
+
+
+def test_a_scatter_out_of_place_in_a_real_backward_holds_both(tmp_path):
+    """tracker.SCATTERED_BACKWARD folds a scatter's output into zeros made for it only: a
+    scatter over the incoming gradient holds both, as the audit measures (16,384 B under if it
+    folded)."""
+    _audit_beside_shadow(tmp_path, _module_loop(Zeroed))

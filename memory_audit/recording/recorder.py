@@ -277,11 +277,12 @@ class AuditRecording:
             self.files.append(file)
 
     def named_addresses(self):
-        """{storage address: its bytes} of every storage a phase named (registry, saved tensors)."""
+        """{storage address: its bytes} of every storage a phase named (registry, saved tensors):
+        the first phase's (CPU reuses an address freed in the step for another tensor)."""
         named = {}
         for r in [r for info in self.phases.values() for r in info.get("registry", []) + info.get("held", [])] \
                 + list(self.saved_tensors):
-            named[r["data_ptr"]] = max(named.get(r["data_ptr"], 0), r.get("nbytes") or 0)
+            named.setdefault(r["data_ptr"], r.get("nbytes") or 0)
         return named
 
     # -- CPU: profiler timeline -> snapshot schema

@@ -184,7 +184,8 @@ def sequence(func, args, kwargs, real_shape, out_bytes=0):
     if any(isinstance(a, torch.Tensor) and a.numel() == 0 and real_shape(a) is None for a in args):
         return None  # a buffer whose real size no probe learnt: the kernel would read past it
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if sum(a.untyped_storage().nbytes() for a in tensors) + out_bytes > LIMIT:
+    # an expanded input counts whole: the kernel may copy it so (a 4 B storage seen as 8192 x 50257)
+    if sum(max(a.untyped_storage().nbytes(), a.numel() * a.element_size()) for a in tensors) + out_bytes > LIMIT:
         return None  # too large to run for a prediction: left unasked (the result says so)
     key = _signature(func, args, kwargs, real_shape, torch)
     if key not in _CACHE:

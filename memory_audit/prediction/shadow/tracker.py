@@ -274,7 +274,8 @@ def dispatch_mode(tracker, device_type):
             # live per expert; scripts/zoo_check.py seed 418482)
             if func is torch.ops.aten.index_put.default and _summing(tracker) and len(args) > 3 and args[3]:
                 _note_accumulate(tracker, args, out)
-            elif _summing(tracker) and str(func.overloadpacket).split(".")[-1] in SCATTERED_BACKWARD:
+            elif (_summing(tracker) and str(func.overloadpacket).split(".")[-1] in SCATTERED_BACKWARD
+                  and _made_by(tracker, args[0], ZEROS)):
                 _note_folded(tracker, args[0], out)
             return out
 
@@ -335,9 +336,10 @@ def _device_op(tracker, func, args, kwargs, key):
 # sort's: scatter_; masked_select's: masked_scatter_) and out of place for a tensor subclass, as
 # the shadow's fake tensors are (FunctionsManual's areAnyTensorSubclassLike): the output takes
 # the zeros' memory as they die (scripts/op_loops.py: gather +192 B, index_select +92, topk +992
-# without it)
-SCATTERED_BACKWARD = frozenset(("scatter_add", "scatter", "scatter_reduce", "index_add", "put", "masked_scatter",
-                                "index_copy", "index_fill"))
+# without it). Only over zeros made for it: `grad.scatter(dim, index, 0)` (scatter.value's own
+# backward) is out of place in a real run too, and holds both.
+SCATTERED_BACKWARD = frozenset(("scatter_add", "scatter", "scatter_reduce", "index_add", "put", "masked_scatter"))
+ZEROS = ("zeros", "zeros_like", "new_zeros")
 
 
 def _summing(tracker):
@@ -345,6 +347,13 @@ def _summing(tracker):
     grad mode off (a checkpoint's recomputation runs with it on, and adds out of place)."""
     import torch
     return tracker.phase == "backward" and not torch.is_grad_enabled()
+
+
+def _made_by(tracker, t, ops):
+    """Whether tensor `t`'s storage was made by one of `ops` (its allocation's key ends with one)."""
+    import torch
+    entry = tracker.live.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) else None
+    return entry is not None and tracker.allocs[entry[0]][0].rsplit("/", 1)[-1] in ops
 
 
 def _note_folded(tracker, first, out):
