@@ -333,7 +333,8 @@ class Shadow:
         let go after it and before its next op, on lines written below that optimizer step (`del
         loss, out` after the step's block, where an Audit's step ends), was let go before this
         step, as an Audit counts it: out of the step's start and its events. A free on a line
-        above it (the loop's first line rebinding last step's batch) stays in the step."""
+        above it (the loop's first line rebinding last step's batch) stays in the step; one with
+        no line of the code's own, or in another file, counts as below."""
         self.starting, self.tracker.on_free = False, None
         start = self.phases["step2_start"]
         late = self.tracker.events[start:]
