@@ -8,7 +8,7 @@ run, so the CPU audit sees them), the loss is the sum of every differentiable ou
 momentum steps it. The audited run (3 steps, step 2 recorded) and the shadow run (10 steps, the
 tool stops it after step 2) go through user_loops.check.
 
-    python scripts/op_loops.py [--seed=S] [--only=name,name] [--start=K] [--count=N]
+    python scripts/op_loops.py [--seed=S] [--only=name,name] [--start=K] [--count=N] [--pick=K]
 
 Prints one line per op (OK / MISS with the lines that differ / FAILED with the first line of the
 error) and a summary; ops whose output no sample makes differentiable are skipped.
@@ -37,8 +37,8 @@ class OpModule(nn.Module):
         return self.op(self.weight, *args, **kwargs)
 
 
-def _sample(op):
-    """The op's first float32 sample with a tensor input of at least two elements whose output has
+def _sample(op, pick=0):
+    """The op's `pick`-th (from 0) float32 sample with a tensor input of at least two elements whose output has
     a differentiable float tensor, or None."""
     try:
         samples = op.sample_inputs("cpu", torch.float32, requires_grad=False)
@@ -51,7 +51,9 @@ def _sample(op):
             w = s.input.detach().clone().requires_grad_(True)
             out = op(w, *s.args, **s.kwargs)
             if any(isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point() for o in tree_leaves(out)):
-                return s
+                if pick == 0:
+                    return s
+                pick -= 1
     except Exception:  # noqa: BLE001 -- an op whose samples do not run on CPU
         return None
     return None
@@ -98,6 +100,7 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--count", type=int, default=10 ** 6)
+    ap.add_argument("--pick", type=int, default=0, help="each op's K-th usable sample (0: the first)")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     harness.SEED = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 20)
@@ -110,7 +113,7 @@ def main():
     counts = {"OK": 0, "MISS": 0, "FAILED": 0, "skipped": 0}
     start = time.time()
     for op in ops:
-        sample = _sample(op)
+        sample = _sample(op, a.pick)
         if sample is None:
             counts["skipped"] += 1
             continue

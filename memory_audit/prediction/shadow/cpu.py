@@ -168,7 +168,7 @@ def cpu_op(tracker, func, args, kwargs, key):
     import torch
     from torch.utils._pytree import tree_leaves
     scalars, local = _wrapped_scalars(func, args)
-    wraps = bool(scalars)
+    wrapped = bool(scalars)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     held = []  # freed once the outputs are made: casts, and a foreach op's last scalar
     # a backward formula (grad mode off: not a checkpoint's recomputation) reads the
@@ -187,7 +187,6 @@ def cpu_op(tracker, func, args, kwargs, key):
     if local:
         scalars = []  # nothing for the output's autograd node to keep
     casts = _mixed_dtype_casts(func, tensors)
-    wraps = wraps or bool(casts)
     for t, nbytes in casts:
         held.append(tracker.alloc(f"{key}/dtype_cast", nbytes)[0])
     rule = rules.parts("cpu", func)  # shadow/rules/cpu.py: what the kernel makes before and after its outputs
@@ -208,7 +207,7 @@ def cpu_op(tracker, func, args, kwargs, key):
     out = args[0] if func.namespace == "_c10d_functional" and short_name(func) == "wait_tensor" else func(*args, **kwargs)
     # an op the rules answer (its wrapped scalars, casts, a rule of its own, mean's buffers) is
     # not asked for an expanded input: the probe would count what they give a second time
-    ruled = wraps or bool(rule) or func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default)
+    ruled = wrapped or bool(casts) or bool(rule) or func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default)
     probed = probe.wanted(short_name(func), args, ruled) and _probed_op(tracker, func, args, kwargs, key, out)
     reduced = _reduced_loss_bytes(func, args, kwargs, out)
     stats = _mixed_layer_norm_stats(func, args, out)
