@@ -38,6 +38,10 @@ COMMANDS = [  # (name, argv, (target seconds, "after imports" or "in all") or No
     # 16 options; their shadow runs on every CPU (plan --jobs), in workers forked after the imports
     ("plan gpt2-large b16 (shadow)", MA + ["plan", "--preset=gpt2-large", "--batch_size=16"], (5.0, "in all")),
     ("plan gpt2-large b16, one process", MA + ["plan", "--preset=gpt2-large", "--batch_size=16", "--jobs=1"], None),
+    # issue #45: 15 options, 3 of them FSDP2 / FSDP2+TP ranks (DTensor's sharding propagation)
+    ("plan world_size 8 H100 (shadow)", MA + ["plan", "--world_size=8", "--gpu=H100"], (5.0, "in all")),
+    ("predict fsdp rank 3 of 8 H100", MA + ["predict", "--parallel=fsdp", "--gpu=H100", "--world_size=8", "--rank=3"],
+     None),
 ]
 # what every shadow-backed command imports before it computes (not torch._dynamo: a shadow run
 # stands in for it, nodynamo.py)

@@ -1,9 +1,11 @@
 """torch._dynamo stood in for while a shadow runs or a CPU audit records, so an eager step does not import it (issue #26: speed).
 
-An eager step asks torch._dynamo three things: `disable(fn)` (through torch._disable_dynamo's
+An eager step asks torch._dynamo four things: `disable(fn)` (through torch._disable_dynamo's
 wrappers: every dispatch mode's __torch_dispatch__, the prims references, the optimizer's
-constructor and zero_grad, checkpoint), `graph_break()` (torch.optim's step) and `config`
-(checkpoint reads one flag). Importing torch._dynamo for them costs about 1 s of a shadow-backed
+constructor and zero_grad, checkpoint), `graph_break()` (torch.optim's step), `config`
+(checkpoint reads one flag) and, where a process group is made (a torchrun rank's shadow),
+`trace_rules.clear_lru_cache()` (init_process_group: the caches of a module not imported are
+empty, so there it does nothing). Importing torch._dynamo for them costs about 1 s of a shadow-backed
 command on 2 cores (measured with the shadow's other imports already done), more than the shadow
 of GPT-2 xl; in a CPU audit it cost 1.8 s of a 5.7 s cpu-tiny run (the profiler's start probed
 torch._inductor, which imports it), and imported inside the profile it is 40 s more (every
@@ -39,7 +41,26 @@ class _StandIn(types.ModuleType):
                 return importlib.import_module(NAME + ".config")
             except Exception:  # a torch whose config.py needs its package: the real one
                 pass
+        if name == "trace_rules":
+            return _TRACE_RULES
         return getattr(_real(), name)
+
+
+class _TraceRules:
+    """torch._dynamo.trace_rules asked of the stand-in: clear_lru_cache() clears nothing where
+    the real module is not imported (its caches are made by its import), the real one's once it
+    is; anything else is the real module's."""
+
+    @staticmethod
+    def clear_lru_cache():
+        if _loaded() is not None:
+            _loaded().trace_rules.clear_lru_cache()
+
+    def __getattr__(self, name):
+        return getattr(_real().trace_rules, name)
+
+
+_TRACE_RULES = _TraceRules()
 
 
 class _Guard(importlib.abc.MetaPathFinder):

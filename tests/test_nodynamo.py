@@ -10,17 +10,19 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a CUDA shadow (meta tensors, autocast fp16, the optimizer's step, selective checkpointing: every
-# thing the step asks of torch._dynamo) and a CPU one on fake tensors (FakeTensorMode's dispatch)
+# thing the step asks of torch._dynamo), a CPU one on fake tensors (FakeTensorMode's dispatch) and
+# an FSDP2 rank's (init_process_group clears dynamo's trace-rule caches)
 STEP = """
 import hashlib, json, sys
 from memory_audit.prediction.shadow import step as shadow
 from memory_audit.prediction.ledger.config import resolved
 out = {}
-for device, extra in (("cuda", {"dtype": "float16"}), ("cpu", {})):
+for device, extra in (("cuda", {"dtype": "float16"}), ("cpu", {}),
+                      ("cuda", {"parallel": "fsdp", "world_size": 2, "rank": 1, "activation_checkpointing": "none"})):
     cfg = resolved(dict({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2, "gradient_accumulation_steps": 2,
                          "activation_checkpointing": "selective", "dropout": 0.1}, **extra))
     r = shadow.run(cfg, device)
-    out[device] = [len(r["events"]), r["peak"], hashlib.sha1(repr(r["history"] + r["events"]).encode()).hexdigest()]
+    out[device + extra.get("parallel", "")] = [len(r["events"]), r["peak"], hashlib.sha1(repr(r["history"] + r["events"]).encode()).hexdigest()]
 out["dynamo_imported"] = "torch._dynamo" in sys.modules
 print(json.dumps(out))
 """
@@ -38,7 +40,7 @@ def test_the_shadow_step_is_the_same_without_importing_dynamo():
     assert alone.pop("dynamo_imported") is False
     assert with_dynamo.pop("dynamo_imported") is True
     assert alone == with_dynamo  # every event of both steps, in order, named and sized alike
-    assert alone["cuda"][0] > 0 and alone["cpu"][0] > 0
+    assert alone["cuda"][0] > 0 and alone["cpu"][0] > 0 and alone["cudafsdp"][0] > 0
 
 
 def test_real_dynamo_works_after_the_stand_in_and_takes_over_what_it_handed_out():
