@@ -168,6 +168,22 @@ def owning_module(params, called):
     return called if best is None else best[1]
 
 
+def outermost_holder(module):
+    """The outermost live module that holds `module` and no parameter besides its own (`module`
+    where none does): the model a loop that calls only its part (`model.body(x)`, a model with no
+    forward of its own) was built as, and which an Audit of it is handed."""
+    import gc
+    import torch
+    own = {id(p) for p in module.parameters()}
+    best = (0, module)
+    for m in gc.get_objects():
+        if issubclass(type(m), torch.nn.Module) and m is not module:
+            subs = list(m.modules())
+            if len(subs) > best[0] and any(c is module for c in subs) and {id(p) for p in m.parameters()} == own:
+                best = (len(subs), m)
+    return best[1]
+
+
 def scaler_classes(torch):
     """GradScaler and the subclasses that define their own update() (FSDP's ShardedGradScaler)."""
     found, todo = [], [torch.amp.GradScaler]

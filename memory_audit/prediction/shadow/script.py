@@ -37,8 +37,8 @@ import warnings
 from .step import ShadowError, begin_step, end_step, step_result
 from .names import address, held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, answered_read, checked_assume
-from .loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged, owning_module,
-                   scaler_classes, user_line)
+from .loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged,
+                   outermost_holder, owning_module, scaler_classes, user_line)
 from ..ledger.config import expandable_from_env
 from .replay import replay
 from .gpu import on_gpu
@@ -355,6 +355,8 @@ class Shadow:
         self._tops = {}
         if count and count < len(params):  # the model's parts called from a method of its own
             top = owning_module(params, top)  # (flow.log_prob(x)): the module that holds them all
+        elif count:  # a part holding every parameter called alone (model.body(x)): the model holding it
+            top = outermost_holder(top)
         if not count:
             moved = (" (on a GPU shadow, an optimizer made before model.to('cuda') holds the host Parameters: "
                      "the move makes new ones; make it after the move)") if self.device["type"] == "cuda" else ""
