@@ -340,9 +340,9 @@ class Diagonal(torch.nn.Module):
         return self.weight.diagonal()  # a strided view of the weight: (5,) at stride 6
 
 
-def _module_loop(make, batch=tuple):
-    """loop(steps, audit_factory=None): `make()`'s model trained on the sum of what it returns for
-    `batch()`, SGD with momentum (_audit_beside_shadow's loop)."""
+def _module_loop(make, batch=tuple, part=lambda model: model):
+    """loop(steps, audit_factory=None): `make()`'s model trained on the sum of what `part(model)`
+    returns for `batch()`, SGD with momentum (_audit_beside_shadow's loop)."""
     import contextlib
 
     def loop(steps, audit=None):
@@ -352,7 +352,7 @@ def _module_loop(make, batch=tuple):
         audit = audit(model, opt) if audit is not None else None
         for i in range(steps):
             with audit.step(i) if audit is not None else contextlib.nullcontext():
-                loss = model(*batch()).sum()
+                loss = part(model)(*batch()).sum()
                 if audit is not None:
                     audit.before_backward(loss)
                 loss.backward()
@@ -410,3 +410,43 @@ def test_a_scatter_out_of_place_in_a_real_backward_holds_both(tmp_path):
     scatter over the incoming gradient holds both, as the audit measures (16,384 B under if it
     folded)."""
     _audit_beside_shadow(tmp_path, _module_loop(Zeroed))
+
+
+class Holder(torch.nn.Module):
+    """A model with no forward of its own: the loop calls its one part, which holds every
+    parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def test_a_loop_that_calls_only_a_part_names_by_the_model_holding_it(tmp_path):
+    """`model.body(x)` in the loop, the Audit handed `model`: the shadow names the weights, their
+    momentum and the batch by the model that holds the part (weights/body.0.weight), as the audit
+    does, not by the part it saw called (weights/0.weight)."""
+    m, _ = _audit_beside_shadow(tmp_path, _module_loop(Holder, lambda: (torch.randn(6, 8),), lambda model: model.body))
+    assert "weights/body.0.weight" in m["phases"]["step2_start"]["attribution"]["lines"]
+
+
+class VarMean(torch.nn.Module):
+    """var_mean's and group_norm's statistics both used: their backward formulas sum two
+    temporaries of their own out of place (var_mean_backward's gself + aux)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5, 5, 5))
+        self.g = torch.nn.Parameter(torch.randn(2, 6, 4))
+
+    def forward(self):
+        v, m = torch.var_mean(self.w, dim=1)
+        out, mean, rstd = torch.native_group_norm(self.g, None, None, 2, 6, 4, 3, 1e-5)
+        return v.sum() + m.sum() + out.sum() + mean.sum() + rstd.sum()
+
+
+def test_a_backward_formulas_own_sum_keeps_its_memory(tmp_path):
+    """An add inside a FORMULA_ADDS node's backward whose first operand the node made is the
+    formula's, out of place in a real run too; autograd's sum of what the node returns is still
+    folded (shadow/tracker.FORMULA_ADDS): every line and the peak, to the byte (300 B under if
+    the formula's sum were folded)."""
+    _audit_beside_shadow(tmp_path, _module_loop(VarMean))

@@ -12,7 +12,7 @@ storage_resize in patches, gloo_collectives in shadow/rules/collectives, the res
                       decides so only for a tensor Python has never seen, so watching prevents it;
                       so does CPU math SDPA's mask add (in place on real tensors: cpu_rules); a
                       DTensor's sum (run on its shards) never: autograd steals only a gradient
-                      with storage of its own
+                      with storage of its own; nor a backward formula's own sum (FORMULA_ADDS)
   wrapped_scalar      a Python number passed for a Tensor argument (and the Scalar overloads of
                       the arithmetic and comparison ops) is an 8 B CPU tensor (1 B for a bool)
                       made before the op and freed after it unless its autograd node saves it;

@@ -37,6 +37,7 @@ class Tracker:
         self.pending_out = _none  # weakref to that op's output (its grad_fn may save them)
         self.saved = []  # (StorageWeakRef, allocation id) of real tensors an autograd node holds
         self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
+        self.node_start = {}  # sequence number of a FORMULA_ADDS node -> the event its backward began at
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
         self.workspace_bytes = 0  # a cuBLAS workspace per thread (the shadow of a CUDA step)
         self.lt_workspace_bytes = 0  # a cuBLASLt workspace per thread that runs an addmm (CUDA)
@@ -248,6 +249,8 @@ def dispatch_mode(tracker, device_type):
                     and not tracker.saved):  # a view on the device: no storage, nothing to settle first
                 return _view_op(tracker, func, args, kwargs)
             tracker.before_op()
+            if tracker.phase == "backward":
+                _note_node(tracker)
             tracker.last = (func, tracker.label)  # named if the step fails here
             key = tracker.key(tracker.stand_in or short_name(func))
             tracker.stand_in = None
@@ -266,7 +269,8 @@ def dispatch_mode(tracker, device_type):
                 tracker.pending_out = weakref.ref(out)
             # autograd steals only a gradient with storage of its own: a DTensor's sum, run on
             # its shards, is out of place (measured under tp: the tied embedding's gradients)
-            if func is torch.ops.aten.add.Tensor and not on_shards and (_summing(tracker) or tracker.adds_in_place):
+            if (func is torch.ops.aten.add.Tensor and not on_shards and (_summing(tracker) or tracker.adds_in_place)
+                    and not _formula_add(tracker, args)):
                 _note_accumulate(tracker, args, out)
             # indexing's backward, zeros.index_put_(indices, grad, accumulate=True) in a real run, is
             # out of place for a tensor subclass (FunctionsManual's index_backward): the output
@@ -340,6 +344,34 @@ def _device_op(tracker, func, args, kwargs, key):
 # backward) is out of place in a real run too, and holds both.
 SCATTERED_BACKWARD = frozenset(("scatter_add", "scatter", "scatter_reduce", "index_add", "put", "masked_scatter"))
 ZEROS = ("zeros", "zeros_like", "new_zeros")
+
+
+# Backward formulas that sum two temporaries of their own out of place (FunctionsManual.cpp:
+# var_mean_backward's and std_mean_backward's `gself + aux`, infinitely_differentiable_native_group_norm_backward's
+# sums): that add is no gradient sum of autograd's and keeps its own memory in a real run too.
+# Read from scripts/op_loops.py's var_mean, std_mean and native_group_norm loops (seed 2097219595:
+# 488, 88 and 56 B under); autograd's own sum of what such a node returns is still folded.
+FORMULA_ADDS = frozenset(("VarMeanBackward0", "StdMeanBackward0", "NativeGroupNormBackward0"))
+
+
+def _note_node(tracker):
+    """Where a FORMULA_ADDS node's backward begins (the event index its first op sees)."""
+    import torch
+    node = torch._C._current_autograd_node()
+    if node is not None and node.name() in FORMULA_ADDS:
+        tracker.node_start.setdefault(node._sequence_nr(), len(tracker.events))
+
+
+def _formula_add(tracker, args):
+    """Whether this backward add is a FORMULA_ADDS node's own sum: its first operand made inside
+    the node's backward."""
+    import torch
+    node = torch._C._current_autograd_node()
+    if node is None or node.name() not in FORMULA_ADDS or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    entry = tracker.live.get(args[0].untyped_storage()._cdata)
+    start = tracker.node_start.get(node._sequence_nr())
+    return entry is not None and start is not None and entry[1] is not None and entry[1] >= start
 
 
 def _summing(tracker):
