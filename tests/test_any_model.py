@@ -388,7 +388,7 @@ def test_expanded_gradients_and_filled_zeros_are_the_kernels(tmp_path):
     """An op given an expanded tensor is asked of its CPU kernel (mm, gelu's and softmax's
     backward copy it whole first), and gather's, index_select's and topk's backward, which fill
     new zeros in place in a real run and out of place on fake tensors, hold one buffer, not two
-    (shadow/tracker.SCATTERED_BACKWARD): every line and the peak of the audit's, to the byte."""
+    (shadow/rules/autograd.SCATTERED_BACKWARD): every line and the peak of the audit's, to the byte."""
     _audit_beside_shadow(tmp_path, _module_loop(Picks, lambda: (torch.randint(0, 12, (8, 6)),)))
 
 
@@ -406,7 +406,7 @@ class Zeroed(torch.nn.Module):
 
 
 def test_a_scatter_out_of_place_in_a_real_backward_holds_both(tmp_path):
-    """tracker.SCATTERED_BACKWARD folds a scatter's output into zeros made for it only: a
+    """rules/autograd.SCATTERED_BACKWARD folds a scatter's output into zeros made for it only: a
     scatter over the incoming gradient holds both, as the audit measures (16,384 B under if it
     folded)."""
     _audit_beside_shadow(tmp_path, _module_loop(Zeroed))
@@ -447,6 +447,6 @@ class VarMean(torch.nn.Module):
 def test_a_backward_formulas_own_sum_keeps_its_memory(tmp_path):
     """An add inside a FORMULA_ADDS node's backward whose first operand the node made is the
     formula's, out of place in a real run too; autograd's sum of what the node returns is still
-    folded (shadow/tracker.FORMULA_ADDS): every line and the peak, to the byte (300 B under if
+    folded (shadow/rules/autograd.FORMULA_ADDS): every line and the peak, to the byte (300 B under if
     the formula's sum were folded)."""
     _audit_beside_shadow(tmp_path, _module_loop(VarMean))

@@ -151,11 +151,11 @@ external._LoaderBasics.exec_module = _counted
 
 
 def test_dense_is_what_cpp_decides():
-    """shadow/tracker.dense (autograd's in-place gradient sum asks it; torch's Python reference
+    """shadow/rules/autograd.dense (autograd's in-place gradient sum asks it; torch's Python reference
     imports sympy) against c10's own answer, read through empty_like (which keeps the strides of
     a non-overlapping, dense tensor) on random layouts: permuted contiguous ones, some spoiled,
     and random strides, sizes 0-5 over 1-5 dims."""
-    from memory_audit.prediction.shadow.tracker import dense
+    from memory_audit.prediction.shadow.rules.autograd import dense
     seed = random.randrange(1 << 20)
     rng = random.Random(seed)
     dense_seen = 0

@@ -5,7 +5,7 @@ over many ops (below: wrapped scalars and their casts, mixed-dtype copies, a for
 per-tensor scalars, CPU mean's divide, reduced losses, layer norm's fp32 statistics), one op's
 own buffers from shadow/rules/cpu.py, and the kernels asked for their own buffers (shadow/probe).
 shadow/cuda is the CUDA side's counterpart. The rules over many ops, each measured on CPU
-audits (inplace_accumulate and index_accumulate live in shadow/tracker, rng_state and
+audits (inplace_accumulate and index_accumulate live in shadow/rules/autograd, rng_state and
 storage_resize in patches, gloo_collectives in shadow/rules/collectives, the rest here):
   inplace_accumulate  autograd's gradient sum (an add during backward whose first operand, not a
                       view and contiguous, dies with it) reuses that operand's memory; autograd
