@@ -168,6 +168,23 @@ def owning_module(params, called):
     return called if best is None else best[1]
 
 
+def trained_model(optimizer, tops, device):
+    """The model a loop trains, found at its first optimizer step from the modules it called at
+    top level (`tops`, in order): the one holding the most of the optimizer's parameters (ties:
+    the last called); where it holds only some, the module holding them all (the model's parts
+    called from a method of its own: flow.log_prob(x)); where it holds them all, the outermost
+    module holding it and nothing else (a part called alone: model.body(x))."""
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    held = [(sum(id(p) in params for p in m.parameters()), i, m) for i, m in enumerate(tops)]
+    count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)
+    if not count:
+        moved = (" (on a GPU shadow, an optimizer made before model.to('cuda') holds the host Parameters: "
+                 "the move makes new ones; make it after the move)") if device["type"] == "cuda" else ""
+        raise ShadowError("the optimizer stepped, but no module holding its parameters ran a forward before it: "
+                          "shadow() follows a model's forward, loss, backward and optimizer step" + moved)
+    return owning_module(params, top) if count < len(params) else outermost_holder(top)
+
+
 def outermost_holder(module):
     """The outermost live module that holds `module` and no parameter besides its own (`module`
     where none does): the model a loop that calls only its part (`model.body(x)`, a model with no

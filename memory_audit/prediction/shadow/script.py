@@ -38,7 +38,7 @@ from .step import ShadowError, begin_step, end_step, step_result
 from .names import address, held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, answered_read, checked_assume
 from .loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged,
-                   outermost_holder, owning_module, scaler_classes, user_line)
+                   scaler_classes, trained_model, user_line)
 from ..ledger.config import expandable_from_env
 from .replay import replay
 from .gpu import on_gpu
@@ -349,20 +349,8 @@ class Shadow:
             self.pre = [(aid, name) for aid, name in self.pre if aid not in freed]
 
     def _found_model(self):
-        params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        held = [(sum(id(p) in params for p in m.parameters()), i, m) for i, m in enumerate(self._tops)]
-        count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)  # ties: the last called
+        self.use(trained_model(self.optimizer, self._tops, self.device))
         self._tops = {}
-        if count and count < len(params):  # the model's parts called from a method of its own
-            top = owning_module(params, top)  # (flow.log_prob(x)): the module that holds them all
-        elif count:  # a part holding every parameter called alone (model.body(x)): the model holding it
-            top = outermost_holder(top)
-        if not count:
-            moved = (" (on a GPU shadow, an optimizer made before model.to('cuda') holds the host Parameters: "
-                     "the move makes new ones; make it after the move)") if self.device["type"] == "cuda" else ""
-            raise ShadowError("the optimizer stepped, but no module holding its parameters ran a forward before it: "
-                              "shadow() follows a model's forward, loss, backward and optimizer step" + moved)
-        self.use(top)
 
     def use(self, model, optimizer=None):
         """The model (and optimizer) the loop trains, where the code says which (predict_loop's
