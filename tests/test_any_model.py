@@ -450,3 +450,62 @@ def test_a_backward_formulas_own_sum_keeps_its_memory(tmp_path):
     folded (shadow/rules/autograd.FORMULA_ADDS): every line and the peak, to the byte (300 B under if
     the formula's sum were folded)."""
     _audit_beside_shadow(tmp_path, _module_loop(VarMean))
+
+
+def _eval_loop(steps, audit=None):
+    """A training step with a validation pass after the optimizer's step (model.eval(), no_grad,
+    model.train()), its zero_grad written above the backward."""
+    import contextlib
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.2), torch.nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    audit = audit(model, opt) if audit is not None else None
+    for i in range(steps):
+        with audit.step(i) if audit is not None else contextlib.nullcontext():
+            model.train()
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+            opt.zero_grad()
+            if audit is not None:
+                audit.before_backward(loss)
+            loss.backward()
+            opt.step()
+            model.eval()
+            with torch.no_grad():
+                val = model(torch.randn(64, 8)).softmax(-1)
+            model.train()
+
+
+def test_an_evaluation_after_the_optimizer_step_is_the_steps(tmp_path):
+    """Ops written below the optimizer step (a validation pass) belong to its step, as the Audit
+    wrapped around the iteration has them; the step ends where the loop comes round to its top
+    (it stopped in the middle of that forward, IndexError in the module stack, before)."""
+    m, _ = _audit_beside_shadow(tmp_path, _eval_loop)
+    assert m["phases"]["step2_end"]["attribution"]["lines"]
+
+
+class SparseBag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 16, sparse=True)
+        self.out = torch.nn.Linear(16, 2)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+
+def test_a_sparse_gradient_is_named_by_its_values_and_indices(tmp_path):
+    """nn.Embedding(sparse=True): its gradient and SGD's momentum for it are COO tensors, whose
+    memory is their values and indices (the audit stopped on them: a sparse tensor has no storage
+    of its own); every byte named in every phase."""
+    holder = {}
+
+    def audited(model, opt):
+        holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
+        return holder["audit"]
+    _module_loop(SparseBag, lambda: (torch.randint(0, 100, (4, 6)),))(3, audited)
+    m = measure(holder.pop("audit").run_dir)
+    lines = m["phases"]["step2_start"]["attribution"]["lines"]
+    # step 1's momentum: step 0's gradient (24 rows of 16 fp32 values, 24 int64 indices) coalesced with step 1's
+    assert lines["optimizer/momentum_buffer/emb.weight/indices"] * 16 * 4 // 8 == lines["optimizer/momentum_buffer/emb.weight"]
+    assert all(p["attribution"]["unattributed_bytes"] == 0 for p in m["phases"].values())

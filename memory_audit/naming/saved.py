@@ -136,8 +136,8 @@ class _ModuleStack:
             self.seq_log.append((torch._C._autograd._get_sequence_nr(), self.stack[-1]))
 
     def post(self, mod, args, output):
-        if torch._C._current_autograd_node() is not None:
-            return
+        if torch._C._current_autograd_node() is not None or not self.stack or self.stack[-1] != self.names[mod]:
+            return  # (a module whose forward began before the hooks were placed: a step that starts mid-forward)
         self.stack.pop()  # the last module to run keeps the wrapped scalars that follow it
         self.seq_log.append((torch._C._autograd._get_sequence_nr(), self.stack[-1] if self.stack else ""))
         if not self.stack:

@@ -82,19 +82,29 @@ def named_tensors(model, optimizer=None, scaler=None, tensors=None):
         g = p.grad
         # a gradient that is a view into a larger buffer (DDP's gradient_as_bucket_view, FSDP2's
         # kept shards above) is not an allocation of its own
-        if g is not None and not is_view_into_more(g):
-            yield f"grads/{name}", g
+        if g is not None and (g.is_sparse or not is_view_into_more(g)):
+            yield from dense_parts(f"grads/{name}", g)
     if optimizer is not None:
         for p, state in optimizer.state.items():
             for key, value in state.items():
                 if torch.is_tensor(value) and value.device == p.device:
-                    yield f"optimizer/{key}/{names.get(p, '?')}", value
+                    yield from dense_parts(f"optimizer/{key}/{names.get(p, '?')}", value)
     if scaler is not None and scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
         yield "optimizer/grad_scaler/scale", scaler._scale
         yield "optimizer/grad_scaler/growth_tracker", scaler._growth_tracker
     for name, t in (tensors or {}).items():
         if torch.is_tensor(t):
-            yield name, t
+            yield from dense_parts(name, t)
+
+
+def dense_parts(name, t):
+    """(name, tensor) of what holds t's memory: t itself, or a sparse COO tensor's values under its
+    name and its indices under name/indices (nn.Embedding(sparse=True)'s gradient)."""
+    if t.is_sparse:
+        yield name, t._values()
+        yield f"{name}/indices", t._indices()
+    else:
+        yield name, t
 
 
 def is_view_into_more(t):

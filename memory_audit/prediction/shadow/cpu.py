@@ -212,7 +212,10 @@ def cpu_op(tracker, func, args, kwargs, key):
     reduced = _reduced_loss_bytes(func, args, kwargs, out)
     stats = _mixed_layer_norm_stats(func, args, out)
     for t in tree_leaves(out):
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.is_sparse:  # a COO tensor holds its indices' and values' storages
+            for part in (t._indices(), t._values()):
+                tracker.add(part.untyped_storage(), key)
+        elif isinstance(t, torch.Tensor):
             tracker.add(t.untyped_storage(), key, reduced if t is out else t.numel() * 4 if any(t is u for u in stats) else None)
     play_events(tracker, _buffer(key), after, made)
     if "after" in rule and not probed:  # made after the outputs, freed in reverse (a probed kernel answered itself)

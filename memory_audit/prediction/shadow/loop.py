@@ -71,6 +71,33 @@ def call_site():
     return None if f is None else (f.filename, f.lineno)
 
 
+def user_frames():
+    """The user's code's frames running now, outermost first, as (id, code object, line): where a
+    later op stands against the optimizer step (`later`). Holds no frame (a frame holds its locals)."""
+    import sys
+    out, f = [], sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename or ""
+        if name.endswith(".py") and not any(k in name for k in _LIBRARY) and "/torch/" not in name:
+            out.append((id(f), f.f_code, f.f_lineno))
+        f = f.f_back
+    return out[::-1]
+
+
+def later(step_frames, frames):
+    """Whether code running in `frames` (user_frames) is written below the optimizer step that ran
+    in `step_frames`, in the innermost frame both share: an evaluation, an EMA update or a log line
+    after the step, not the loop come round to its top. A new call from the line that made the
+    step (a `train_step(batch)` called again) comes round too."""
+    i = 0
+    while i < min(len(frames), len(step_frames)) and frames[i][:2] == step_frames[i][:2]:
+        i += 1
+    if i == 0:
+        return False
+    line, then = frames[i - 1][2], step_frames[i - 1][2]
+    return line > then or (line == then and len(frames) == i)
+
+
 def above(site, step_site):
     """Whether a call at `site` is written above the optimizer step at `step_site`, in the same
     file: a loop that zeroes the gradients first (its zero_grad starts the next step)."""
@@ -172,8 +199,10 @@ def trained_model(optimizer, tops, device):
     """The model a loop trains, found at its first optimizer step from the modules it called at
     top level (`tops`, in order): the one holding the most of the optimizer's parameters (ties:
     the last called); where it holds only some, the module holding them all (the model's parts
-    called from a method of its own: flow.log_prob(x)); where it holds them all, the outermost
-    module holding it and nothing else (a part called alone: model.body(x))."""
+    called from a method of its own: flow.log_prob(x)); where it holds them all, the smallest
+    module holding every part with parameters the loop called (a teacher and a student, or a
+    generator and a critic, in one container), then the outermost holding that and nothing else
+    (a part called alone: model.body(x))."""
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     held = [(sum(id(p) in params for p in m.parameters()), i, m) for i, m in enumerate(tops)]
     count, _, top = max(held, key=lambda h: h[:2]) if held else (0, 0, None)
@@ -182,7 +211,23 @@ def trained_model(optimizer, tops, device):
                  "the move makes new ones; make it after the move)") if device["type"] == "cuda" else ""
         raise ShadowError("the optimizer stepped, but no module holding its parameters ran a forward before it: "
                           "shadow() follows a model's forward, loss, backward and optimizer step" + moved)
-    return owning_module(params, top) if count < len(params) else outermost_holder(top)
+    if count < len(params):
+        return owning_module(params, top)
+    parts = [m for m in tops if next(m.parameters(), None) is not None]
+    return outermost_holder(holding_all(parts) or top if len(parts) > 1 else top)
+
+
+def holding_all(parts):
+    """The live module with the fewest submodules that holds every one of `parts`, or None."""
+    import gc
+    import torch
+    best = None
+    for m in gc.get_objects():
+        if issubclass(type(m), torch.nn.Module):
+            subs = {id(c) for c in m.modules()}
+            if all(id(p) in subs for p in parts) and (best is None or len(subs) < best[0]):
+                best = (len(subs), m)
+    return None if best is None else best[1]
 
 
 def outermost_holder(module):

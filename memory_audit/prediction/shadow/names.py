@@ -15,7 +15,7 @@ from ...schema import PHASES_KEY, PREDICTED_FRAME
 def held_names(model, optimizer, held):
     """{storage id: name} of what the loop holds between steps, named as an audit names it."""
     import torch
-    from ...naming.tensors import is_view_into_more, local_tensor, named_tensors
+    from ...naming.tensors import dense_parts, is_view_into_more, local_tensor, named_tensors
     out = {}
 
     def put(t, name):
@@ -27,8 +27,9 @@ def held_names(model, optimizer, held):
     for name, p in model.named_parameters():
         param_name[id(p)] = name
         put(p, f"weights/{name}")
-        if p.grad is not None and not is_view_into_more(p.grad):  # a view into DDP's bucket is the bucket's
-            put(p.grad, f"grads/{name}")
+        if p.grad is not None and (p.grad.is_sparse or not is_view_into_more(p.grad)):  # a view into DDP's
+            for part, g in dense_parts(f"grads/{name}", p.grad):  # bucket is the bucket's
+                put(g, part)
     for name, b in model.named_buffers():
         put(b, f"buffers/{name}")
     for p in model.parameters():  # DTensors' mesh: its tensor of ranks (read as stored: .mesh makes a view)
@@ -100,13 +101,13 @@ def name_grads(tracker, model):
     """After a backward, each parameter's gradient names its allocation from its making on, as
     the audit names it (a gradient zero_grad lets go has no name at the step's end; a sharded
     one by its local shard; a storage several gradients view, DDP's bucket, keeps its own name)."""
-    from ...naming.tensors import local_tensor
+    from ...naming.tensors import dense_parts, local_tensor
     owners = {}  # allocation id -> the parameters whose gradient lives in it
     for name, p in model.named_parameters():
-        grad = None if p.grad is None else local_tensor(p.grad)
-        entry = None if grad is None else tracker.live.get(address(grad.untyped_storage()))
-        if entry is not None:
-            owners.setdefault(entry[0], []).append(name)
+        for part, grad in dense_parts(name, local_tensor(p.grad)) if p.grad is not None else ():
+            entry = tracker.live.get(address(grad.untyped_storage()))
+            if entry is not None:
+                owners.setdefault(entry[0], []).append(part)
     for aid, names in owners.items():  # a storage several gradients view (DDP's bucket) keeps its name
         if len(names) == 1 and not tracker.allocs[aid][0].startswith("grads/"):
             tracker.allocs[aid][0] = f"grads/{names[0]}"

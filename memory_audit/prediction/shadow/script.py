@@ -38,7 +38,7 @@ from .step import ShadowError, begin_step, end_step, step_result
 from .names import address, held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, answered_read, checked_assume
 from .loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged,
-                   scaler_classes, trained_model, user_line)
+                   later, scaler_classes, trained_model, user_frames, user_line)
 from ..ledger.config import expandable_from_env
 from .replay import replay
 from .gpu import on_gpu
@@ -98,7 +98,7 @@ class Shadow:
         self.placeholders, self.marked, self.updating, self.starting = [], False, False, False
         self.phases, self.made, self.pre = {}, {}, None
         self.steps, self.pending, self.optimizer, self.model = 0, False, None, None
-        self.step_site, self.ended = None, False
+        self.step_site, self.step_frames, self.ended = None, [], False
         self.found = LoopNames(ident=fake_ident)
         self._tops, self._depth, self._handles = {}, 0, []  # the modules called at top level, in order
         self._stack = stack = contextlib.ExitStack()
@@ -250,10 +250,11 @@ class Shadow:
         for scaler in scaler_classes(torch):
             patch(scaler, "update", scaler_update(scaler.update))
 
-        def on_op(func):  # the first op after an optimizer step, zero_grad not called first: the step ends
-            if session.starting:
+        def on_op(func):  # the first op after an optimizer step, zero_grad not called first, written above
+            if session.starting:  # it (the loop come round): the step ends; one written below is the step's
                 session._freed_before_start()
-            if session.pending and not session.updating and func.namespace != "profiler":  # (record_function's exit)
+            if (session.pending and not session.updating and func.namespace != "profiler"  # (record_function's exit)
+                    and not later(session.step_frames, user_frames())):
                 session._boundary()
         self.tracker.on_op = on_op
 
@@ -273,7 +274,7 @@ class Shadow:
             self._found_model()
         if optimizer is not self.optimizer or self.marked:  # marked steps: the code says where they end
             return
-        self.step_site = call_site()
+        self.step_site, self.step_frames = call_site(), user_frames()
         self.steps += 1
         self.pending = True
 
