@@ -13,10 +13,12 @@ and every allocation and free goes through the shadow's tracker, and nothing is 
 (shadow/entry.py: the ways in; predict_loop runs a `make`/`step` pair through it). Python's own lifetimes apply: a loss rebound
 in the next step is freed when the new one exists, as in a real run.
 
-Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is the
-module called at top level in a forward that holds the most of its parameters, the last such). A step ends when `zero_grad()`
+Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is found
+there from the modules called at top level: loop.trained_model). A step ends when `zero_grad()`
 (the optimizer's or a module's) written below its optimizer step follows it before any other
-op (a GradScaler's update() between them is the step's), else at that step's optimizer step (a zero_grad written above it starts the next step); step `audited` (an index from 0, as `Audit(step=...)` takes it: 2 is the third step; train.py's
+op (a GradScaler's update() between them is the step's), else at the first op written above the
+optimizer step (the loop come round: an evaluation pass or an EMA update written below the step
+is the step's; a zero_grad written above it starts the next step); step `audited` (an index from 0, as `Audit(step=...)` takes it: 2 is the third step; train.py's
 1-based `audit_step=2` is index 1) is recorded as an Audit records it
 (its before-backward moment at its last `.backward()`), and the loop is stopped as it ends: the
 `with` block is left there, the exception that stopped it swallowed.
