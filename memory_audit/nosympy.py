@@ -87,6 +87,17 @@ class _NoSympyObject:
     (torch._prims_common.elementwise_dtypes asks isinstance(x, sympy.Basic) of every argument)."""
 
 
+class _GuardOnDataDependentSymNode(RuntimeError):
+    """symbolic_shapes.GuardOnDataDependentSymNode handed to a module imported while the stand-in
+    is in place (DTensor's decompositions: `except GuardOnDataDependentSymNode`): nothing raises it
+    where symbolic_shapes is not imported (no SymInt exists); once it is, every module global
+    bound to this class is bound to the real one (_rebind), so an except clause catches what the
+    real module raises."""
+
+
+_LATE = {"GuardOnDataDependentSymNode": _GuardOnDataDependentSymNode}  # classes handed out for the real ones
+
+
 class _StandIn(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):  # the import machinery's questions: the real module's, once it is imported
@@ -97,7 +108,58 @@ class _StandIn(types.ModuleType):
         if name == "Basic" and self.__name__ == "sympy" and sys.modules.get("sympy") in (None, self):
             return _NoSympyObject  # asked again once the real sympy is imported (a module that
             # bound this stand-in while it was in place), the real class
+        if name in _LATE and self.__name__ == NAME and sys.modules.get(NAME) in (None, self):
+            _WATCH.place()
+            return _LATE[name]
         return getattr(_real(self.__name__), name)
+
+
+def _rebind(real):
+    """Every module global bound to a class of _LATE, bound to the real module's own."""
+    late = {id(c): getattr(real, n) for n, c in _LATE.items() if hasattr(real, n)}
+    for module in list(sys.modules.values()):
+        d = getattr(module, "__dict__", None)
+        for k, v in list(d.items()) if isinstance(d, dict) else ():
+            if id(v) in late and isinstance(v, type):
+                d[k] = late[id(v)]
+
+
+class _Watch(importlib.abc.MetaPathFinder):
+    """After a _LATE class was handed out: the real symbolic_shapes' import, however it comes
+    (the stand-in's _real or a plain import once the stand-in is gone), ends in _rebind."""
+
+    def place(self):
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, name, path=None, target=None):
+        if name != NAME:
+            return None
+        sys.meta_path.remove(self)  # found once, by the finders after it
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Rebinding(spec.loader)
+        return spec
+
+
+class _Rebinding(importlib.abc.Loader):
+    """A module's own loader, then _rebind."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _rebind(module)
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: the module's own loader's
+        return getattr(self.loader, name)
+
+
+_WATCH = _Watch()
 
 
 _SHAPES = _StandIn(NAME, __doc__)

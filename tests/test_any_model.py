@@ -509,3 +509,32 @@ def test_a_sparse_gradient_is_named_by_its_values_and_indices(tmp_path):
     # step 1's momentum: step 0's gradient (24 rows of 16 fp32 values, 24 int64 indices) coalesced with step 1's
     assert lines["optimizer/momentum_buffer/emb.weight/indices"] * 16 * 4 // 8 == lines["optimizer/momentum_buffer/emb.weight"]
     assert all(p["attribution"]["unattributed_bytes"] == 0 for p in m["phases"].values())
+
+
+def _head_loop(steps, audit=None):
+    """A loop whose first line lets go of last step's batch before any op (`parts = []`), its
+    zero_grad written above the backward and nothing after the optimizer step."""
+    import contextlib
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    audit = audit(model, opt) if audit is not None else None
+    for i in range(steps):
+        with audit.step(i) if audit is not None else contextlib.nullcontext():
+            parts = []
+            for _ in range(3):
+                parts.append(torch.randn(4, 8))
+            x = torch.cat(parts)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            if audit is not None:
+                audit.before_backward(loss)
+            loss.backward()
+            opt.step()
+
+
+def test_what_the_loops_first_line_lets_go_is_the_next_steps(tmp_path):
+    """The step ends where the loop comes round; what its head lets go before the first op
+    (last step's batch as `parts = []` rebinds it) is the next step's first events, and out of
+    this step's end, as the Audit's block has them."""
+    _audit_beside_shadow(tmp_path, _head_loop)

@@ -175,3 +175,36 @@ def test_dense_is_what_cpp_decides():
         assert dense(sizes, strides) == cpp, (seed, sizes, strides)
         dense_seen += cpp and not t.is_contiguous()
     assert dense_seen > 100, seed  # not only contiguous ones
+
+
+def test_dtensors_guard_class_is_the_real_one_once_symbolic_shapes_is_imported():
+    """DTensor's decompositions bind symbolic_shapes.GuardOnDataDependentSymNode as they are
+    imported (an FSDP2 or TP rank's shadow): the stand-in hands out a class of its own, so the
+    import needs no sympy; once symbolic_shapes is imported, by a plain import after the shadow
+    or through the stand-in inside it, the module's global is the real class again (its
+    `except` catches what the real module raises)."""
+    code = """
+import sys, torch
+from memory_audit import nosympy
+with nosympy.stood_in():
+    import torch.distributed.tensor._decompositions as dec
+assert "sympy" not in sys.modules, "DTensor's import imported sympy"
+import torch.fx.experimental.symbolic_shapes as ss
+assert dec.GuardOnDataDependentSymNode is ss.GuardOnDataDependentSymNode
+import inspect
+assert "class GuardOnDataDependentSymNode" in inspect.getsource(ss)  # the module's own loader still answers
+print("ok")
+"""
+    assert _python(code) == "ok"
+    inside = """
+import sys, torch
+from memory_audit import nosympy
+with nosympy.stood_in():
+    import torch.distributed.tensor._decompositions as dec
+    import torch.fx.experimental.symbolic_shapes as ss  # the stand-in's
+    ss.ShapeEnv  # a name the stand-in does not answer: the real module imported now
+real = sys.modules["torch.fx.experimental.symbolic_shapes"]
+assert dec.GuardOnDataDependentSymNode is real.GuardOnDataDependentSymNode
+print("ok")
+"""
+    assert _python(inside) == "ok"

@@ -255,9 +255,11 @@ class Shadow:
         def on_op(func):  # the first op after an optimizer step, zero_grad not called first, written above
             if session.starting:  # it (the loop come round): the step ends; one written below is the step's
                 session._freed_before_start()
-            if (session.pending and not session.updating and func.namespace != "profiler"  # (record_function's exit)
-                    and not later(session.step_frames, user_frames())):
-                session._boundary()
+            if session.pending and not session.updating and func.namespace != "profiler":  # (record_function's exit)
+                if later(session.step_frames, user_frames()):
+                    session.head = []  # what the code let go before this op is not the next step's
+                else:
+                    session._boundary()
         self.tracker.on_op = on_op
 
     def _unhook(self):
@@ -279,6 +281,24 @@ class Shadow:
         self.step_site, self.step_frames = call_site(), user_frames()
         self.steps += 1
         self.pending = True
+        if self.steps in (self.audited, self.audited + 1):
+            self._watch_head()
+
+    def _watch_head(self):
+        """The audited step is next, or ends next: what the loop lets go from here on lines written
+        above the optimizer step, after its last op written below it (the loop's head rebinding
+        last step's batch, before the first op comes round), is the next step's: the audited
+        step's first events (_begin), or out of the audited step's end (_boundary), named as they
+        are named now."""
+        live, allocs = self.tracker.live, self.tracker.allocs
+        made, named = self._made_now(), self._named(merged(self.found.held(), {}))
+        self.head_names = [{live[sid][0]: name for sid, name in names.items() if sid in live} for names in (made, named)]
+        self.head = []
+
+        def on_free(at, aid):
+            if self.pending and allocs[aid][1] and not later(self.step_frames, user_frames()):
+                self.head.append((aid, at))
+        self.tracker.on_free = on_free
 
     def _zero_grad(self, original, obj, *args, **kwargs):
         first = self.pending and above(call_site(), self.step_site)
@@ -313,6 +333,13 @@ class Shadow:
         if self.steps == self.audited:  # the audited step starts
             self._begin(held or {})
         elif self.steps == self.audited + 1:  # it ends: the loop stops here
+            for aid, at in getattr(self, "head", ()):  # let go at the loop's head: the next step's
+                self.tracker.events[at][0] = None
+                made, named = self.head_names
+                if aid in named:  # as end_step names what is live
+                    self.tracker.allocs[aid][0] = self.tracker.end_names[aid] = named[aid]
+                if aid in made:  # as _made() does
+                    self.tracker.made_names.setdefault(aid, made[aid])
             self._made()
             end_step(self.tracker, self._named(merged(self.found.held(), held or {})))
             self.ended = True
@@ -325,11 +352,16 @@ class Shadow:
                               "at the first one (the step that makes the optimizer's state)")
         self.pre = begin_step(self.tracker, {**self._made_now(), **self._named(merged(self.found.held(), held))},
                               self.phases)
+        for aid, _ in getattr(self, "head", ()):  # let go at the loop's head, before its first op: the step's
+            made, named = self.head_names
+            self.pre.append((aid, named.get(aid, made.get(aid))))
+            self.tracker.free(aid)
+        self.head, self.tracker.on_free = [], None
         self.made["ledger"] = LoopLedger(self.tracker, self.model)
         self.starting = not self.marked  # an optimizer's step: the frees before the next op are the last step's
         if self.starting:
             self.free_sites = {}
-            self.tracker.on_free = lambda at: self.free_sites.__setitem__(at, call_site())
+            self.tracker.on_free = lambda at, aid: self.free_sites.__setitem__(at, call_site())
 
     def _freed_before_start(self):
         """The audited step began at the last step's zero_grad (or optimizer step); what the loop

@@ -68,7 +68,7 @@ class Tracker:
         self.recomputing = None  # the module whose checkpointed region backward is recomputing (names=True)
         self.unseen = False  # inside DTensor's sharding propagation: ops on tensors no run allocates (shadow/distributed)
         self.on_op = None  # called with each op before it runs (shadow/script's step boundaries), or None
-        self.on_free = None  # called with each free's event index as it happens (shadow/script), or None
+        self.on_free = None  # called with each free's event index and allocation id as it happens (shadow/script)
         self.stream = 0  # the stream allocations are made on (a CUDA step's FSDP2: shadow/streams.Streams)
         self.streams = {}  # allocation id -> its stream, where not the default one (0)
         self.stand_in = None  # the name of the op the next one stands in for (known_values: nonzero as nonzero_static)
@@ -179,7 +179,7 @@ class Tracker:
         if entry is not None:
             self.freed_at[sid] = self.free(entry[0])
             if self.on_free is not None:
-                self.on_free(self.freed_at[sid])
+                self.on_free(self.freed_at[sid], entry[0])
 
     def before_op(self):
         """Settle what the previous op left: its wrapped scalars are freed unless its autograd
