@@ -87,15 +87,13 @@ def user_frames():
 def later(step_frames, frames):
     """Whether code running in `frames` (user_frames) is written below the optimizer step that ran
     in `step_frames`, in the innermost frame both share: an evaluation, an EMA update or a log line
-    after the step, not the loop come round to its top. A new call from the line that made the
-    step (a `train_step(batch)` called again) comes round too."""
+    after the step, not the loop come round to its top. An op on the line that made the step (a
+    `train_step(batch)` called again; a library's loop, all of whose ops come from one line of
+    the user's) comes round."""
     i = 0
     while i < min(len(frames), len(step_frames)) and frames[i][:2] == step_frames[i][:2]:
         i += 1
-    if i == 0:
-        return False
-    line, then = frames[i - 1][2], step_frames[i - 1][2]
-    return line > then or (line == then and len(frames) == i)
+    return i > 0 and frames[i - 1][2] > step_frames[i - 1][2]
 
 
 def above(site, step_site):
