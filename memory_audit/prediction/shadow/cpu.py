@@ -211,18 +211,26 @@ def cpu_op(tracker, func, args, kwargs, key):
     probed = probe.wanted(short_name(func), args, ruled) and _probed_op(tracker, func, args, kwargs, key, out)
     reduced = _reduced_loss_bytes(func, args, kwargs, out)
     stats = _mixed_layer_norm_stats(func, args, out)
-    for t in tree_leaves(out):
-        if isinstance(t, torch.Tensor) and t.is_sparse:  # a COO tensor holds its indices' and values' storages
-            for part in (t._indices(), t._values()):
-                tracker.add(part.untyped_storage(), key)
-        elif isinstance(t, torch.Tensor):
-            tracker.add(t.untyped_storage(), key, reduced if t is out else t.numel() * 4 if any(t is u for u in stats) else None)
+    _add_outputs(tracker, out, key, reduced, stats)
     play_events(tracker, _buffer(key), after, made)
     if "after" in rule and not probed:  # made after the outputs, freed in reverse (a probed kernel answered itself)
         held[:0] = [tracker.alloc(_buffer(key), n)[0] for n in rule["after"](args, out)][::-1]
     if func in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
         held[:0] = _mean_buffers(tracker, key, args[0], out)
     return out, held, scalars
+
+
+def _add_outputs(tracker, out, key, reduced, stats):
+    """The op's outputs as allocations: a reduced loss at its buffer's bytes, a mixed layer norm's
+    statistics in fp32, a sparse COO tensor as its indices' and values' storages."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.is_sparse:
+            for part in (t._indices(), t._values()):
+                tracker.add(part.untyped_storage(), key)
+        elif isinstance(t, torch.Tensor):
+            tracker.add(t.untyped_storage(), key, reduced if t is out else t.numel() * 4 if any(t is u for u in stats) else None)
 
 
 # CPU losses whose mean or sum is taken in place in the element-wise buffer: the 0-dim result's

@@ -193,6 +193,63 @@ def owning_module(params, called):
     return called if best is None else best[1]
 
 
+class LoopHead:
+    """What a loop lets go at its head, after the last op written below its optimizer step and
+    before the first op comes round (last step's batch rebound: `parts = []`): the next step's.
+    Watched from the optimizer step of the step before the audited one (its first events, taken_in)
+    and of the audited one (out of its end, kept_out), each named as it was named at that step
+    (made: by its call; named: as the audit's registry names it)."""
+
+    def __init__(self, tracker, made, named, at_head):
+        live = tracker.live
+        self.tracker, self.at_head, self.freed = tracker, at_head, []  # freed: (allocation id, event index)
+        self.made, self.named = ({live[sid][0]: n for sid, n in names.items() if sid in live} for names in (made, named))
+        tracker.on_free = self.on_free
+
+    def on_free(self, at, aid):
+        if self.tracker.allocs[aid][1] and self.at_head():
+            self.freed.append((aid, at))
+
+    def taken_in(self):
+        """[(allocation id, name)] to add to the starting step's `pre`, each then freed as its first events."""
+        out = [(aid, self.named.get(aid, self.made.get(aid))) for aid, _ in self.freed]
+        for aid, _ in self.freed:
+            self.tracker.free(aid)
+        return out
+
+    def kept_out(self):
+        """The ending step's frees at the loop's head undone, the allocations named as the end names what is live."""
+        t = self.tracker
+        for aid, at in self.freed:
+            t.events[at][0] = None
+            if aid in self.named:  # as end_step names what is live
+                t.allocs[aid][0] = t.end_names[aid] = self.named[aid]
+            if aid in self.made:  # as the session's _made() does
+                t.made_names.setdefault(aid, self.made[aid])
+
+
+def freed_before_start(tracker, phases, pre, free_sites, step_site):
+    """The audited step began at the last step's zero_grad (or optimizer step); what the loop
+    let go after it and before its next op, on lines written below that optimizer step (`del
+    loss, out` after the step's block, where an Audit's step ends), was let go before this
+    step, as an Audit counts it: out of the step's start and its events. A free on a line
+    above it (the loop's first line rebinding last step's batch) stays in the step; one with
+    no line of the code's own, or in another file, counts as below. Returns `pre` without them
+    (phases' step2_start moved past them)."""
+    start = phases["step2_start"]
+    late = tracker.events[start:]
+    if any(action != "free" for action, _ in late):
+        return pre
+    k = 0
+    while k < len(late) and not above(free_sites.get(start + k), step_site):
+        k += 1
+    if not k:
+        return pre
+    freed = {aid for _, aid in late[:k]}
+    phases["step2_start"] = start + k  # those frees go to the step's history
+    return [(aid, name) for aid, name in pre if aid not in freed]
+
+
 def trained_model(optimizer, tops, device):
     """The model a loop trains, found at its first optimizer step from the modules it called at
     top level (`tops`, in order): the one holding the most of the optimizer's parameters (ties:

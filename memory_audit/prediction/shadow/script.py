@@ -40,7 +40,7 @@ from .step import ShadowError, begin_step, end_step, step_result
 from .names import address, held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, answered_read, checked_assume
 from .loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged,
-                   later, scaler_classes, trained_model, user_frames, user_line)
+                   LoopHead, freed_before_start, later, scaler_classes, trained_model, user_frames, user_line)
 from ..ledger.config import expandable_from_env
 from .replay import replay
 from .gpu import on_gpu
@@ -100,7 +100,7 @@ class Shadow:
         self.placeholders, self.marked, self.updating, self.starting = [], False, False, False
         self.phases, self.made, self.pre = {}, {}, None
         self.steps, self.pending, self.optimizer, self.model = 0, False, None, None
-        self.step_site, self.step_frames, self.ended = None, [], False
+        self.step_site, self.step_frames, self.ended, self.head = None, [], False, None
         self.found = LoopNames(ident=fake_ident)
         self._tops, self._depth, self._handles = {}, 0, []  # the modules called at top level, in order
         self._stack = stack = contextlib.ExitStack()
@@ -257,7 +257,8 @@ class Shadow:
                 session._freed_before_start()
             if session.pending and not session.updating and func.namespace != "profiler":  # (record_function's exit)
                 if later(session.step_frames, user_frames()):
-                    session.head = []  # what the code let go before this op is not the next step's
+                    if session.head is not None:  # what the code let go before this op is not the next step's
+                        session.head.freed.clear()
                 else:
                     session._boundary()
         self.tracker.on_op = on_op
@@ -285,20 +286,10 @@ class Shadow:
             self._watch_head()
 
     def _watch_head(self):
-        """The audited step is next, or ends next: what the loop lets go from here on lines written
-        above the optimizer step, after its last op written below it (the loop's head rebinding
-        last step's batch, before the first op comes round), is the next step's: the audited
-        step's first events (_begin), or out of the audited step's end (_boundary), named as they
-        are named now."""
-        live, allocs = self.tracker.live, self.tracker.allocs
-        made, named = self._made_now(), self._named(merged(self.found.held(), {}))
-        self.head_names = [{live[sid][0]: name for sid, name in names.items() if sid in live} for names in (made, named)]
-        self.head = []
-
-        def on_free(at, aid):
-            if self.pending and allocs[aid][1] and not later(self.step_frames, user_frames()):
-                self.head.append((aid, at))
-        self.tracker.on_free = on_free
+        """The audited step is next, or ends next: what the loop lets go at its head is the next
+        step's (loop.LoopHead), named as it is named now."""
+        self.head = LoopHead(self.tracker, self._made_now(), self._named(merged(self.found.held(), {})),
+                             lambda: self.pending and not later(self.step_frames, user_frames()))
 
     def _zero_grad(self, original, obj, *args, **kwargs):
         first = self.pending and above(call_site(), self.step_site)
@@ -333,13 +324,8 @@ class Shadow:
         if self.steps == self.audited:  # the audited step starts
             self._begin(held or {})
         elif self.steps == self.audited + 1:  # it ends: the loop stops here
-            for aid, at in getattr(self, "head", ()):  # let go at the loop's head: the next step's
-                self.tracker.events[at][0] = None
-                made, named = self.head_names
-                if aid in named:  # as end_step names what is live
-                    self.tracker.allocs[aid][0] = self.tracker.end_names[aid] = named[aid]
-                if aid in made:  # as _made() does
-                    self.tracker.made_names.setdefault(aid, made[aid])
+            if self.head is not None:  # let go at the loop's head: the next step's
+                self.head.kept_out()
             self._made()
             end_step(self.tracker, self._named(merged(self.found.held(), held or {})))
             self.ended = True
@@ -352,11 +338,9 @@ class Shadow:
                               "at the first one (the step that makes the optimizer's state)")
         self.pre = begin_step(self.tracker, {**self._made_now(), **self._named(merged(self.found.held(), held))},
                               self.phases)
-        for aid, _ in getattr(self, "head", ()):  # let go at the loop's head, before its first op: the step's
-            made, named = self.head_names
-            self.pre.append((aid, named.get(aid, made.get(aid))))
-            self.tracker.free(aid)
-        self.head, self.tracker.on_free = [], None
+        if self.head is not None:  # let go at the loop's head, before its first op: the step's
+            self.pre += self.head.taken_in()
+        self.head, self.tracker.on_free = None, None
         self.made["ledger"] = LoopLedger(self.tracker, self.model)
         self.starting = not self.marked  # an optimizer's step: the frees before the next op are the last step's
         if self.starting:
@@ -364,24 +348,8 @@ class Shadow:
             self.tracker.on_free = lambda at, aid: self.free_sites.__setitem__(at, call_site())
 
     def _freed_before_start(self):
-        """The audited step began at the last step's zero_grad (or optimizer step); what the loop
-        let go after it and before its next op, on lines written below that optimizer step (`del
-        loss, out` after the step's block, where an Audit's step ends), was let go before this
-        step, as an Audit counts it: out of the step's start and its events. A free on a line
-        above it (the loop's first line rebinding last step's batch) stays in the step; one with
-        no line of the code's own, or in another file, counts as below."""
         self.starting, self.tracker.on_free = False, None
-        start = self.phases["step2_start"]
-        late = self.tracker.events[start:]
-        if any(action != "free" for action, _ in late):
-            return
-        k = 0
-        while k < len(late) and not above(self.free_sites.get(start + k), self.step_site):
-            k += 1
-        if k:
-            freed = {aid for _, aid in late[:k]}
-            self.phases["step2_start"] = start + k  # those frees go to the step's history
-            self.pre = [(aid, name) for aid, name in self.pre if aid not in freed]
+        self.pre = freed_before_start(self.tracker, self.phases, self.pre, self.free_sites, self.step_site)
 
     def _found_model(self):
         self.use(trained_model(self.optimizer, self._tops, self.device))
