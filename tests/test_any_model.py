@@ -538,3 +538,22 @@ def test_what_the_loops_first_line_lets_go_is_the_next_steps(tmp_path):
     (last step's batch as `parts = []` rebinds it) is the next step's first events, and out of
     this step's end, as the Audit's block has them."""
     _audit_beside_shadow(tmp_path, _head_loop)
+
+
+class SelfAttention(torch.nn.Module):
+    """nn.MultiheadAttention over one sequence (fp32 CPU: flash attention), its output permuted to
+    (L, B, H, E) for out_proj: the gradient reaching the flash backward is not laid out (B, L, H, E)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0].pow(2)
+
+
+def test_flash_attentions_backward_copies_a_gradient_not_laid_out_for_it(tmp_path):
+    """CPU flash attention's backward copies grad_out where it is not (B, L, H, E) (probe's
+    flash_cpu_buffers): nn.MultiheadAttention's is (L, B, H, E); every line and the peak to the
+    byte (6,144 B under without the copy)."""
+    _audit_beside_shadow(tmp_path, _module_loop(SelfAttention, lambda: (torch.randn(8, 6, 32),)))

@@ -149,7 +149,10 @@ def flash_cpu_buffers(func, args):
     """[bytes] CPU flash attention allocates after its outputs, in order (FlashAttentionKernel.cpp,
     no mask): per thread, forward an accumulate-type buffer of qS*kvS + 2*qS + qS*head and, for
     bf16/fp16, qS*kvS of the input's type; backward 2*qS*kvS of each, then the calling thread's
-    row sums (qS; the other threads' are made where the CPU profiler does not see them). qS is
+    row sums (qS; the other threads' are made where the CPU profiler does not see them), and first
+    a copy of grad_out where it is not laid out (B, L, H, E), freed last (nn.MultiheadAttention's,
+    whose output it permutes to (L, B, H, E): 6,144 B under in scripts/user_loops_d.py's token
+    pruning loop; the kernel run at grad_out in (B, L, H, E), (B, H, L, E) and (L, B, H, E)). qS is
     32, 64 from the query's length 192, 256 from 768, and at most that length; kvS is min(the key's
     length, 512) (cross-attention: Whisper's decoder over its encoder, 12 queries and 32 keys,
     scripts/user_loops.py; tests/test_known_values.py's CrossAttended)."""
@@ -165,7 +168,9 @@ def flash_cpu_buffers(func, args):
     if forward:
         out = [4 * threads * (qs * kvs + 2 * qs + qs * head)]
         return out + ([threads * qs * kvs * q.element_size()] if low else [])
-    out = [4 * threads * 2 * qs * kvs] + ([threads * 2 * qs * kvs * q.element_size()] if low else [])
+    grad_out = args[0]
+    copy = [] if grad_out.transpose(1, 2).is_contiguous() else [grad_out.numel() * grad_out.element_size()]
+    out = copy + [4 * threads * 2 * qs * kvs] + ([threads * 2 * qs * kvs * q.element_size()] if low else [])
     return out + [4 * qs]
 
 
