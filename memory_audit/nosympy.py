@@ -115,10 +115,11 @@ class _StandIn(types.ModuleType):
 
 
 def _rebind(real):
-    """Every module global bound to a class of _LATE, bound to the real module's own."""
+    """Every module global bound to a class of _LATE, bound to the real module's own (this
+    module's own names for them stay)."""
     late = {id(c): getattr(real, n) for n, c in _LATE.items() if hasattr(real, n)}
     for module in list(sys.modules.values()):
-        d = getattr(module, "__dict__", None)
+        d = getattr(module, "__dict__", None) if module is not sys.modules.get(__name__) else None
         for k, v in list(d.items()) if isinstance(d, dict) else ():
             if id(v) in late and isinstance(v, type):
                 d[k] = late[id(v)]
@@ -126,24 +127,30 @@ def _rebind(real):
 
 class _Watch(importlib.abc.MetaPathFinder):
     """After a _LATE class was handed out: the real symbolic_shapes' import, however it comes
-    (the stand-in's _real or a plain import once the stand-in is gone), ends in _rebind."""
+    (the stand-in's _real or a plain import once the stand-in is gone), ends in _rebind. It stays
+    first in sys.meta_path until that import (each other import asks it one string comparison)."""
+
+    finding = False  # inside its own search for the module's spec (the finders after it answer)
 
     def place(self):
         if self not in sys.meta_path:
             sys.meta_path.insert(0, self)
 
     def find_spec(self, name, path=None, target=None):
-        if name != NAME:
+        if name != NAME or self.finding:
             return None
-        sys.meta_path.remove(self)  # found once, by the finders after it
-        spec = importlib.util.find_spec(name)
+        self.finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.finding = False
         if spec is not None and spec.loader is not None:
             spec.loader = _Rebinding(spec.loader)
         return spec
 
 
 class _Rebinding(importlib.abc.Loader):
-    """A module's own loader, then _rebind."""
+    """A module's own loader, then _rebind; the module keeps its own loader, and the watch goes."""
 
     def __init__(self, loader):
         self.loader = loader
@@ -152,8 +159,11 @@ class _Rebinding(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader
         self.loader.exec_module(module)
         _rebind(module)
+        if _WATCH in sys.meta_path:
+            sys.meta_path.remove(_WATCH)
 
     def __getattr__(self, name):  # get_source, get_filename, ...: the module's own loader's
         return getattr(self.loader, name)

@@ -424,9 +424,18 @@ class Holder(torch.nn.Module):
 def test_a_loop_that_calls_only_a_part_names_by_the_model_holding_it(tmp_path):
     """`model.body(x)` in the loop, the Audit handed `model`: the shadow names the weights, their
     momentum and the batch by the model that holds the part (weights/body.0.weight), as the audit
-    does, not by the part it saw called (weights/0.weight)."""
+    does, not by the part it saw called (weights/0.weight); a model called whole and kept in a
+    ModuleDict is named as itself."""
     m, _ = _audit_beside_shadow(tmp_path, _module_loop(Holder, lambda: (torch.randn(6, 8),), lambda model: model.body))
     assert "weights/body.0.weight" in m["phases"]["step2_start"]["attribution"]["lines"]
+    kept = []  # a ModuleDict keeping the model by name, never called: a container of torch's, no model
+
+    def kept_in_a_dict():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+        kept.append(torch.nn.ModuleDict({"net": model}))
+        return model
+    m, _ = _audit_beside_shadow(tmp_path / "dict", _module_loop(kept_in_a_dict, lambda: (torch.randn(6, 8),)))
+    assert "weights/0.weight" in m["phases"]["step2_start"]["attribution"]["lines"]
 
 
 class VarMean(torch.nn.Module):
@@ -452,36 +461,53 @@ def test_a_backward_formulas_own_sum_keeps_its_memory(tmp_path):
     _audit_beside_shadow(tmp_path, _module_loop(VarMean))
 
 
-def _eval_loop(steps, audit=None):
+def _eval_loop(steps, audit=None, epoch=0):
     """A training step with a validation pass after the optimizer's step (model.eval(), no_grad,
-    model.train()), its zero_grad written above the backward."""
+    model.train(); its batch, larger than the step's, made before the step, so the first op after
+    the optimizer step is the model's), its zero_grad written above the backward. epoch > 0: the
+    validation after the loop over `epoch` steps instead, once an epoch."""
     import contextlib
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
                                 torch.nn.Dropout(0.2), torch.nn.Linear(32, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     audit = audit(model, opt) if audit is not None else None
-    for i in range(steps):
-        with audit.step(i) if audit is not None else contextlib.nullcontext():
-            model.train()
-            loss = torch.nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
-            opt.zero_grad()
-            if audit is not None:
-                audit.before_backward(loss)
-            loss.backward()
-            opt.step()
+    i = 0
+    for _ in range(steps // max(epoch, 1) + 1):
+        for _ in range(max(epoch, 1)):
+            with audit.step(i) if audit is not None else contextlib.nullcontext():
+                model.train()
+                xv = torch.randn(512, 8)
+                loss = torch.nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+                opt.zero_grad()
+                if audit is not None:
+                    audit.before_backward(loss)
+                loss.backward()
+                opt.step()
+                if not epoch:
+                    model.eval()
+                    with torch.no_grad():
+                        val = model(xv).softmax(-1)
+                    model.train()
+            i += 1
+            if i == steps:
+                return
+        if epoch:
             model.eval()
             with torch.no_grad():
-                val = model(torch.randn(64, 8)).softmax(-1)
+                val = model(xv).softmax(-1)  # noqa: F841
             model.train()
 
 
 def test_an_evaluation_after_the_optimizer_step_is_the_steps(tmp_path):
-    """Ops written below the optimizer step (a validation pass) belong to its step, as the Audit
-    wrapped around the iteration has them; the step ends where the loop comes round to its top
-    (it stopped in the middle of that forward, IndexError in the module stack, before)."""
+    """Ops written below the optimizer step inside the loop body (a validation pass) belong to its
+    step, as the Audit wrapped around the body has them (the shadow stopped inside that forward,
+    IndexError in the module stack, before); a validation after the loop over an epoch's steps
+    belongs to no step (the Audit's blocks leave it out): every line and the peak, to the byte."""
     m, _ = _audit_beside_shadow(tmp_path, _eval_loop)
-    assert m["phases"]["step2_end"]["attribution"]["lines"]
+    assert m["phases"]["step2_end"]["replay"]["peak"]["bytes"] > 512 * 32 * 4  # the validation's is the peak
+    for epoch in (2, 3):  # step 2 begins an epoch, or ends one
+        _audit_beside_shadow(tmp_path / f"epoch{epoch}", _eval_loop, epoch=epoch)
 
 
 class SparseBag(torch.nn.Module):
@@ -497,33 +523,42 @@ class SparseBag(torch.nn.Module):
 def test_a_sparse_gradient_is_named_by_its_values_and_indices(tmp_path):
     """nn.Embedding(sparse=True): its gradient and SGD's momentum for it are COO tensors, whose
     memory is their values and indices (the audit stopped on them: a sparse tensor has no storage
-    of its own); every byte named in every phase."""
+    of its own); every byte named in every phase. The shadow stops there in one line (its fake
+    sparse tensors have no storage either; docs/limits.md)."""
+    import memory_audit
+    from memory_audit.prediction.shadow.error import ShadowError
     holder = {}
+    ids = lambda: (torch.arange(24).reshape(4, 6) % 10,)  # noqa: E731 -- 24 lookups of rows 0-9, every step
 
     def audited(model, opt):
         holder["audit"] = Audit(model, opt, out_dir=str(tmp_path / "run"), step=2)
         return holder["audit"]
-    _module_loop(SparseBag, lambda: (torch.randint(0, 100, (4, 6)),))(3, audited)
+    _module_loop(SparseBag, ids)(3, audited)
     m = measure(holder.pop("audit").run_dir)
     lines = m["phases"]["step2_start"]["attribution"]["lines"]
-    # step 1's momentum: step 0's gradient (24 rows of 16 fp32 values, 24 int64 indices) coalesced with step 1's
-    assert lines["optimizer/momentum_buffer/emb.weight/indices"] * 16 * 4 // 8 == lines["optimizer/momentum_buffer/emb.weight"]
+    # the momentum after two steps: SGD adds the sparse gradients uncoalesced, two steps' 24 lookups
+    # each, 48 rows of 16 fp32 values and their int64 indices
+    assert lines["optimizer/momentum_buffer/emb.weight"] == 48 * 16 * 4
+    assert lines["optimizer/momentum_buffer/emb.weight/indices"] == 48 * 8
     assert all(p["attribution"]["unattributed_bytes"] == 0 for p in m["phases"].values())
+    with pytest.raises(ShadowError, match="SparseTensorImpl"):
+        with memory_audit.shadow():
+            _module_loop(SparseBag, ids)(10)
 
 
-def _head_loop(steps, audit=None):
+def _head_loop(steps, audit=None, device="cpu"):
     """A loop whose first line lets go of last step's batch before any op (`parts = []`), its
     zero_grad written above the backward and nothing after the optimizer step."""
     import contextlib
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
+    model = torch.nn.Linear(8, 4).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     audit = audit(model, opt) if audit is not None else None
     for i in range(steps):
         with audit.step(i) if audit is not None else contextlib.nullcontext():
             parts = []
             for _ in range(3):
-                parts.append(torch.randn(4, 8))
+                parts.append(torch.randn(4, 8, device=device))
             x = torch.cat(parts)
             loss = model(x).pow(2).mean()
             opt.zero_grad()
@@ -536,8 +571,13 @@ def _head_loop(steps, audit=None):
 def test_what_the_loops_first_line_lets_go_is_the_next_steps(tmp_path):
     """The step ends where the loop comes round; what its head lets go before the first op
     (last step's batch as `parts = []` rebinds it) is the next step's first events, and out of
-    this step's end, as the Audit's block has them."""
+    this step's end, as the Audit's block has them; on a GPU's shadow too, whose history has
+    recorded those frees before the step begins (they move into it)."""
+    import memory_audit
     _audit_beside_shadow(tmp_path, _head_loop)
+    with memory_audit.shadow(device="cuda") as s:
+        _head_loop(10, device="cuda")
+    assert s.summary["steady_state"] > 0 and s.summary["peak"] > s.summary["steady_state"]
 
 
 class SelfAttention(torch.nn.Module):

@@ -192,7 +192,10 @@ assert "sympy" not in sys.modules, "DTensor's import imported sympy"
 import torch.fx.experimental.symbolic_shapes as ss
 assert dec.GuardOnDataDependentSymNode is ss.GuardOnDataDependentSymNode
 import inspect
-assert "class GuardOnDataDependentSymNode" in inspect.getsource(ss)  # the module's own loader still answers
+assert "class GuardOnDataDependentSymNode" in inspect.getsource(ss)
+assert type(ss.__loader__).__name__ == "SourceFileLoader" and ss.__spec__.loader is ss.__loader__  # its own
+assert nosympy._GuardOnDataDependentSymNode is not ss.GuardOnDataDependentSymNode  # the stand-in's own stays
+assert nosympy._WATCH not in sys.meta_path  # the watch has gone with the import
 print("ok")
 """
     assert _python(code) == "ok"

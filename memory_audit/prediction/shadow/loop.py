@@ -73,7 +73,7 @@ def call_site():
 
 def user_frames():
     """The user's code's frames running now, outermost first, as (id, code object, line): where a
-    later op stands against the optimizer step (`later`). Holds no frame (a frame holds its locals)."""
+    later op stands against the optimizer step (`placed`). Holds no frame (a frame holds its locals)."""
     import sys
     out, f = [], sys._getframe(1)
     while f is not None:
@@ -84,16 +84,48 @@ def user_frames():
     return out[::-1]
 
 
-def later(step_frames, frames):
-    """Whether code running in `frames` (user_frames) is written below the optimizer step that ran
-    in `step_frames`, in the innermost frame both share: an evaluation, an EMA update or a log line
-    after the step, not the loop come round to its top. An op on the line that made the step (a
-    `train_step(batch)` called again; a library's loop, all of whose ops come from one line of
-    the user's) comes round."""
-    i = 0
-    while i < min(len(frames), len(step_frames)) and frames[i][:2] == step_frames[i][:2]:
-        i += 1
-    return i > 0 and frames[i - 1][2] > step_frames[i - 1][2]
+def placed(step_frames, frames):
+    """Where code running in `frames` (user_frames) stands against the optimizer step that ran in
+    `step_frames`, decided in the outermost frame both share whose lines differ: "below" (written
+    below the step inside the loop body around it: an evaluation, an EMA update, a log line after
+    the step), "outside" (below that loop body, or above it: an epoch's validation after the inner
+    loop, the epoch's own lines before it), "head" (the loop come round to its top; a new call
+    from the line that made the step, `train_step(batch)` called again) or "same" (the statement
+    that made the step: GradScaler.step's own work after the optimizer's, or a library's loop, all
+    of whose ops come from one line of the user's)."""
+    for (fid, code, line), (sid, scode, sline) in zip(frames, step_frames):
+        if (fid, code) != (sid, scode):
+            return "head"
+        if line != sline:
+            first, last = _body(code, sline)
+            return "below" if sline < line <= last else "head" if first <= line < sline else "outside"
+    return "same"
+
+
+_BODIES = {}  # (file, first line) of a code object -> [(first, last line)] of the file's loops' bodies
+
+
+def _body(code, line):
+    """(first, last line) of the innermost loop body in `code` holding `line`; the code's lines
+    where no loop holds it."""
+    key = (code.co_filename, code.co_firstlineno)
+    if key not in _BODIES:
+        _BODIES[key] = _loop_bodies(code)
+    inner = [(a, b) for a, b in _BODIES[key] if a <= line <= b]
+    if inner:
+        return min(inner, key=lambda ab: ab[1] - ab[0])
+    lines = [ln for _, _, ln in code.co_lines() if ln]
+    return min(lines, default=line), max(lines, default=line)
+
+
+def _loop_bodies(code):
+    import ast
+    try:
+        tree = ast.parse(open(code.co_filename).read())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    return [(n.body[0].lineno, n.end_lineno) for n in ast.walk(tree)
+            if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and n.body]
 
 
 def above(site, step_site):
@@ -211,9 +243,12 @@ class LoopHead:
             self.freed.append((aid, at))
 
     def taken_in(self):
-        """[(allocation id, name)] to add to the starting step's `pre`, each then freed as its first events."""
+        """[(allocation id, name)] to add to the starting step's `pre`, each then freed as its first
+        events (a free the history recorded, a CUDA shadow's, moved there)."""
         out = [(aid, self.named.get(aid, self.made.get(aid))) for aid, _ in self.freed]
-        for aid, _ in self.freed:
+        for aid, at in self.freed:
+            if at is not None:
+                self.tracker.events[at][0] = None
             self.tracker.free(aid)
         return out
 
@@ -286,19 +321,34 @@ def holding_all(parts):
 
 
 def outermost_holder(module):
-    """The outermost live module that holds `module` and no parameter besides its own (`module`
-    where none does): the model a loop that calls only its part (`model.body(x)`, a model with no
-    forward of its own) was built as, and which an Audit of it is handed."""
+    """The outermost live module that holds `module` and no parameter besides its own, of a class
+    of the code's own with no forward (`module` where none is): the model a loop that calls only
+    its part (`model.body(x)`) was built as, and which an Audit of it is handed. A container of
+    torch's (a ModuleDict keeping models by name) or a module with a forward of its own (a wrapper
+    the loop does not call) is no such model."""
     import gc
     import torch
     own = {id(p) for p in module.parameters()}
     best = (0, module)
     for m in gc.get_objects():
-        if issubclass(type(m), torch.nn.Module) and m is not module:
+        if (issubclass(type(m), torch.nn.Module) and m is not module and type(m).forward is torch.nn.Module.forward
+                and not type(m).__module__.startswith("torch.")):
             subs = list(m.modules())
             if len(subs) > best[0] and any(c is module for c in subs) and {id(p) for p in m.parameters()} == own:
                 best = (len(subs), m)
     return best[1]
+
+
+def gpu_counted(result, notes):
+    """A GPU shadow's step as memory_allocated() and memory_reserved() count it (its replay through
+    the allocator's model) and the rules it applied unmeasured on a GPU, with `notes`."""
+    from ..ledger.config import expandable_from_env
+    from .replay import replay
+    if not result["history"] and not result["events"]:
+        raise ShadowError("the code put nothing on the GPU (no tensor on 'cuda'): it would train on "
+                          "the CPU there too; nothing to predict for the GPU")
+    expandable = expandable_from_env(dict(os.environ))  # the code may set it itself
+    return {"allocator": replay(result, expandable), "unmeasured": result["unmeasured"] + notes}
 
 
 def scaler_classes(torch):

@@ -33,16 +33,13 @@ the user's code and the reason.
 """
 
 import contextlib
-import os
 import warnings
 
 from .step import ShadowError, begin_step, end_step, step_result
 from .names import address, held_names, name_grads
 from .known_values import DataDependentShape, KnownValues, answered_read, checked_assume
-from .loop import (LoopLedger, MarkedStep, above, call_site, fake_ident, loop_device, loop_summary, merged,
-                   LoopHead, freed_before_start, later, scaler_classes, trained_model, user_frames, user_line)
-from ..ledger.config import expandable_from_env
-from .replay import replay
+from .loop import (LoopHead, LoopLedger, MarkedStep, above, call_site, fake_ident, freed_before_start, gpu_counted,
+                   loop_device, loop_summary, merged, placed, scaler_classes, trained_model, user_frames, user_line)
 from .gpu import on_gpu
 from .ranks import node_size, script_notes, script_ranks
 from .patches import LibraryBranches, cpu_rules, ctc_as_on_real_tensors, cut_lists, fake_modules
@@ -173,12 +170,7 @@ class Shadow:
         self.summary = dict(loop_summary(result), steps=self.steps, placeholders=self.placeholders,
                             sizes=self.known.sizes, device=self.device, source=source)
         if self.device["type"] == "cuda":  # as memory_allocated() and memory_reserved() count it
-            if not result["history"] and not result["events"]:
-                raise ShadowError("the code put nothing on the GPU (no tensor on 'cuda'): it would train on "
-                                  "the CPU there too; nothing to predict for the GPU")
-            expandable = expandable_from_env(dict(os.environ))  # the code may set it itself
-            self.summary.update(allocator=replay(result, expandable),
-                                unmeasured=result["unmeasured"] + script_notes(self.model, self.world_size))
+            self.summary.update(gpu_counted(result, script_notes(self.model, self.world_size)))
 
     # -- what the session hooks
     def _hook(self, torch):
@@ -256,11 +248,11 @@ class Shadow:
             if session.starting:  # it (the loop come round): the step ends; one written below is the step's
                 session._freed_before_start()
             if session.pending and not session.updating and func.namespace != "profiler":  # (record_function's exit)
-                if later(session.step_frames, user_frames()):
-                    if session.head is not None:  # what the code let go before this op is not the next step's
-                        session.head.freed.clear()
-                else:
-                    session._boundary()
+                where = placed(session.step_frames, user_frames())
+                if where in ("head", "same") or (where == "outside" and session.steps == session.audited + 1):
+                    session._boundary()  # (the audited step ends before code outside its loop body)
+                elif session.head is not None:  # what the code let go before this op is not the next step's
+                    session.head.freed.clear()
         self.tracker.on_op = on_op
 
     def _unhook(self):
@@ -289,7 +281,7 @@ class Shadow:
         """The audited step is next, or ends next: what the loop lets go at its head is the next
         step's (loop.LoopHead), named as it is named now."""
         self.head = LoopHead(self.tracker, self._made_now(), self._named(merged(self.found.held(), {})),
-                             lambda: self.pending and not later(self.step_frames, user_frames()))
+                             lambda: self.pending and placed(self.step_frames, user_frames()) == "head")
 
     def _zero_grad(self, original, obj, *args, **kwargs):
         first = self.pending and above(call_site(), self.step_site)
@@ -395,7 +387,7 @@ class Shadow:
         if audited:
             self.made["ledger"].name(t, self._named({}), self._named(self.found.held()))
             self._made()
-        tracker.phase = "backward"
+        tracker.phase, tracker.node_start = "backward", {}  # (autograd's sequence numbers are per thread)
         try:
             return original(t, *args, **kwargs)
         finally:

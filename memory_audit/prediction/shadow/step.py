@@ -220,7 +220,7 @@ class _Watch:
 
     @contextlib.contextmanager
     def backward(self, micro, model):
-        self.tracker.phase = "backward"
+        self.tracker.phase, self.tracker.node_start = "backward", {}  # (autograd's sequence numbers are per thread)
         yield
         if self.tracker.naming:  # a written trace names the gradients as an audit does
             name_grads(self.tracker, model)

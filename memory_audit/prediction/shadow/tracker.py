@@ -37,7 +37,7 @@ class Tracker:
         self.pending_out = _none  # weakref to that op's output (its grad_fn may save them)
         self.saved = []  # (StorageWeakRef, allocation id) of real tensors an autograd node holds
         self.accumulate = None  # (out storage id, first operand's storage id) of the last backward add
-        self.node_start = {}  # sequence number of a FORMULA_ADDS node -> the event its backward began at
+        self.node_start = {}  # sequence number of a FORMULA_ADDS node -> the event its backward began at (one backward's)
         self.freed_at = {}  # storage id -> index of its free event (read by the next op)
         self.workspace_bytes = 0  # a cuBLAS workspace per thread (the shadow of a CUDA step)
         self.lt_workspace_bytes = 0  # a cuBLASLt workspace per thread that runs an addmm (CUDA)
