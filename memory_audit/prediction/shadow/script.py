@@ -16,9 +16,9 @@ in the next step is freed when the new one exists, as in a real run.
 Steps are counted by the optimizer's `step()` (the first optimizer stepped; the model is found
 there from the modules called at top level: loop.trained_model). A step ends when `zero_grad()`
 (the optimizer's or a module's) written below its optimizer step follows it before any other
-op (a GradScaler's update() between them is the step's), else at the first op written above the
-optimizer step (the loop come round: an evaluation pass or an EMA update written below the step
-is the step's; a zero_grad written above it starts the next step); step `audited` (an index from 0, as `Audit(step=...)` takes it: 2 is the third step; train.py's
+op (a GradScaler's update() between them is the step's), else where the loop comes round (loop.placed:
+an op written below the step inside its loop body, an evaluation or an EMA update, is the step's;
+one outside the body is no step's; a zero_grad written above it starts the next step); step `audited` (an index from 0, as `Audit(step=...)` takes it: 2 is the third step; train.py's
 1-based `audit_step=2` is index 1) is recorded as an Audit records it
 (its before-backward moment at its last `.backward()`), and the loop is stopped as it ends: the
 `with` block is left there, the exception that stopped it swallowed.
