@@ -421,12 +421,21 @@ class Holder(torch.nn.Module):
         self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
 
 
+class Applied(Holder):
+    """The same, with a forward of its own the loop does not use."""
+
+    def forward(self, x):
+        return torch.sigmoid(self.body(x))
+
+
 def test_a_loop_that_calls_only_a_part_names_by_the_model_holding_it(tmp_path):
     """`model.body(x)` in the loop, the Audit handed `model`: the shadow names the weights, their
     momentum and the batch by the model that holds the part (weights/body.0.weight), as the audit
-    does, not by the part it saw called (weights/0.weight); a model called whole and kept in a
-    ModuleDict is named as itself."""
+    does, not by the part it saw called (weights/0.weight), whether or not the model has a forward
+    of its own; a model called whole and kept in a ModuleDict is named as itself."""
     m, _ = _audit_beside_shadow(tmp_path, _module_loop(Holder, lambda: (torch.randn(6, 8),), lambda model: model.body))
+    assert "weights/body.0.weight" in m["phases"]["step2_start"]["attribution"]["lines"]
+    m, _ = _audit_beside_shadow(tmp_path / "own", _module_loop(Applied, lambda: (torch.randn(6, 8),), lambda model: model.body))
     assert "weights/body.0.weight" in m["phases"]["step2_start"]["attribution"]["lines"]
     kept = []  # a ModuleDict keeping the model by name, never called: a container of torch's, no model
 

@@ -322,17 +322,15 @@ def holding_all(parts):
 
 def outermost_holder(module):
     """The outermost live module that holds `module` and no parameter besides its own, of a class
-    of the code's own with no forward (`module` where none is): the model a loop that calls only
-    its part (`model.body(x)`) was built as, and which an Audit of it is handed. A container of
-    torch's (a ModuleDict keeping models by name) or a module with a forward of its own (a wrapper
-    the loop does not call) is no such model."""
+    of the code's own (`module` where none is): the model a loop that calls only its part
+    (`model.net(x)`, the model's own forward unused) was built as, and which an Audit of it is
+    handed. A container of torch's (a ModuleDict keeping models by name) is no such model."""
     import gc
     import torch
     own = {id(p) for p in module.parameters()}
     best = (0, module)
     for m in gc.get_objects():
-        if (issubclass(type(m), torch.nn.Module) and m is not module and type(m).forward is torch.nn.Module.forward
-                and not type(m).__module__.startswith("torch.")):
+        if issubclass(type(m), torch.nn.Module) and m is not module and not type(m).__module__.startswith("torch."):
             subs = list(m.modules())
             if len(subs) > best[0] and any(c is module for c in subs) and {id(p) for p in m.parameters()} == own:
                 best = (len(subs), m)
