@@ -606,3 +606,19 @@ def test_flash_attentions_backward_copies_a_gradient_not_laid_out_for_it(tmp_pat
     flash_cpu_buffers): nn.MultiheadAttention's is (L, B, H, E); every line and the peak to the
     byte (6,144 B under without the copy)."""
     _audit_beside_shadow(tmp_path, _module_loop(SelfAttention, lambda: (torch.randn(8, 6, 32),)))
+
+
+class Traced(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(10, 10))
+
+    def forward(self):
+        return torch.trace(self.w)
+
+
+def test_traces_backward_fills_the_zeros_made_for_it(tmp_path):
+    """trace's backward, zeros.index_fill_(0, the diagonal, grad) in a real run, is out of place on
+    fake tensors: its output takes the zeros' memory (rules/autograd.SCATTERED_BACKWARD; 400 B over
+    without it)."""
+    _audit_beside_shadow(tmp_path, _module_loop(Traced))

@@ -34,12 +34,13 @@ def after_op(tracker, func, args, out, on_shards):
 
 # Backward formulas that fill a new zeros tensor in place in a real run (a gather's backward:
 # zeros.scatter_add_(dim, index, grad); index_select's: index_add_; take's: put_; a max, topk or
-# sort's: scatter_; masked_select's: masked_scatter_) and out of place for a tensor subclass, as
-# the shadow's fake tensors are (FunctionsManual's areAnyTensorSubclassLike): the output takes
-# the zeros' memory as they die (scripts/op_loops.py: gather +192 B, index_select +92, topk +992
-# without it). Only over zeros made for it: `grad.scatter(dim, index, 0)` (scatter.value's own
-# backward) is out of place in a real run too, and holds both.
-SCATTERED_BACKWARD = frozenset(("scatter_add", "scatter", "scatter_reduce", "index_add", "put", "masked_scatter"))
+# sort's: scatter_; masked_select's: masked_scatter_; trace's: index_fill_) and out of place for a
+# tensor subclass, as the shadow's fake tensors are (FunctionsManual's areAnyTensorSubclassLike):
+# the output takes the zeros' memory as they die (scripts/op_loops.py: gather +192 B, index_select
+# +92, topk +992, trace +100 without it). Only over zeros made for it: `grad.scatter(dim, index, 0)`
+# (scatter.value's own backward) is out of place in a real run too, and holds both.
+SCATTERED_BACKWARD = frozenset(("scatter_add", "scatter", "scatter_reduce", "index_add", "put", "masked_scatter",
+                                "index_fill"))
 ZEROS = ("zeros", "zeros_like", "new_zeros")
 
 
