@@ -214,14 +214,11 @@ def loop_summary(result):
 def owning_module(params, called):
     """The module holding every one of `params` (ids) with the fewest parameters, among the live
     ones (a model whose forward is not called, whose parts are); `called` where none does."""
-    import gc
-    import torch
     best = None
-    for m in gc.get_objects():
-        if issubclass(type(m), torch.nn.Module):  # (type(): a dead weak proxy raises on isinstance)
-            own = {id(p) for p in m.parameters()}
-            if params <= own and (best is None or len(own) < best[0]):
-                best = (len(own), m)
+    for m in _live_modules():
+        own = {id(p) for p in m.parameters()}
+        if params <= own and (best is None or len(own) < best[0]):
+            best = (len(own), m)
     return called if best is None else best[1]
 
 
@@ -309,14 +306,11 @@ def trained_model(optimizer, tops, device):
 
 def holding_all(parts):
     """The live module with the fewest submodules that holds every one of `parts`, or None."""
-    import gc
-    import torch
     best = None
-    for m in gc.get_objects():
-        if issubclass(type(m), torch.nn.Module):
-            subs = {id(c) for c in m.modules()}
-            if all(id(p) in subs for p in parts) and (best is None or len(subs) < best[0]):
-                best = (len(subs), m)
+    for m in _live_modules():
+        subs = {id(c) for c in m.modules()}
+        if all(id(p) in subs for p in parts) and (best is None or len(subs) < best[0]):
+            best = (len(subs), m)
     return None if best is None else best[1]
 
 
@@ -325,12 +319,10 @@ def outermost_holder(module):
     of the code's own (`module` where none is): the model a loop that calls only its part
     (`model.net(x)`, the model's own forward unused) was built as, and which an Audit of it is
     handed. A container of torch's (a ModuleDict keeping models by name) is no such model."""
-    import gc
-    import torch
     own = {id(p) for p in module.parameters()}
     best = (0, module)
-    for m in gc.get_objects():
-        if issubclass(type(m), torch.nn.Module) and m is not module and not type(m).__module__.startswith("torch."):
+    for m in _live_modules():
+        if m is not module and not type(m).__module__.startswith("torch."):
             subs = list(m.modules())
             if len(subs) > best[0] and any(c is module for c in subs) and {id(p) for p in m.parameters()} == own:
                 best = (len(subs), m)
@@ -347,6 +339,13 @@ def gpu_counted(result, notes):
                           "the CPU there too; nothing to predict for the GPU")
     expandable = expandable_from_env(dict(os.environ))  # the code may set it itself
     return {"allocator": replay(result, expandable), "unmeasured": result["unmeasured"] + notes}
+
+
+def _live_modules():
+    """Every live torch.nn.Module (type(): a dead weak proxy raises on isinstance)."""
+    import gc
+    import torch
+    return (m for m in gc.get_objects() if issubclass(type(m), torch.nn.Module))
 
 
 def scaler_classes(torch):
