@@ -622,3 +622,35 @@ def test_traces_backward_fills_the_zeros_made_for_it(tmp_path):
     fake tensors: its output takes the zeros' memory (rules/autograd.SCATTERED_BACKWARD; 400 B over
     without it)."""
     _audit_beside_shadow(tmp_path, _module_loop(Traced))
+
+
+def test_bilinears_kernel_is_asked_for_its_contraction_buffers(tmp_path):
+    """nn.Bilinear runs aten._trilinear, whose CPU kernel contracts through bmm on copies it makes
+    beside its output (shadow/probe.PROBED; its backward calls it again): every line and the peak
+    to the byte (3,576 B under without the probe; a factorisation machine's loop in
+    scripts/user_loops_f.py was 14,592 B under)."""
+    m, s = _audit_beside_shadow(tmp_path, _module_loop(lambda: torch.nn.Bilinear(8, 8, 1),
+                                                       lambda: (torch.randn(512, 8), torch.randn(512, 8))))
+    assert "_trilinear" in s.result["probed"]
+
+
+class Symmetric(torch.nn.Module):
+    """A weight made symmetric where it is not, asked with torch.allclose while the model is built
+    (parametrizations.orthogonal asks the same of the weight it is handed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        if not torch.allclose(self.lin.weight, self.lin.weight.T):
+            with torch.no_grad():
+                self.lin.weight.copy_((self.lin.weight + self.lin.weight.T) / 2)
+
+    def forward(self, x):
+        return self.lin(x).pow(2)
+
+
+def test_a_comparison_read_of_a_weight_is_a_placeholder_not_a_stop(tmp_path):
+    """torch.allclose on a fake weight has no answer: the shadow answers False and lists the read
+    (as it answers bool()), where it stopped before; the loop's lines and peak are the audit's."""
+    m, s = _audit_beside_shadow(tmp_path, _module_loop(Symmetric, lambda: (torch.randn(5, 6),)))
+    assert [p["read"] for p in s.summary["placeholders"]] == ["Tensor.allclose()"]

@@ -54,6 +54,13 @@ PROBED = frozenset((
     "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle",
     "_fft_r2c", "_fft_c2r", "_fft_c2c", "kthvalue", "median", "nanmedian", "sort", "var_mean", "std_mean",
     "_embedding_bag", "_embedding_bag_backward", "_embedding_bag_dense_backward", "_embedding_bag_per_sample_weights_backward",
+    # nn.Bilinear: the CPU kernel contracts through bmm on permuted copies of its inputs (a 1,536 B
+    # buffer beside a 96 B output for a (24, 16) x (24, 16) -> 1 call; its backward calls it again):
+    # a factorisation machine's loop 14,592 B under at its peak (scripts/user_loops_f.py)
+    "_trilinear",
+    # householder_product's CPU kernel: a workspace of n + 1 elements beside its output (28 B for a
+    # 6 x 6 orthogonal weight, parametrizations.orthogonal's householder map)
+    "linalg_householder_product",
 ))
 # bf16 (fp16) matmuls on CPUs where they run through oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported(),
 # _is_mkldnn_fp16_supported())

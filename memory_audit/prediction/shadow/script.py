@@ -230,6 +230,9 @@ class Shadow:
         for name, answer in (("item", None), ("tolist", None), ("__bool__", False), ("__float__", 0.0), ("__int__", 0)):
             patch(torch.Tensor, name, answered_read(name, getattr(torch.Tensor, name), answer, self.placeholders,
                                                     user_line))
+        for owner in (torch, torch.Tensor):  # comparisons that answer a bool (parametrizations.orthogonal's
+            for name in ("allclose", "equal"):  # allclose on a weight it is handed)
+                patch(owner, name, answered_read(name, getattr(owner, name), False, self.placeholders, user_line))
         form = torch.Tensor.__format__
         patch(torch.Tensor, "__format__", lambda t, spec: t.item().__format__(spec) if t.dim() == 0 else form(t, spec))
 
