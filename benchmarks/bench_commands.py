@@ -42,6 +42,11 @@ COMMANDS = [  # (name, argv, (target seconds, "after imports" or "in all") or No
     ("plan world_size 8 H100 (shadow)", MA + ["plan", "--world_size=8", "--gpu=H100"], (5.0, "in all")),
     ("predict fsdp rank 3 of 8 H100", MA + ["predict", "--parallel=fsdp", "--gpu=H100", "--world_size=8", "--rank=3"],
      None),
+    # the audit's own cost: a cpu-tiny audit (3 steps, step 2 recorded) beside the same 3 steps
+    # unaudited; the difference is printed as the audit's overhead
+    ("train.py cpu-tiny, 3 steps", [sys.executable, "train.py", "--device=cpu", "--max_iters=3"], None),
+    ("train.py --audit cpu-tiny", [sys.executable, "train.py", "--device=cpu", "--audit",
+                                   f"--audit_dir={tempfile.mkdtemp(prefix='bench-audit-')}"], None),
 ]
 # what every shadow-backed command imports before it computes (not torch._dynamo: a shadow run
 # stands in for it, nodynamo.py)
@@ -90,6 +95,7 @@ def main():
     imports = timed(IMPORTS, args.runs)
     print(f"imports (torch, model, memory_audit.cli): {imports:.2f}s")
     print(f"{'command':34s} {'wall':>6s} {'after imports':>14s} {'target':>20s} {'ratio':>6s}")
+    walls = {}
     for name, argv, target in COMMANDS:
         wall = timed(argv, args.runs)
         after = wall - imports
@@ -100,6 +106,9 @@ def main():
         else:
             ratio, goal = "", "-"
         print(f"{name:34s} {wall:5.2f}s {after:13.2f}s {goal:>20s} {ratio:>6s}")
+        walls[name] = wall
+    plain, audited = walls["train.py cpu-tiny, 3 steps"], walls["train.py --audit cpu-tiny"]
+    print(f"the audit's own overhead (cpu-tiny): {audited - plain:.2f}s ({audited / plain:.2f}x the unaudited run)")
     print(f"({cpus()} CPUs; ratio: the measured time over the target)")
 
 

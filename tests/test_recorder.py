@@ -50,34 +50,63 @@ def test_recording_turns_history_off_on_exit(tmp_path):
     rec.stop()  # idempotent
 
 
-def _tiny_audit(out_dir):
+def _tiny_audit(out_dir, road=None, before=False):
+    """A tiny GPT's audited step 2 on CPU through `road` (Audit's cpu_timeline); before: the model
+    and optimizer made before the Audit (its weights older than the profile)."""
     from memory_audit import Audit
-    audit = Audit(out_dir=str(out_dir), device="cpu", step=1)
+    if not before:
+        audit = Audit(out_dir=str(out_dir), device="cpu", step=1, cpu_timeline=road)
     model, cfg = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters())
-    audit.watch(model, opt)
+    if before:
+        audit = Audit(model, opt, out_dir=str(out_dir), step=1, cpu_timeline=road)
+    else:
+        audit.watch(model, opt)
     x = torch.randint(cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
     gpt_steps(model, opt, [(x, x)] * 2, audit)
     audit.close()
 
 
-def test_raw_allocations_give_the_same_books_when_the_memory_profiler_fails(tmp_path, monkeypatch):
-    """Under torchrun, gloo's threads make the memory profiler's data-flow checks fail
-    (AssertionError: duplicate outputs); the CPU timeline then pairs every allocation by address.
-    On a single-process audit both roads give the same lines in every phase."""
+def _books(runs):
+    """[{phase: (lines, unattributed bytes)}] of each run directory."""
     from memory_audit.reading.attribute import attribute
     from memory_audit.reading.loader import load_meta
-    _tiny_audit(tmp_path / "keyed")
+    out = []
+    for run in map(str, runs):
+        books = {}
+        for phase in ("step2_start", "step2_before_backward", "step2_end"):
+            res = attribute(load_snapshot(os.path.join(run, f"{phase}.pickle")), load_meta(run), phase)
+            books[phase] = (res[min(res)]["lines"], res[min(res)]["unattributed_bytes"])
+        out.append(books)
+    return out
+
+
+@pytest.mark.parametrize("before", (False, True), ids=("model-after-audit", "model-before-audit"))
+def test_both_roads_give_the_same_books(tmp_path, before):
+    """The raw road (every allocation paired with its free by address; the default) and the
+    profiler's memory profile give the same lines in every phase, none unattributed, whether the
+    model was built inside the Audit's profile or before it (its weights then older than the
+    profile: the raw road takes them from the storages the phases named)."""
+    from memory_audit.reading.loader import load_meta
+    _tiny_audit(tmp_path / "keyed", "memory_profile", before)
+    _tiny_audit(tmp_path / "raw", None, before)
+    keyed, raw = _books([tmp_path / "keyed", tmp_path / "raw"])
+    assert keyed == raw and all(u == 0 for _, u in raw.values())
+    assert sum(raw["step2_start"][0].values()) > 0
+    assert [load_meta(str(tmp_path / r))["cpu_timeline"] for r in ("keyed", "raw")] == ["memory_profile", "raw allocations"]
+
+
+def test_raw_allocations_give_the_same_books_when_the_memory_profiler_fails(tmp_path, monkeypatch):
+    """Under torchrun, gloo's threads make the memory profiler's data-flow checks fail
+    (AssertionError: duplicate outputs); where it was asked for, the CPU timeline then pairs
+    every allocation by address. On a single-process audit both give the same lines in every phase."""
+    from memory_audit.reading.loader import load_meta
+    _tiny_audit(tmp_path / "keyed", "memory_profile")
 
     def fail(self):
         raise AssertionError("duplicate outputs (forced)")
     monkeypatch.setattr(torch.profiler.profile, "_memory_profile", fail)
-    _tiny_audit(tmp_path / "raw")
-    for phase in ("step2_start", "step2_before_backward", "step2_end"):
-        books = []
-        for road in ("keyed", "raw"):
-            run = str(tmp_path / road)
-            res = attribute(load_snapshot(os.path.join(run, f"{phase}.pickle")), load_meta(run), phase)
-            books.append(res[min(res)])
-        assert books[0]["lines"] == books[1]["lines"] and books[1]["unattributed_bytes"] == 0, phase
+    _tiny_audit(tmp_path / "raw", "memory_profile")
+    keyed, raw = _books([tmp_path / "keyed", tmp_path / "raw"])
+    assert keyed == raw and all(u == 0 for _, u in raw.values())
     assert [load_meta(str(tmp_path / r))["cpu_timeline"] for r in ("keyed", "raw")] == ["memory_profile", "raw allocations"]

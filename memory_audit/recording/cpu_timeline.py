@@ -63,7 +63,8 @@ def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True):
     seen = _scan(tree, mp is not None, markers)
     order = lambda e: (e[0], 0 if e[1] == "free" else 1)  # noqa: E731
     events = _tensor_events(mp, keep, seen["stacks"], seen["ranges"]) if mp is not None else []
-    events = sorted(events + _unseen_events(seen["unseen"], seen["ranges"]), key=order)
+    unseen = _unseen_events(seen["unseen"], seen["ranges"], keep if mp is None else ())
+    events = sorted(events + unseen, key=order)
     staged = seen["staged"]
     staged.update(_last_reads(events, seen["reads"], seen["outputs"]))
     staged.update(_rebuild_broadcasts(events, seen["rebuilt"], seen["reads"]))
@@ -249,18 +250,28 @@ def _rebuild_broadcasts(events, rebuilt, reads):
     return out
 
 
-def _unseen_events(unseen, ranges):
+def _unseen_events(unseen, ranges, keep=()):
     """Allocations the memory profiler gives no tensor key (no aten op saw the memory: compiled
-    code's buffers; every allocation when its data-flow graph fails), paired with their frees by
-    address."""
-    out, live = [], {}
+    code's buffers; every allocation on the raw road), paired with their frees by address (a
+    free carries its allocation's frames, as the memory profile's do). keep: the recorder's named
+    addresses (a dict gives each storage's bytes); on the raw road one whose first event here is
+    not an allocation was made before the profile (weights of a model built before the Audit):
+    it is "pre", at its storage's bytes, as the memory profile's PREEXISTING tensors are."""
+    out, live, first = [], {}, {}
+    for t, ptr, size, frames in sorted(unseen, key=lambda u: u[0]):
+        first.setdefault(ptr, size > 0)
+    for ptr, nbytes in (keep.items() if isinstance(keep, dict) else ()):
+        if nbytes and not first.get(ptr, False):  # (an empty shard, 0 B, holds no memory)
+            live[ptr] = (nbytes, [])
+            out.append((-1, "pre", ptr, nbytes, [], None, ""))
     for t, ptr, size, frames in sorted(unseen, key=lambda u: u[0]):
         if size > 0:
-            live[ptr] = size
+            live[ptr] = (size, frames)
             label = next((text for a, b, text in ranges if a <= t <= b), "") if ranges else ""
             out.append((t, "alloc", ptr, size, frames, "unknown", label))
         elif ptr in live:
-            out.append((t, "free", ptr, live.pop(ptr), frames, None, ""))
+            size, made = live.pop(ptr)
+            out.append((t, "free", ptr, size, made, None, ""))
     return out
 
 

@@ -312,9 +312,9 @@ class AuditRecording:
                 self._wrote(info["file"])
 
     def _keyed(self):
-        """Whether to try the memory profile: asked for, else on one process only (under
-        torchrun the raw road: cpu_timeline.timeline_events)."""
-        return _world_size() == 1 if self.cpu_road is None else self.cpu_road == "memory_profile"
+        """Whether to try the memory profile: only where asked for (else the raw road:
+        cpu_timeline.timeline_events)."""
+        return self.cpu_road == "memory_profile"
 
     # -- meta.json
     def write_meta(self):
