@@ -650,7 +650,14 @@ class Symmetric(torch.nn.Module):
 
 
 def test_a_comparison_read_of_a_weight_is_a_placeholder_not_a_stop(tmp_path):
-    """torch.allclose on a fake weight has no answer: the shadow answers False and lists the read
-    (as it answers bool()), where it stopped before; the loop's lines and peak are the audit's."""
+    """torch.allclose on a fake weight has no answer: the shadow runs it as CPU's kernel does
+    (isclose, all) and answers False, listed as bool() reads are, where it stopped before; the
+    loop's lines and peak are the audit's. On constants it answers as the real run does."""
     m, s = _audit_beside_shadow(tmp_path, _module_loop(Symmetric, lambda: (torch.randn(5, 6),)))
-    assert [p["read"] for p in s.summary["placeholders"]] == ["Tensor.allclose()"]
+    import memory_audit
+    with memory_audit.shadow():
+        one = torch.ones(3)
+        answers = (torch.allclose(one, one * 1), one.allclose(one + 1), torch.equal(one, one))
+        _module_loop(Symmetric, lambda: (torch.randn(5, 6),))(10)
+    assert answers == (True, False, True)
+    assert [p["read"] for p in s.summary["placeholders"]] == ["torch.allclose()"]

@@ -110,3 +110,21 @@ def test_raw_allocations_give_the_same_books_when_the_memory_profiler_fails(tmp_
     keyed, raw = _books([tmp_path / "keyed", tmp_path / "raw"])
     assert keyed == raw and all(u == 0 for _, u in raw.values())
     assert [load_meta(str(tmp_path / r))["cpu_timeline"] for r in ("keyed", "raw")] == ["memory_profile", "raw allocations"]
+
+
+def test_the_raw_road_tells_storages_older_than_the_profile_by_when_a_phase_named_them():
+    """cpu_timeline._unseen_events on the raw road: a storage a phase named before any
+    allocation at its address is older than the profile ("pre", its storage's bytes), let go when
+    its address is allocated again; one allocated before the phase named it is the profile's own;
+    an empty storage (0 B) is none; a free carries its allocation's frames."""
+    from memory_audit.recording.cpu_timeline import _unseen_events
+    f = [{"filename": "loop.py", "line": 3, "name": "step"}]
+    unseen = [(10, 0xA, 128, f), (2, 0xB, 32, f), (20, 0xB, -32, []), (30, 0xA, -128, [])]
+    keep = {0xA: 64, 0xB: 32, 0xC: 0, 0xD: 16}
+    named = {0xA: 5, 0xB: 5, 0xC: 5, 0xD: 5}
+    events = _unseen_events(unseen, [], keep, named)
+    assert sorted(events, key=lambda e: (e[0], e[1] != "free")) == [
+        (-1, "pre", 0xA, 64, [], None, ""), (-1, "pre", 0xD, 16, [], None, ""),
+        (2, "alloc", 0xB, 32, f, "unknown", ""),
+        (10, "free", 0xA, 64, [], None, ""), (10, "alloc", 0xA, 128, f, "unknown", ""),
+        (20, "free", 0xB, 32, f, None, ""), (30, "free", 0xA, 128, f, None, "")]

@@ -15,8 +15,9 @@ callback), so no call is needed between backward and zero_grad.
 
 train.py uses the same class: it makes the Audit before the model (`Audit(out_dir=..., device=...)`)
 so that the weights' allocations are in the trace, then `watch(model, optimizer, scaler)`.
-An Audit made after the model finds the weights already allocated: CPU keeps them through the
-profiler's pre-existing tensors, CUDA through the snapshot's segments (a named baseline).
+An Audit made after the model finds the weights already allocated: CPU keeps them from the
+storages the phases named (cpu_timeline's "pre"), CUDA through the snapshot's segments (a named
+baseline).
 """
 
 from contextlib import ExitStack, contextmanager

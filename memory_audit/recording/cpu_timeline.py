@@ -29,7 +29,7 @@ def _name(event):
         return "<undecodable>"
 
 
-def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True):
+def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True, named_at=None):
     """Allocation events of a finished profile and the times of the named markers.
 
     Returns (events, marker_times): events is a time-ordered list of
@@ -42,9 +42,11 @@ def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True):
     recorder named at the last phase (a tensor there was alive then): no free is inferred for
     the last allocation at one of them (FSDP2's gradient shards kept with set_to_none=False live
     in their unit's reduce-scatter output, which the rules below would otherwise let go).
-    keyed=False takes the raw road without trying the memory profile: under torchrun, where
-    its checks often fail anyway, and where building it walks every Python call DTensor and
-    FSDP2 make (10-20 s a rank for cpu-tiny on 2 cores, more than the step itself).
+    keyed=False takes the raw road without trying the memory profile (the default: building it
+    walks every op of the step again, about half an audit's time; under torchrun its checks
+    often fail anyway, and it walks every Python call DTensor and FSDP2 make). named_at: {marker:
+    the addresses its phase named}, which tells the raw road a storage older than the profile
+    from one allocated in it (_unseen_events).
     """
     from torch.profiler._memory_profiler import OpTree
 
@@ -55,7 +57,7 @@ def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True):
         except AssertionError:
             # The memory profiler's data-flow graph checks fail when another thread's ops
             # interleave (gloo's collectives under torchrun): every allocation is then taken by
-            # address, as compiled code's are below; only tensors older than the profile go unseen.
+            # address, as compiled code's are below (the raw road).
             mp = None
     tree = mp._op_tree if mp is not None else OpTree(prof.profiler.kineto_results)
     if info is not None:
@@ -63,7 +65,12 @@ def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True):
     seen = _scan(tree, mp is not None, markers)
     order = lambda e: (e[0], 0 if e[1] == "free" else 1)  # noqa: E731
     events = _tensor_events(mp, keep, seen["stacks"], seen["ranges"]) if mp is not None else []
-    unseen = _unseen_events(seen["unseen"], seen["ranges"], keep if mp is None else ())
+    older = {}  # the raw road: named address -> the first time a phase named it
+    for marker, addrs in (named_at or {}).items() if mp is None else ():
+        t = seen["marker_times"].get(marker)
+        for a in addrs if t is not None else ():
+            older[a] = min(older.get(a, t), t)
+    unseen = _unseen_events(seen["unseen"], seen["ranges"], keep if mp is None else (), older)
     events = sorted(events + unseen, key=order)
     staged = seen["staged"]
     staged.update(_last_reads(events, seen["reads"], seen["outputs"]))
@@ -91,7 +98,8 @@ def _scan(tree, by_key, markers):
                 marker_times[name] = event.start_time_ns
             if name.startswith(RECOMPUTE_RANGE):  # a range across Python frames: nothing nests in it
                 ranges.append((event.start_time_ns, event.end_time_ns, name[len(MARKER_PREFIX):]))
-        if event.tag == _EventType.Allocation:
+        # CPU memory only, as the memory profile's timeline keeps
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
             key = TensorKey.from_allocation(event.extra_fields) if by_key else None
             grow = event.extra_fields.alloc_size > 0
             frames = _stack(event) if grow else []
@@ -250,22 +258,32 @@ def _rebuild_broadcasts(events, rebuilt, reads):
     return out
 
 
-def _unseen_events(unseen, ranges, keep=()):
+def _unseen_events(unseen, ranges, keep=(), named=None):
     """Allocations the memory profiler gives no tensor key (no aten op saw the memory: compiled
     code's buffers; every allocation on the raw road), paired with their frees by address (a
     free carries its allocation's frames, as the memory profile's do). keep: the recorder's named
-    addresses (a dict gives each storage's bytes); on the raw road one whose first event here is
-    not an allocation was made before the profile (weights of a model built before the Audit):
-    it is "pre", at its storage's bytes, as the memory profile's PREEXISTING tensors are."""
-    out, live, first = [], {}, {}
+    addresses (a dict gives each storage's bytes); on the raw road one named by a phase before
+    any allocation there (named: address -> the first such time; without it, one with no
+    allocation at all) was made before the profile (the weights of a model built before the
+    Audit): it is "pre", at its storage's bytes. The profiler records no free of such a storage:
+    one whose address is allocated again is freed then; one let go without that stays to the end
+    (unattributed in the phases that no longer name it)."""
+    out, live, first, older = [], {}, {}, set()
     for t, ptr, size, frames in sorted(unseen, key=lambda u: u[0]):
-        first.setdefault(ptr, size > 0)
+        if size > 0:
+            first.setdefault(ptr, t)
     for ptr, nbytes in (keep.items() if isinstance(keep, dict) else ()):
-        if nbytes and not first.get(ptr, False):  # (an empty shard, 0 B, holds no memory)
-            live[ptr] = (nbytes, [])
+        made = first.get(ptr)
+        if nbytes and (made is None or (named is not None and named.get(ptr, made) < made)):
+            live[ptr] = (nbytes, [])  # (an empty shard, 0 B, holds no memory)
+            older.add(ptr)
             out.append((-1, "pre", ptr, nbytes, [], None, ""))
     for t, ptr, size, frames in sorted(unseen, key=lambda u: u[0]):
         if size > 0:
+            if ptr in older:  # an older storage's address allocated again: it was let go first
+                older.discard(ptr)
+                if ptr in live:
+                    out.append((t, "free", ptr, *live.pop(ptr), None, ""))
             live[ptr] = (size, frames)
             label = next((text for a, b, text in ranges if a <= t <= b), "") if ranges else ""
             out.append((t, "alloc", ptr, size, frames, "unknown", label))

@@ -32,7 +32,7 @@ from ..schema import MARKER_PREFIX, META_SCHEMA_VERSION, PHASES
 MEMORY_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
                    "CUBLASLT_WORKSPACE_SIZE", "PYTORCH_NO_CUDA_MEMORY_CACHING")
 # CPU: the roads from the profile to a trace (cpu_timeline.timeline_events), as meta.json names
-# the one taken; None picks by the process count
+# the one taken; None takes the raw road
 CPU_TIMELINES = (None, "memory_profile", "raw allocations")
 
 
@@ -93,7 +93,7 @@ class AuditRecording:
             raise AuditError(f"cpu_timeline must be one of {', '.join(map(repr, CPU_TIMELINES))}, got {cpu_timeline!r}")
         self.run_dir = run_dir
         self.defer_cpu = defer_cpu
-        self.cpu_road = cpu_timeline  # CPU: the road asked for (None: by the process count)
+        self.cpu_road = cpu_timeline  # CPU: the road asked for (None: the raw road)
         self.device = indexed_device(device)
         self.cuda = self.device.type == "cuda"
         self.config = config
@@ -292,8 +292,10 @@ class AuditRecording:
         road = {}
         end = self.phases.get(PHASES[-1], {})
         alive = {r["data_ptr"] for r in end.get("registry", []) + end.get("held", [])}
+        named_at = {self.markers[name]: {r["data_ptr"] for r in info.get("registry", []) + info.get("held", [])}
+                    for name, info in self.phases.items() if name in self.markers}
         events, marker_times = timeline_events(self.prof, set(self.markers.values()), self.named_addresses(), road,
-                                               alive, keyed=self._keyed())
+                                               alive, keyed=self._keyed(), named_at=named_at)
         self.cpu_timeline = road.get("source")
         if self.compiled_wrappers:
             from .cpu_timeline import name_compiled

@@ -218,6 +218,24 @@ class Shadow:
                 active.pop()
         setattr(owner, name, once)
 
+    def _comparisons(self, torch, patch):
+        """torch.allclose and torch.equal (functions and methods), which answer a bool that fake
+        tensors do not have (parametrizations.orthogonal asks allclose of the weight it is
+        handed). allclose runs as CPU's kernel does, isclose(...).all() read as a bool: the real
+        answer where the values are known (constants), else a placeholder False, listed. equal
+        (no memory of its own) is True for a tensor against itself, else a placeholder False."""
+        def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
+            n = len(self.placeholders)
+            value = bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan).all())
+            for p in self.placeholders[n:]:  # (a placeholder: the bool() read, listed as allclose)
+                p["read"] = "torch.allclose()"
+            return value
+        for owner, name in ((torch, "equal"), (torch.Tensor, "equal")):
+            same = answered_read(name, getattr(owner, name), False, self.placeholders, user_line)
+            patch(owner, name, lambda a, b, _same=same: True if a is b else _same(a, b))
+        patch(torch, "allclose", allclose)
+        patch(torch.Tensor, "allclose", allclose)
+
     def _instrument(self, torch):
         """The session's instruments on the code's calls: backward, zero_grad, the value reads,
         GradScaler.update, and the step's end at the first op after an optimizer step."""
@@ -230,9 +248,7 @@ class Shadow:
         for name, answer in (("item", None), ("tolist", None), ("__bool__", False), ("__float__", 0.0), ("__int__", 0)):
             patch(torch.Tensor, name, answered_read(name, getattr(torch.Tensor, name), answer, self.placeholders,
                                                     user_line))
-        for owner in (torch, torch.Tensor):  # comparisons that answer a bool (parametrizations.orthogonal's
-            for name in ("allclose", "equal"):  # allclose on a weight it is handed)
-                patch(owner, name, answered_read(name, getattr(owner, name), False, self.placeholders, user_line))
+        self._comparisons(torch, patch)
         form = torch.Tensor.__format__
         patch(torch.Tensor, "__format__", lambda t, spec: t.item().__format__(spec) if t.dim() == 0 else form(t, spec))
 
