@@ -128,3 +128,17 @@ def test_the_raw_road_tells_storages_older_than_the_profile_by_when_a_phase_name
         (2, "alloc", 0xB, 32, f, "unknown", ""),
         (10, "free", 0xA, 64, [], None, ""), (10, "alloc", 0xA, 128, f, "unknown", ""),
         (20, "free", 0xB, 32, f, None, ""), (30, "free", 0xA, 128, f, None, "")]
+
+
+def test_ddps_bucket_replaced_by_its_rebuild_is_let_go_where_the_rebuild_returns():
+    """cpu_timeline: a DDP bucket made before the Reducer's rebuild whose free this thread never
+    recorded (gloo's thread let go of step 1's all-reduce last) is freed at the rebuild's end;
+    one whose free was recorded keeps it."""
+    from memory_audit.recording.cpu_timeline import _free_staged, _superseded_buckets
+    bucket = [{"filename": "torch/nn/parallel/distributed.py", "line": 1, "name": "_ddp_init_helper"}]
+    rebuild = [{"filename": "torch/nn/parallel/distributed.py", "line": 2, "name": "_rebuild_buckets"}]
+    events = [(1, "alloc", 0xA, 64, bucket, "unknown", ""), (2, "alloc", 0xB, 64, bucket, "unknown", ""),
+              (3, "free", 0xB, 64, bucket, None, ""), (10, "alloc", 0xC, 64, rebuild, "unknown", "")]
+    staged = _superseded_buckets(events, {(0xC, 10): 12})
+    assert staged == {(0xA, 1): 12, (0xB, 2): 12}
+    assert _free_staged(events, staged)[len(events):] == [(12, "free", 0xA, 64, [], None, "")]

@@ -75,6 +75,7 @@ def timeline_events(prof, markers, keep=(), info=None, alive=(), keyed=True, nam
     staged = seen["staged"]
     staged.update(_last_reads(events, seen["reads"], seen["outputs"]))
     staged.update(_rebuild_broadcasts(events, seen["rebuilt"], seen["reads"]))
+    staged.update(_superseded_buckets(events, seen["rebuilt"]))
     events = sorted(_free_staged(events, staged, alive), key=order) if staged else events
     return events, seen["marker_times"]
 
@@ -256,6 +257,21 @@ def _rebuild_broadcasts(events, rebuilt, reads):
         if not any(end < start < t_next for start, *_ in reads.get(addr, ())):
             out[(addr, t)] = end
     return out
+
+
+def _superseded_buckets(events, rebuilt):
+    """{(address, alloc time): the rebuild's end} for DDP's buckets made before its rebuild:
+    the rebuild replaces them, and the last reference may be step 1's all-reduce, which gloo's
+    thread lets go of unrecorded (a rank's old bucket then stayed to the end, counted twice
+    beside the new one: 1 run of tests/test_cpu_oracle.py's torchrun job in about 30, on 2 busy
+    cores). Freed where the rebuild returns, as the shadow frees them; a free this thread
+    recorded comes first (_free_staged frees only what no recorded free did)."""
+    ends = [end for (addr, t), end in rebuilt.items()]
+    if not ends:
+        return {}
+    start = min(t for (addr, t) in rebuilt)
+    return {(addr, t): max(ends) for t, action, addr, _, frames, *_ in events
+            if action == "alloc" and t < start and distributed_name(frames) == "grads/ddp_buckets"}
 
 
 def _unseen_events(unseen, ranges, keep=(), named=None):
