@@ -55,6 +55,20 @@ def pytest_sessionstart(session):
             raise pytest.UsageError(f"CI=true and missing: {', '.join(missing)} (tests would skip without them)")
 
 
+def same_bf16_kernels(cpu):
+    """Whether a bf16 row measured on `cpu` (its recorder.cpu_info record; None for the files
+    measured before rows carried one, on an AMD EPYC) is asked of the same bf16 kernels here: both
+    CPUs run bf16 matmuls through oneDNN or neither does, and both have AMX's bf16 tiles or neither
+    (an AMD EPYC's avx512_bf16 kernels and a Xeon's AMX ones make other scratch buffers: 11 of the
+    70 bf16 rows of shadow-check-493858 differ, every fp32 row agrees). Records without
+    "amx_bf16" were made on AMD EPYCs (Zen 4: no AMX)."""
+    from memory_audit.recording.recorder import cpu_info
+    here = cpu_info()
+    cpu = cpu or {"model": "AMD EPYC", "onednn_bf16": True}
+    amx = cpu.get("amx_bf16", False if cpu["model"].startswith("AMD") else None)
+    return cpu["onednn_bf16"] == here["onednn_bf16"] and (not here["onednn_bf16"] or amx == here["amx_bf16"])
+
+
 def native_bf16_matmul():
     """Whether this CPU runs bf16 matmuls through oneDNN (avx512_bf16 or AMX: PyTorch's mkldnn
     bf16 path, e.g. AMD EPYC Zen 4). Those kernels allocate scratch buffers the ledger does not

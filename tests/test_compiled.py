@@ -18,7 +18,7 @@ from memory_audit.reading.loader import load_meta, load_snapshot
 from memory_audit.prediction.predict import device_facts, prediction
 from memory_audit.comparison.reconcile import measure, mismatched
 from memory_audit.reading.timeline import replay as replay_trace
-from conftest import assert_books_match_the_pickle, assert_repredicted_exactly, gpt_steps, tiny_gpt
+from conftest import assert_books_match_the_pickle, assert_repredicted_exactly, gpt_steps, same_bf16_kernels, tiny_gpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "snapshots", "results", "cpu-compile-budget.jsonl")
@@ -145,15 +145,15 @@ def test_random_compiled_configs_are_predicted_to_the_byte():
     every measured line of the three phases, the steady state, activations and peak re-predicted
     from each row's inductor plan to the byte (the extern kernels' own buffers asked of them,
     the eager optimizer step's from the shadow run). A bf16 row measured through oneDNN cannot be
-    asked of a CPU without it: those rows are left out there. Reads stored plans: no compiler
+    asked of a CPU whose bf16 kernels are other ones (without oneDNN's bf16, or with AMX's:
+    conftest.same_bf16_kernels): those rows are left out there. Reads stored plans: no compiler
     needed."""
     import glob
 
-    from memory_audit.prediction.shadow.probe import native
     rows = [json.loads(l) for f in sorted(glob.glob(os.path.join(ROOT, "snapshots", "results", "random", "compile-check-*.jsonl")))
             for l in open(f)]
-    here = [r for r in rows if "error" not in r and not (r["config"]["dtype"] == "bfloat16" and
-                                                          r["cpu"]["onednn_bf16"] and not native(torch.bfloat16))]
+    here = [r for r in rows if "error" not in r and not (r["config"]["dtype"] == "bfloat16"
+                                                          and not same_bf16_kernels(r["cpu"]))]
     assert len(rows) >= 15 and len(here) >= 7, (len(rows), len(here))
     from memory_audit.comparison.reconcile import join
     from memory_audit.comparison.sweep import repredict, row_prediction

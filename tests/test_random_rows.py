@@ -10,13 +10,14 @@ import os
 
 import pytest
 
-from conftest import ROOT, native_bf16_matmul
+from conftest import ROOT, same_bf16_kernels
 
 # Which CPU measured the single-process grids, per file (rows written since recorder.cpu_info
 # carry it themselves as "cpu"): snapshots/shadow-grids/ on 2026-11-24 on a CPU whose bf16 matmuls
 # take PyTorch's own kernels; snapshots/results/random/shadow-check-* on 2026-11-25/26 on an AMD
 # EPYC with avx512_bf16 (oneDNN). A bf16 row is re-predicted as its CPU ran it: the shadow asks
-# the kernels, so a oneDNN row needs a oneDNN CPU to be asked again (skipped elsewhere, said so).
+# the kernels, so a oneDNN row needs a CPU with the same oneDNN bf16 kernels to be asked again
+# (conftest.same_bf16_kernels: an AMX Xeon's are other ones; skipped elsewhere, said so).
 ONEDNN_FILES = ("shadow-check-*.jsonl",)
 CPU_FILES = sorted(glob.glob(os.path.join(ROOT, "snapshots", "shadow-grids", "*.jsonl"))
                    + glob.glob(os.path.join(ROOT, "snapshots", "results", "random", "shadow-check-*.jsonl")))
@@ -93,13 +94,13 @@ def test_committed_cpu_random_rows_are_the_shadow_runs_peak(part):
     from memory_audit.prediction.shadow.probe import plain_bf16
     import torch
     rows = _cpu_rows(part)
-    here, misses, skipped, threads = native_bf16_matmul(), [], 0, torch.get_num_threads()
+    misses, skipped, threads = [], 0, torch.get_num_threads()
     for path, r in rows:
         # CPU kernels' buffers are per thread: predicted at the row's thread count (the files
         # without a "cpu" record were measured on 2 cores, torch's default there: 2 threads)
         torch.set_num_threads((r.get("cpu") or {}).get("threads", 2))
         onednn = r["config"]["dtype"] == "bfloat16" and _onednn(path, r)
-        if onednn and not here:
+        if onednn and not same_bf16_kernels(r.get("cpu")):
             skipped += 1
             continue
         cfg = resolved(dict(r["config"], device="cpu"))
@@ -111,7 +112,8 @@ def test_committed_cpu_random_rows_are_the_shadow_runs_peak(part):
         if peak != r["measured"]:
             misses.append((os.path.basename(path), r["config"], peak - r["measured"]))
     torch.set_num_threads(threads)
-    print(f"part {part}: {len(rows) - skipped} rows re-predicted, {skipped} oneDNN bf16 rows skipped on this CPU")
+    print(f"part {part}: {len(rows) - skipped} rows re-predicted, {skipped} bf16 rows skipped: this CPU's bf16 "
+          "kernels are not the ones that measured them")
     assert misses == []
 
 
@@ -148,11 +150,11 @@ def test_committed_torchrun_random_rows_are_the_shadow_runs_of_their_ranks():
     off = {}
     for f, i, r in known + rest:
         rc = r["resolved_config"]
-        if rc["dtype"] == "bfloat16" and not native_bf16_matmul():
-            continue  # measured with oneDNN's bf16 matmuls: the shadow must ask those kernels
+        if rc["dtype"] == "bfloat16" and not same_bf16_kernels(r.get("cpu")):
+            continue  # measured with an AMD EPYC's oneDNN bf16 kernels: the shadow must ask those
         diff = shadow.run(resolved(rc))["peak"] - r["totals"]["peak"]["actual"]
         if diff:
             off[(f, i)] = diff
     print(f"torchrun rows re-predicted: {[(f, i) for f, i, _ in rest]}")
-    assert off == {k: v for k, v in TORCHRUN_MISSES.items() if native_bf16_matmul() or
-                   next(r for f, i, r in known if (f, i) == k)["resolved_config"]["dtype"] != "bfloat16"}
+    asked = {(f, i) for f, i, r in known if r["resolved_config"]["dtype"] != "bfloat16" or same_bf16_kernels(r.get("cpu"))}
+    assert off == {k: v for k, v in TORCHRUN_MISSES.items() if k in asked}

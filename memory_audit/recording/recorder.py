@@ -356,14 +356,18 @@ class AuditRecording:
 
 def cpu_info():
     """Which CPU measured a CPU audit, and what of it changes what its kernels allocate: its model
-    name, torch's thread count (per-thread kernel buffers) and whether its bf16 (fp16) matmuls run
-    through oneDNN (scratch buffers after their outputs: prediction/shadow/probe)."""
-    model = platform.processor() or platform.machine()
+    name, torch's thread count (per-thread kernel buffers), whether its bf16 (fp16) matmuls run
+    through oneDNN (scratch buffers after their outputs: prediction/shadow/probe) and whether it
+    has AMX's bf16 tiles (oneDNN and CPU flash attention then take AMX kernels, whose scratch
+    buffers are not avx512_bf16's: a bf16 audit on an AMD EPYC and on a Xeon with AMX differ)."""
+    model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            lines = f.read().splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), model)
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
     except OSError:
         pass
     return {"model": model, "threads": torch.get_num_threads(),
             "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-            "onednn_fp16": bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())}
+            "onednn_fp16": bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()), "amx_bf16": "amx_bf16" in flags}
