@@ -17,6 +17,10 @@ GPUS = {
     "V100": ((7, 0), 34_089_730_048),
     "RTX4090": ((8, 9), 25_386_352_640),
 }
+# name -> (SMs, threads per SM): how CUDA's reductions split (shadow/rules/reduce.py); the H200's
+# measured (scripts/gpu_reduce.py), the others NVIDIA's published figures for the same boards
+CORES = {"A100": (108, 2048), "A100-40GB": (108, 2048), "H100": (132, 2048), "H200": (132, 2048),
+         "L4": (58, 1536), "A10G": (80, 1536), "V100": (80, 2048), "RTX4090": (128, 1536)}
 
 DEFAULTS = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False,
                 dropout=0.0, batch_size=12, gradient_accumulation_steps=1, dtype="float16",
@@ -61,7 +65,8 @@ def device_facts(device="cuda", gpu="H100", capability=None, torch_version="2.11
         sdpa_backend = "cudnn" if cap >= (9, 0) else "flash" if cap >= (8, 0) else "efficient"
     return {"type": "cuda", "gpu": gpu, "capability": list(cap), "workspace_bytes": ws, "workspaces": 2,
             "sdpa_backend": sdpa_backend, "total_memory": total_memory or mem, "torch_version": torch_version,
-            "expandable_segments": expandable_from_env(env), "outside_pytorch": outside_pytorch}
+            "expandable_segments": expandable_from_env(env), "outside_pytorch": outside_pytorch,
+            "cores": CORES.get(gpu_name(gpu))}
 
 
 def presets():

@@ -27,6 +27,7 @@ import contextlib
 
 from . import cuda, patches
 from .autocast import autocast, recomputed
+from .rules.reduce import MEASURED_CORES, on_cores
 from .streams import Stream
 
 
@@ -88,15 +89,17 @@ def devices():
 
 
 @contextlib.contextmanager
-def cuda_module(gpu, total_memory, capability):
+def cuda_module(gpu, total_memory, capability, cores=None):
     """torch.cuda (and torch.accelerator) answering as one `gpu` would (without CUDA, torch.cuda
     says there is none and the code takes its CPU branch). What is left real: streams, events,
     generators on "cuda", and memory_allocated() and the like (0 here: the prediction is the
     shadow's result)."""
     import torch
     cap = tuple(capability)
+    sms, threads = cores or MEASURED_CORES
     props = type("Properties", (), {"name": f"NVIDIA {gpu}", "total_memory": total_memory, "major": cap[0],
-                                    "minor": cap[1], "multi_processor_count": 132})()
+                                    "minor": cap[1], "multi_processor_count": sms,
+                                    "max_threads_per_multi_processor": threads})()
     answers = {
         "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
         "is_bf16_supported": lambda *a, **k: True, "get_device_name": lambda *a, **k: props.name,
@@ -136,7 +139,8 @@ def on_gpu(device, note=None):
     """Every piece above for `device` (ledger/config.device_facts' dict); `note` is told each rule a
     call takes that no GPU trace has measured."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(cuda_module(device["gpu"], device["total_memory"], device["capability"]))
+        stack.enter_context(cuda_module(device["gpu"], device["total_memory"], device["capability"], device.get("cores")))
+        stack.enter_context(on_cores(device.get("cores")))
         stack.enter_context(patches.meta())
         stack.enter_context(optimizer_defaults())
         kernels = stack.enter_context(cuda.device_kernels(device["sdpa_backend"], note))

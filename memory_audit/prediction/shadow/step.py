@@ -29,6 +29,7 @@ from .names import held_names, lines, name_grads, naming, snapshot  # noqa: F401
 from .patches import cpu_rules, fsdp_on_gpu, meta, no_init, propagation_unseen, storage_resizes
 from .blocks import block_tags, module_labels
 from .tracker import Tracker, dispatch_mode
+from .rules.reduce import on_cores
 from .error import ShadowError  # noqa: F401 (read as shadow.ShadowError)
 
 def _held(state, scaler):
@@ -94,7 +95,7 @@ def collector_paused():
 
 
 def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False,
-        names=False):
+        names=False, cores=None):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see step_result). fake=False runs the same on real tensors (a
     check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
@@ -103,7 +104,8 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     tags each allocation and event with its block and micro-step (result["blocks"],
     result["micro"], for shadow/repeat). names=True also names what the audited forward made as
     an audit does (result["saved"], read by lines(); it costs a graph walk, which fit and plan do
-    without). Raises ShadowError (one line) if the step cannot run."""
+    without). cores: the GPU's (SMs, threads per SM) its reductions are sized for (None: the
+    H100's and H200's; shadow/rules/reduce.py). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
     tracker.naming = names
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
@@ -112,7 +114,8 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     if device_type == "cuda" and fake and cache:
         from .metacache import SHARED
         tracker.meta_cache = SHARED
-    return stopped_as_one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
+    with on_cores(cores):
+        return stopped_as_one_line(tracker, _run, cfg, device_type, fake, tracker, sdpa_backend)
 
 
 def stopped_as_one_line(tracker, fn, *args):
@@ -318,7 +321,7 @@ def replayed(cfg, device, repeat=True, names=False):
         return {"steady_state": result["start_bytes"], "before_backward": at.get("step2_before_backward"),
                 "peak": result["peak"], "peak_event": levels.index(result["peak"]) - 1, "end": at["step2_end"],
                 "reserved": None, "result": result}
-    kw = dict(sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"])
+    kw = dict(sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"], cores=device.get("cores"))
     key = repr((sorted(cfg.items()), sorted(kw.items()), repeat, names))
     result = _LAST.get(key)
     if result is None:
@@ -343,11 +346,11 @@ def step_levels(result):
     return levels
 
 
-def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0):
+def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0, cores=None):
     """run(cfg, "cuda") built by shadow/repeat from shadow runs of 3 and 4 blocks (and, with
     many micro-steps, of 3 and 4 micro-steps at each depth), or None where the repeat rule does
     not hold for this config (then run it whole)."""
-    kw = dict(sdpa_backend=sdpa_backend, workspace_bytes=workspace_bytes, blocks=True)
+    kw = dict(sdpa_backend=sdpa_backend, workspace_bytes=workspace_bytes, blocks=True, cores=cores)
     k, micro = cfg["gradient_accumulation_steps"], shadow_repeat.micro_repeatable(cfg)
 
     def at_depth(n):

@@ -12,13 +12,18 @@ replay them; torch 2.11 throughout. The sources, as the rules' docstrings name t
                                  691115's rows out of sample: scripts/zoo_cuda_check.py)
   the zoo's H200 traces          snapshots/results/zoo/h200-zoo-256239-runs.tgz (tiny loops),
                                  snapshots/results/zoo/h200-zoo-gpt2-vit-424047-575634-runs.tgz
-                                 (GPT-2-sized encoder ViTs) A shape-dependent rule says where a
+                                 (GPT-2-sized encoder ViTs)
+  the H200 reduction probe       snapshots/results/reduce/h200-reduce-187258.jsonl,
+                                 snapshots/results/reduce/h200-reduce-strided-215222.jsonl
+                                 (scripts/gpu_reduce.py; rules/reduce.py)
+A shape-dependent rule says where a
 call lies outside the shapes it was measured at (its "outside" part, SAMPLES), and the
 prediction lists it as not measured on a GPU. The parts are described in shadow/rules/__init__.py.
 Plain Python until a rule is called: torch is imported inside.
 """
 
 from . import rule
+from .reduce import REDUCTION  # its rules register themselves
 
 FOREACH_CHUNK = 65536  # elements per chunk of multi_tensor_apply's kernels
 # made and freed by cuDNN's attention kernels after their outputs, one H100 config measured (B 4,
@@ -40,6 +45,7 @@ SAMPLES = {
     EMBEDDING_SORT: "N = B x T of 4,096, 8,192, 10,240 or 12,288 over 50,304 rows (H200)",
     CUDNN_BUFFERS: "head size 16 or 32 with T up to 256, or 64 at T 1,024 (H100, H200)",
     CUMULATIVE_CAST: "cumsum of a bool mask to int64 (H100, zoo seed 408334)",
+    REDUCTION: "fp32, fp16 and bf16 inputs on 132 SMs x 2,048 threads (H200, scripts/gpu_reduce.py)",
 }
 
 CUDNN_ATTENTION = "aten._scaled_dot_product_cudnn_attention.default"
