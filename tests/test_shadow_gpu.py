@@ -346,10 +346,12 @@ def test_a_gpt2_sized_encoder_vit_forward_event_by_event(tmp_path):
     """nn.TransformerEncoder at GPT-2's width over a patch embedding (H200, seed 424047 row 0,
     fp32, batch 8): its residual stream keeps the embedding's transposed layout, so CUDA's
     LayerNorm copies its input before its outputs, and nn.MultiheadAttention's packed projection
-    of its transposed input is a matmul with the bias added in place. The whole forward and loss
-    agree event by event (the first 453 events); the first event apart is the bias gradient's
-    reduction buffer in the backward (a CUDA reduce's global memory, not modelled), and step 2's
-    start, its moment before backward and its end are exact. In a process of its own: after a
+    of its transposed input is a matmul with the bias added in place. In the backward, the bias
+    gradients' reductions split across blocks (rules/reduce.py), efficient attention's backward
+    and LayerNorm's copy their transposed grad_out. The step agrees event by event through all
+    12 blocks' backward (1,759 events); the first event apart is the patch embedding's
+    convolution backward's cuDNN workspace (not modelled), and step 2's start, its moment before
+    backward and its end are exact. In a process of its own: after a
     compiled plan was made in a process (a torch.compile whose backend raised), CPython 3.11 no
     longer inlines Python calls there, and `_sa_block(self.norm1(x))` holds LayerNorm's output
     until the call returns, three events later (docs/limits.md)."""
@@ -375,7 +377,8 @@ print(json.dumps([apart, [a["steady_state"], a["before_backward"], a["end"]],
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     apart, predicted, measured = json.loads(p.stdout.strip().splitlines()[-1])
-    assert apart["position"] == 453 and apart["measured"][0] == "alloc" and apart["measured"][2] == 9830400, apart
+    assert apart["position"] == 1759 and apart["measured"][0] == "alloc" and apart["measured"][2] == 14385296, apart
+    assert apart["predicted"][1] == "grads/patch.bias", apart
     assert predicted == measured
 
 def test_a_tiny_encoder_vit_backward_through_its_layer_norms_and_patch_embedding(tmp_path):

@@ -77,15 +77,22 @@ def efficient_attention_backward(args):
     """fp32 SDPA's backward (the random H200 audits, head size 16 and 32, T 16-256): after
     its outputs a buffer of q's size and an fp32 row buffer (B x heads x T), a second row buffer
     made and freed at once with several heads, then a workspace of
-    B x heads x ceil(T/64) x (64 x 64 fp32 + 16 B)."""
-    B, nh, T, _ = args[1].shape  # grad_out, query, key, value, bias, out, logsumexp, ...
+    B x heads x ceil(T/64) x (64 x 64 fp32 + 16 B). Before all of them, where grad_out read as
+    (B, T, heads, head size) is not contiguous (nn.MultiheadAttention's, batch > 1), a contiguous
+    copy of it, freed as the kernel returns (zoo H200 traces: the GPT-2-sized encoder ViTs, head
+    size 64, T 196)."""
+    grad_out = args[0]  # grad_out, query, key, value, bias, out, logsumexp, ...
+    B, nh, T, _ = args[1].shape
     row = 4 * B * nh * T
-    after = [("alloc", 4 * args[1].numel()), ("alloc", row)]  # allocs 0 and 1
+    copy = 0 if grad_out.transpose(1, 2).is_contiguous() else 1
+    after = [("alloc", grad_out.numel() * grad_out.element_size())] if copy else []
+    after += [("alloc", 4 * args[1].numel()), ("alloc", row)]  # allocs copy and copy + 1
     if nh > 1:
-        after += [("alloc", row), ("free", 2)]
+        after += [("alloc", row), ("free", copy + 2)]
     workspace = B * nh * -(-T // 64) * (64 * 64 * 4 + 16)
-    last = 3 if nh > 1 else 2  # the workspace's place among the allocs
-    return [], after + [("free", 0), ("alloc", workspace), ("free", 1), ("free", last)]
+    last = copy + (3 if nh > 1 else 2)  # the workspace's place among the allocs
+    after += [("free", copy), ("alloc", workspace), ("free", copy + 1), ("free", last)]
+    return [], after + ([("free", 0)] if copy else [])
 
 
 @rule("cuda", EFFICIENT_ATTENTION_BACKWARD, "outside")
@@ -244,6 +251,15 @@ def layer_norm_backward_input_copy(args):
     traces: seed 256239's row 37, a tiny encoder ViT)."""
     x = args[1]  # grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
     return [] if x.is_contiguous() else [x.numel() * x.element_size()]
+
+
+@rule("cuda", "aten.native_layer_norm_backward.default", "after")
+def layer_norm_backward_grad_copy(args):
+    """A non-contiguous grad_out is copied contiguous after the gradients are made, for the
+    kernel's call alone: freed first (zoo H200 traces: the GPT-2-sized encoder ViTs, whose
+    residual stream's gradient keeps the patch embedding's transposed layout)."""
+    g = args[0]
+    return [] if g.is_contiguous() else [g.numel() * g.element_size()]
 
 
 @rule("cuda", "aten.convolution_backward.default", "before")
