@@ -1,11 +1,12 @@
 """torch._dynamo stood in for while a shadow runs or a CPU audit records, so an eager step does not import it (issue #26: speed).
 
-An eager step asks torch._dynamo four things: `disable(fn)` (through torch._disable_dynamo's
+An eager step asks torch._dynamo five things: `disable(fn)` (through torch._disable_dynamo's
 wrappers: every dispatch mode's __torch_dispatch__, the prims references, the optimizer's
 constructor and zero_grad, checkpoint), `graph_break()` (torch.optim's step), `config`
 (checkpoint reads one flag) and, where a process group is made (a torchrun rank's shadow),
 `trace_rules.clear_lru_cache()` (init_process_group: the caches of a module not imported are
-empty, so there it does nothing). Importing torch._dynamo for them costs about 1 s of a shadow-backed
+empty, so there it does nothing) and, in torch 2.11's FSDP2, whether compiled autograd is on
+(`import torch._dynamo.compiled_autograd`: off where the real module is not imported). Importing torch._dynamo for them costs about 1 s of a shadow-backed
 command on 2 cores (measured with the shadow's other imports already done), more than the shadow
 of GPT-2 xl; in a CPU audit it cost 1.8 s of a 5.7 s cpu-tiny run (the profiler's start probed
 torch._inductor, which imports it), and imported inside the profile it is 40 s more (every
@@ -63,11 +64,31 @@ class _TraceRules:
 _TRACE_RULES = _TraceRules()
 
 
+class _CompiledAutograd(types.ModuleType):
+    """torch._dynamo.compiled_autograd asked for while the stand-in is in place (FSDP2's lazy
+    init asks whether compiled autograd is on, torch 2.11's by importing this module): it is off
+    in a process that has not imported torch._dynamo, since turning it on imports the real
+    module. Anything else asked of it is the real module's."""
+    compiled_autograd_enabled = compiled_autograd_enabled_force_eager = in_compiled_autograd_region = False
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        _real()
+        return getattr(importlib.import_module(self.__name__), name)
+
+
+_COMPILED_AUTOGRAD = _CompiledAutograd(NAME + ".compiled_autograd")
+
+
 class _Guard(importlib.abc.MetaPathFinder):
     """A submodule other than config asked for while the stand-in is in place: the real
-    package first (a submodule must not load without its package's import)."""
+    package first (a submodule must not load without its package's import); compiled_autograd
+    is answered by its stand-in."""
 
     def find_spec(self, name, path=None, target=None):
+        if name == _COMPILED_AUTOGRAD.__name__ and sys.modules.get(NAME) is _STAND_IN:
+            return importlib.util.spec_from_loader(name, _Loaded(_COMPILED_AUTOGRAD))
         if name.startswith(NAME + ".") and name not in OWN and sys.modules.get(NAME) is _STAND_IN:
             _real()
             return loaded_spec(name)
@@ -149,6 +170,8 @@ def _remove():
     import torch
     if sys.modules.get(NAME) is _STAND_IN:
         del sys.modules[NAME]
+    if sys.modules.get(_COMPILED_AUTOGRAD.__name__) is _COMPILED_AUTOGRAD:
+        del sys.modules[_COMPILED_AUTOGRAD.__name__]
     if getattr(torch, "_dynamo", None) is _STAND_IN:
         del torch._dynamo
     if sys.meta_path is not None and _GUARD in sys.meta_path:  # None: the interpreter is shutting down

@@ -52,11 +52,12 @@ import torch
 sys.meta_path.insert(0, Hook())
 from memory_audit.prediction.shadow import step as shadow
 from memory_audit.prediction.ledger.config import resolved
-for device, extra in (("cuda", {"dtype": "float16"}), ("cpu", {})):  # as tests/test_nodynamo.py's STEP
+for device, extra in (("cuda", {"dtype": "float16"}), ("cpu", {}),  # as tests/test_nodynamo.py's STEP
+                      ("cuda", {"parallel": "fsdp", "world_size": 2, "rank": 1, "activation_checkpointing": "none"})):
     cfg = resolved(dict({"preset": "cpu-tiny", "n_layer": 2, "batch_size": 2, "gradient_accumulation_steps": 2,
                          "activation_checkpointing": "selective", "dropout": 0.1}, **extra))
     shadow.run(cfg, device)
-    print(f"after the {device} step: dynamo imported:", "torch._dynamo" in sys.modules, flush=True)
+    print(f"after the {device} {extra.get('parallel', '')} step: dynamo imported:", "torch._dynamo" in sys.modules, flush=True)
 """
 
 

@@ -143,3 +143,27 @@ print(json.dumps([len(events), "torch._inductor" in sys.modules, "torch._dynamo"
 """
     n, inductor, dynamo = json.loads(_python(code))
     assert n > 0 and not inductor and not dynamo
+
+
+def test_compiled_autograd_is_off_under_the_stand_in_and_real_after():
+    """torch 2.11's FSDP2 asks whether compiled autograd is on by importing
+    torch._dynamo.compiled_autograd (a shadow rank's lazy init on the GPU machine imported the
+    real torch._dynamo for it): under the stand-in its three flags are False and nothing is
+    imported; anything else asked of it imports the real module and answers from it."""
+    code = """
+import sys, torch
+from memory_audit.nodynamo import stood_in
+with stood_in():
+    import torch._dynamo.compiled_autograd as ca
+    flags = (ca.compiled_autograd_enabled, ca.compiled_autograd_enabled_force_eager, ca.in_compiled_autograd_region)
+    assert flags == (False, False, False) and type(sys.modules["torch._dynamo"]).__name__ == "_StandIn"
+assert "torch._dynamo" not in sys.modules and "torch._dynamo.compiled_autograd" not in sys.modules
+with stood_in():
+    import torch._dynamo.compiled_autograd as ca
+    real = ca._enable  # not a flag: the real module's
+    assert type(sys.modules["torch._dynamo"]).__name__ == "module"
+assert type(sys.modules["torch._dynamo.compiled_autograd"]).__name__ == "module"
+assert real is sys.modules["torch._dynamo.compiled_autograd"]._enable
+print("ok")
+"""
+    assert _python(code) == "ok"
