@@ -15,7 +15,8 @@ from conftest import ROOT, same_bf16_kernels
 # Which CPU measured the single-process grids, per file (rows written since recorder.cpu_info
 # carry it themselves as "cpu"): snapshots/shadow-grids/ on 2026-11-24 on a CPU whose bf16 matmuls
 # take PyTorch's own kernels; snapshots/results/random/shadow-check-* on 2026-11-25/26 on an AMD
-# EPYC with avx512_bf16 (oneDNN). A bf16 row is re-predicted as its CPU ran it: the shadow asks
+# EPYC with avx512_bf16 (oneDNN); shadow-check-amx-bf16-504644 on 2026-11-28 on a Xeon with AMX
+# (its rows carry "cpu"). A bf16 row is re-predicted as its CPU ran it: the shadow asks
 # the kernels, so a oneDNN row needs a CPU with the same oneDNN bf16 kernels to be asked again
 # (conftest.same_bf16_kernels: an AMX Xeon's are other ones; skipped elsewhere, said so).
 ONEDNN_FILES = ("shadow-check-*.jsonl",)
@@ -23,7 +24,7 @@ CPU_FILES = sorted(glob.glob(os.path.join(ROOT, "snapshots", "shadow-grids", "*.
                    + glob.glob(os.path.join(ROOT, "snapshots", "results", "random", "shadow-check-*.jsonl")))
 H200 = os.path.join(ROOT, "snapshots", "results", "random", "h200-shadow-cuda-119610-262229-630383-810458.jsonl")
 PARTS = 4  # the CPU rows in four tests, for xdist
-CPU_SAMPLE = 2  # CI re-predicts one CPU row in CPU_SAMPLE, drawn with the run's seed; ALL_ROWS=1: all 540
+CPU_SAMPLE = 2  # CI re-predicts one CPU row in CPU_SAMPLE, drawn with the run's seed; ALL_ROWS=1: all 550
 
 
 def _measured(path):
@@ -47,7 +48,7 @@ TORCHRUN_SAMPLE = 12  # rank rows per test run (a shadow run of a rank takes abo
 
 
 def test_the_committed_random_files_are_all_here():
-    """The files the docs quote: 3 shadow grids (164 configs) and 6 shadow_check files (376), all
+    """The files the docs quote: 3 shadow grids (164 configs) and 7 shadow_check files (386), all
     measured; the H200 file's 119 configs, 91 audited (28 died, each row says why); 5 torchrun
     files, 163 rank rows, 158 measured."""
     counts = {os.path.basename(p): _measured(p) for p in CPU_FILES}
@@ -55,7 +56,8 @@ def test_the_committed_random_files_are_all_here():
         "cpu-seed115967.jsonl": (40, 40), "cpu-seed163814.jsonl": (24, 24), "cpu-seed616607.jsonl": (100, 100),
         "shadow-check-493858.jsonl": (100, 100), "shadow-check-680502.jsonl": (40, 40),
         "shadow-check-783350.jsonl": (100, 100), "shadow-check-bf16-sdpa-790420.jsonl": (20, 20),
-        "shadow-check-75613.jsonl": (16, 16), "shadow-check-673794.jsonl": (100, 100)}
+        "shadow-check-75613.jsonl": (16, 16), "shadow-check-673794.jsonl": (100, 100),
+        "shadow-check-amx-bf16-504644.jsonl": (10, 10)}
     measured, n = _measured(H200)
     assert (len(measured), n) == (91, 119)
     ranks = [json.loads(line)["status"] == "ok" for p in TORCHRUN for line in open(p)]
@@ -64,16 +66,17 @@ def test_the_committed_random_files_are_all_here():
 
 def test_the_audits_own_report_gave_the_measured_peak():
     """The rows made since train.py --audit's report reads prediction() (they carry
-    `predictor_from`; seed 673794: 100 configs over sweep.random_config's space): in every one the
+    `predictor_from`; seed 673794: 100 configs over sweep.random_config's space, seed 504644: 10
+    bf16 ones on a Xeon with AMX): in every one the
     report.json the audit wrote predicted the measured peak to the byte and every line of every
     phase. A record of what those audits printed, as measured then; the peak is re-predicted below."""
     rows = [r for p in CPU_FILES for r in _measured(p)[0] if "predictor_from" in r]
-    assert len(rows) == 100 and all(r["predictor_from"].startswith("shadow run") for r in rows)
+    assert len(rows) == 110 and all(r["predictor_from"].startswith("shadow run") for r in rows)
     assert [r["config"] for r in rows if r["predictor"] != r["measured"] or r["lines_off"]] == []
 
 
 def _cpu_rows(part):
-    """This part's share of the 540 single-process CPU rows: a quarter of all of them with
+    """This part's share of the 550 single-process CPU rows: a quarter of all of them with
     ALL_ROWS=1 (about 4 minutes of shadow runs on 2 cores), else a quarter of a half drawn with
     the run's seed (a new half each run, printed with the seed)."""
     import random
@@ -86,7 +89,7 @@ def _cpu_rows(part):
 
 @pytest.mark.parametrize("part", range(PARTS))
 def test_committed_cpu_random_rows_are_the_shadow_runs_peak(part):
-    """A quarter of the single-process CPU rows (_cpu_rows: all 540 with ALL_ROWS=1, else a seeded
+    """A quarter of the single-process CPU rows (_cpu_rows: all 550 with ALL_ROWS=1, else a seeded
     half): the shadow run of each config, made now, gives the measured peak to the byte (bf16 as
     the row's CPU ran its matmuls)."""
     from memory_audit.prediction.shadow import step as shadow
