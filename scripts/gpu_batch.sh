@@ -29,6 +29,9 @@ DEVICE=${DEVICE:-cuda}   # DEVICE=cpu: a dry run of this script's plumbing on a 
 rm -rf "$W"; mkdir -p "$OUT" "$W"
 export DEADLINE=$(( $(date +%s) + ${SECONDS_FOR_WORK:-470} ))
 left() { local l=$(( DEADLINE - $(date +%s) )); if [ "$l" -gt 1 ]; then echo "$l"; else echo 1; fi; }
+# STREAMS=a,b,...: only those streams (names below: shadow compile tests zoo rnn zoogpt2 vit vittiny ddp draws
+# reduce gpt2c probe); unset: all but vittiny
+want() { if [ -z "${STREAMS:-}" ]; then [ "$1" != vittiny ]; else [[ ",$STREAMS," == *",$1,"* ]]; fi; }
 python3 setup.py -q build_ext --inplace > "$W/build.log" 2>&1 || echo "compiled core not built (pure Python path)" >> "$W/build.log"
 { python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; } > "$W/env.txt" 2>&1
@@ -36,31 +39,35 @@ MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/d
 cat "$W/env.txt"
 
 for s in a d; do
+    want shadow || break
     extra=(); [ "$s" = d ] && extra=(--dtype=float16)
     [ "$DEVICE" = cpu ] && [ "$s" = d ] && extra=()
     timeout "$(left)" python3 scripts/shadow_check.py --device="$DEVICE" --n=60 "${extra[@]}" \
         --out="$W/shadow-$s.jsonl" --keep="$W/keep-$s" > "$W/shadow-$s.log" 2>&1 &
 done
 for s in b e; do  # compiled steps: the draw's dtypes, then fp16
+    want compile || break
     extra=(); [ "$s" = e ] && [ "$DEVICE" = cuda ] && extra=(--dtype=float16)
     timeout "$(left)" python3 scripts/compile_check.py --device="$DEVICE" --n=30 "${extra[@]}" \
         --out="$W/compile-$s.jsonl" --keep="$W/compile/keep-$s" > "$W/compile-$s.log" 2>&1 &
 done
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && want tests; then
     timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -n 3 tests/test_cuda.py tests/test_nodynamo.py \
         -k "not oom" > "$W/tests.log" 2>&1 &
 fi
-timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=60 --out="$W/zoo.jsonl" --keep="$W/zoo/tiny" \
-    > "$W/zoo.log" 2>&1 &
-timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=16 --names=gru,lstm,unet \
+want zoo && timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=60 --out="$W/zoo.jsonl" \
+    --keep="$W/zoo/tiny" > "$W/zoo.log" 2>&1 &
+want rnn && timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=16 --names=gru,lstm,unet \
     --out="$W/zoo-rnn-unet.jsonl" --keep="$W/zoo/rnn-unet" > "$W/zoo-rnn-unet.log" 2>&1 &
+want vittiny && timeout "$(left)" python3 scripts/zoo_audit.py --device="$DEVICE" --n=${VIT_N:-12} --names=encoder_vit \
+    --out="$W/zoo-vit-tiny.jsonl" --keep="$W/vit/tiny" > "$W/zoo-vit-tiny.log" 2>&1 &
 if [ "$DEVICE" = cuda ]; then
-    timeout "$(left)" python3 scripts/zoo_audit.py --device=cuda --size=gpt2 --n=10 \
+    want zoogpt2 && timeout "$(left)" python3 scripts/zoo_audit.py --device=cuda --size=gpt2 --n=10 \
         --out="$W/zoo-gpt2.jsonl" > "$W/zoo-gpt2.log" 2>&1 &
-    timeout "$(left)" python3 scripts/zoo_audit.py --device=cuda --size=gpt2 --n=2 --names=encoder_vit \
+    want vit && timeout "$(left)" python3 scripts/zoo_audit.py --device=cuda --size=gpt2 --n=${VIT_GPT2_N:-2} --names=encoder_vit \
         --keep-max=$((40 << 20)) --out="$W/zoo-gpt2-vit.jsonl" --keep="$W/vit" > "$W/zoo-gpt2-vit.log" 2>&1 &
 fi
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && want ddp; then
     (   # DDP at world size 1: when the old bucket is freed, by set_to_none and micro-steps, each twice
         D6="--n_layer=2 --n_head=1 --n_embd=16 --vocab_size=50 --batch_size=2 --block_size=32 --dtype=float16
             --attention=manual --activation=relu --bias=True --activation_checkpointing=sac --ac_every=1
@@ -75,6 +82,8 @@ if [ "$DEVICE" = cuda ]; then
             timeout "$(left)" python3 -m memory_audit report "$d" --trace < /dev/null | tail -10
         done; done; done
     ) > "$W/nccl-ddp.log" 2>&1 &
+fi
+if [ "$DEVICE" = cuda ] && want draws; then
     (
         # random draws at world size 1 (seed printed), each rank's trace kept and reported
         python3 - > "$W/nccl-draws.txt" <<'PY'
@@ -104,7 +113,19 @@ PY
     ) > "$W/nccl.log" 2>&1 &
 fi
 if [ "$DEVICE" = cuda ]; then
-    timeout "$(left)" python3 scripts/gpu_probe.py 2 > "$W/probe.log" 2>&1 &
+    want reduce && timeout "$(left)" python3 scripts/gpu_reduce.py --out="$W/reduce.jsonl" ${REDUCE_ARGS:-} > "$W/reduce.log" 2>&1 &
+    # GPT-2 small compiled, step 2's traces kept: GPT2C runs (name:flags, flags comma-separated), by default
+    # nanoGPT's defaults (bf16) and fp16 at budget 0.5
+    GPT2C=${GPT2C:-"defaults:--dtype=bfloat16 fp16-b05:--dtype=float16,--activation_memory_budget=0.5"}
+    want gpt2c && (
+        for run in $GPT2C; do
+            [ "$(left)" -gt 60 ] || break
+            timeout "$(left)" python3 train.py --audit --compile=True --preset=gpt2 --batch_size=12 --attention=sdpa \
+                --audit_dir="$W/gpt2c" --run_name="${run%%:*}" $(echo "${run#*:}" | tr , ' ') < /dev/null 2>&1 \
+                | grep -v USDT | tail -14
+        done
+    ) > "$W/gpt2c.log" 2>&1 &
+    want probe && timeout "$(left)" python3 scripts/gpu_probe.py 2 > "$W/probe.log" 2>&1 &
     [ "${SCALE:-0}" = 1 ] && timeout "$(left)" python3 scripts/gpu_scale_audit.py --out="$W/scale" > "$W/scale.log" 2>&1 &
 fi
 G1="gpt2-sdpa-fp32-b4 gpt2-bias-b8 gpt2-manual-fp16 xl-manual-bf16"
@@ -118,14 +139,16 @@ else  # an 80 GB card: one big run at a time, and not the 80 GB one
     (OUT=$W RUNS=$W/runs1 TRACE=1 bash scripts/gpu_reserved.sh $G1 ${G2% large-manual-fp16-b10} > "$W/reserved-1.log" 2>&1) &
 fi
 wait
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && want tests; then
     timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k oom \
         > "$W/tests-oom.log" 2>&1
 fi
 
 tar czf "$OUT/logs.tgz" -C "$W" --exclude='keep-*' --exclude='runs*' --exclude=reserved --exclude=zoo --exclude=nccl \
-    --exclude=scale --exclude=compile --exclude=vit .
-for d in zoo vit nccl compile reserved scale keep-a keep-d; do [ -d "$W/$d" ] && tar czf "$OUT/$d.tgz" -C "$W" "$d"; done
+    --exclude=scale --exclude=compile --exclude=vit --exclude=gpt2c .
+for d in zoo vit nccl compile gpt2c reserved scale keep-a keep-d; do [ -d "$W/$d" ] && tar czf "$OUT/$d.tgz" -C "$W" "$d"; done
+echo "== reduce"; grep -v USDT "$W/reduce.log" | cut -c1-200 | tail -12
+echo "== gpt2c"; cut -c1-300 "$W/gpt2c.log" | tail -30
 echo "== probe"; grep -v USDT "$W/probe.log" | cut -c1-300 | tail -60
 [ -f "$W/scale.log" ] && { echo "== scale"; grep -v USDT "$W/scale.log" | cut -c1-300 | tail -12; }
 for f in "$W"/shadow-?.log "$W"/compile-?.log; do echo "== $f"; grep -v -e "^ *$" -e USDT "$f" | cut -c1-400 | tail -8; done
