@@ -294,36 +294,44 @@ def test_a_compiled_cuda_prediction_without_a_gpu_is_one_line():
         assert p.returncode == 2 and "needs a GPU" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
-H200_COMPILED = os.path.join(os.path.dirname(RESULTS), "compile", "h200-compile-cuda-201281-799563-466808-284003.jsonl.gz")
+H200_COMPILED = [os.path.join(os.path.dirname(RESULTS), "compile", f"h200-compile-cuda-{seeds}.jsonl.gz")
+                 for seeds in ("201281-799563-466808-284003", "734279-347909")]
 
 
 # the H200 compiled rows whose predicted peak is not the measured one, by (seed, row of that seed):
 # predicted less measured. -23,040 B: the second micro-step's forward gets its logits (8,529,408 B)
 # in the block the first micro-step's backward freed (8,552,448 B), unsplit: the caching
-# allocator's, which the compiled prediction does not replay. Every other row is exact.
-H200_PEAK_OFF = {(201281, 6): -23040}
+# allocator's, which the compiled prediction does not replay. The second file's 11 were drawn after
+# the compiled CUDA rules were read from the first's 22: -512 B (fp32, budget 0.6, two micro-steps),
+# and -943,104 B at the peak as at the steady state (fp16, budget 0.6: an allocator gap at the
+# step's start the compiled prediction does not replay). Every other row is exact.
+H200_PEAK_OFF = {(201281, 6): -23040, (734279, 3): -512, (347909, 2): -943104}
+H200_STEADY_OFF = {(347909, 2): -943104}
 
 
 def test_the_h200_compiled_rows_are_predicted_from_their_plans():
-    """22 random compiled CUDA configs (H200, fp32, bf16 and fp16, budgets 0 to 1; committed with
+    """33 random compiled CUDA configs (H200, fp32, bf16 and fp16, budgets 0 to 1; committed with
     inductor's CUDA plan, so a machine without a GPU predicts them as `predict` does on the GPU):
     the kernels the wrappers call answered by the CUDA rules, the tangents autograd hands the
     compiled backward held through it, a cuBLASLt workspace on each thread whose wrapper calls an
     addmm with a 1-D bias, each tangent at the layout the backward asserts, the busiest line
-    found in the allocator's 512 B blocks. Every steady state exact; every peak but H200_PEAK_OFF's
-    one exact (21 of 22)."""
+    found in the allocator's 512 B blocks. Every steady state but one exact; every peak but
+    H200_PEAK_OFF's exact (21 of the 22 the rules were read from, 9 of the 11 drawn after)."""
     import collections
     import gzip
     from memory_audit.comparison.reconcile import device_from_meta
     from memory_audit.prediction.compiled import RESERVED_UNPREDICTED, predict_compiled
-    with gzip.open(H200_COMPILED, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    seen, off, reserved_under = collections.Counter(), {}, []
+    rows = []
+    for path in H200_COMPILED:
+        with gzip.open(path, "rt") as f:
+            rows += [json.loads(line) for line in f]
+    seen, off, steady_off, reserved_under = collections.Counter(), {}, {}, []
     for r in rows:
         dev = device_from_meta({"device": {"type": "cuda", "name": r["gpu"]}, "torch_version": r["torch"]})
         p = predict_compiled(r["resolved_config"], dev, plan=r["inductor_plan"])
         t = p["totals"]
-        assert t["steady_state_allocated"] == r["totals"]["steady_state"]["actual"], r["config"]
+        if t["steady_state_allocated"] != r["totals"]["steady_state"]["actual"]:
+            steady_off[r["seed"], seen[r["seed"]]] = t["steady_state_allocated"] - r["totals"]["steady_state"]["actual"]
         # every kernel call is asked (a list argument such as grad_input_mask is read)
         assert not [n for n in p["backward"]["notes"] if "layout is not in the wrapper" in n], r["config"]
         reserved_under.append(r["totals"]["reserved"]["actual"] - t["reserved_peak_bytes"])
@@ -331,7 +339,7 @@ def test_the_h200_compiled_rows_are_predicted_from_their_plans():
         if t["peak_allocated_bytes"] != r["measured"]:
             off[r["seed"], seen[r["seed"]]] = t["peak_allocated_bytes"] - r["measured"]
         seen[r["seed"]] += 1
-    assert off == H200_PEAK_OFF
-    assert sum(seen.values()) == 22
+    assert off == H200_PEAK_OFF and steady_off == H200_STEADY_OFF
+    assert sum(seen.values()) == 33
     # the range the unpredicted-reserved note quotes is these rows'
     assert f"{min(reserved_under):,} to {max(reserved_under):,} B more" in RESERVED_UNPREDICTED
