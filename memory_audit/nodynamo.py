@@ -64,17 +64,30 @@ class _TraceRules:
 _TRACE_RULES = _TraceRules()
 
 
+def _flag(name):
+    """One of compiled autograd's flags: the real module's where it is loaded, else off."""
+    def read(self):
+        real = sys.modules.get(self.__name__)
+        return False if real is None or real is self else getattr(real, name)
+    return property(read)
+
+
 class _CompiledAutograd(types.ModuleType):
     """torch._dynamo.compiled_autograd asked for while the stand-in is in place (FSDP2's lazy
     init asks whether compiled autograd is on, torch 2.11's by importing this module): it is off
     in a process that has not imported torch._dynamo, since turning it on imports the real
-    module. Anything else asked of it is the real module's."""
-    compiled_autograd_enabled = compiled_autograd_enabled_force_eager = in_compiled_autograd_region = False
+    module; once that is loaded, its flags are the real module's. Anything else asked of it is
+    the real module's."""
+    compiled_autograd_enabled = _flag("compiled_autograd_enabled")
+    compiled_autograd_enabled_force_eager = _flag("compiled_autograd_enabled_force_eager")
+    in_compiled_autograd_region = _flag("in_compiled_autograd_region")
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
         _real()
+        if sys.modules.get(self.__name__) in (None, self):
+            sys.modules.pop(self.__name__, None)
         return getattr(importlib.import_module(self.__name__), name)
 
 
@@ -125,11 +138,10 @@ def _loaded():
 
 
 def _real():
-    """The real torch._dynamo, imported now if the stand-in is in its place."""
+    """The real torch._dynamo, imported now if the stand-in is in its place (or nothing is)."""
     if sys.modules.get(NAME) is _STAND_IN:
         _remove()
-        importlib.import_module(NAME)
-    return sys.modules[NAME]
+    return importlib.import_module(NAME)
 
 
 def disable(fn=None, recursive=True, *, reason=None, wrapping=True):
@@ -172,6 +184,8 @@ def _remove():
         del sys.modules[NAME]
     if sys.modules.get(_COMPILED_AUTOGRAD.__name__) is _COMPILED_AUTOGRAD:
         del sys.modules[_COMPILED_AUTOGRAD.__name__]
+    if _STAND_IN.__dict__.get("compiled_autograd") is _COMPILED_AUTOGRAD:  # set by the import
+        del _STAND_IN.compiled_autograd
     if getattr(torch, "_dynamo", None) is _STAND_IN:
         del torch._dynamo
     if sys.meta_path is not None and _GUARD in sys.meta_path:  # None: the interpreter is shutting down

@@ -3,24 +3,29 @@
 # stops SECONDS_FOR_WORK seconds after the start, default 470). From the repo root, with the
 # machine's own python3:
 #   OUT=$OUT SECONDS_FOR_WORK=470 bash scripts/gpu_batch.sh
-# Streams, all started at once, each stopped at the deadline (one process's CUDA allocator never sees
-# another's, so running them together changes no byte measured):
-#   - 2 x scripts/shadow_check.py --device=cuda (random tiny configs, seeds printed; one stream at
-#     fp16, which the CPU draw lacks), every audited step kept with its whole trace (--keep);
-#   - 2 x scripts/compile_check.py --device=cuda (random compiled tiny configs, fp32/bf16 and fp16,
-#     every budget), each audited step kept with its whole trace and inductor's CUDA plan in its row;
-#   - tests/test_cuda.py and tests/test_nodynamo.py (the OOM test last and alone: it fills the GPU);
-#   - scripts/zoo_audit.py: random library-model loops (transformers, timm, torchvision, plain
-#     torch) audited, tiny ones kept with their traces; GRU, LSTM and U-Net loops at more shapes
-#     (kept); a few GPT-2-sized ones (rows only) and GPT-2-sized encoder ViTs (kept);
-#   - NCCL at world size 1: DDP with set_to_none True and False at 1 and 2 micro-steps, each twice
-#     (when DDP's old bucket is freed), and random draws (random_config's space, every strategy;
-#     seed printed), each rank's trace kept and `report --trace` on it;
-#   - scripts/gpu_probe.py 2: who imports torch._dynamo in a shadow step (tests/test_nodynamo.py);
+# Streams (STREAMS=name,name,... runs only those; unset: all but vittiny), all started at once, each
+# stopped at the deadline (one process's CUDA allocator never sees another's, so running them
+# together changes no byte measured):
+#   - shadow: 2 x scripts/shadow_check.py --device=cuda (random tiny configs, seeds printed; one
+#     stream at fp16, which the CPU draw lacks), every audited step kept with its whole trace (--keep);
+#   - compile: 2 x scripts/compile_check.py --device=cuda (random compiled tiny configs, fp32/bf16
+#     and fp16, every budget), each audited step kept with its whole trace and inductor's CUDA plan;
+#   - tests: tests/test_cuda.py and tests/test_nodynamo.py (the OOM test last and alone: it fills
+#     the GPU);
+#   - zoo, rnn, zoogpt2, vit, vittiny: scripts/zoo_audit.py: random library-model loops
+#     (transformers, timm, torchvision, plain torch) audited, tiny ones kept with their traces; GRU,
+#     LSTM and U-Net loops at more shapes (kept); GPT-2-sized ones (rows only); GPT-2-sized encoder
+#     ViTs (kept; VIT_GPT2_N of them); tiny encoder ViTs (kept; VIT_N);
+#   - ddp, draws: NCCL at world size 1: DDP with set_to_none True and False at 1 and 2 micro-steps,
+#     each twice (when DDP's old bucket is freed), and random draws (random_config's space, every
+#     strategy; seed printed), each rank's trace kept and `report --trace` on it;
+#   - reduce: scripts/gpu_reduce.py (REDUCE_ARGS: e.g. --strided --n=200);
+#   - gpt2c: GPT-2 small compiled, step 2 kept (GPT2C="name:flag,flag name:flag ...");
+#   - probe: scripts/gpu_probe.py 2: who imports torch._dynamo in a shadow step (tests/test_nodynamo.py);
 #   - SCALE=1: scripts/gpu_scale_audit.py (step 2 of benchmarks/scale_llama.py's 1.5B loop audited);
 #   - RESERVED=1: scripts/gpu_reserved.sh with TRACE=1 on GPT-2-sized rows as well.
-# Returns at most 8 files in $OUT: logs.tgz, keep-{a,d}.tgz, compile.tgz, zoo.tgz, vit.tgz, nccl.tgz
-# (scale.tgz, reserved.tgz).
+# Writes to $OUT: logs.tgz, keep-{a,d}.tgz, compile.tgz, gpt2c.tgz, zoo.tgz, vit.tgz, nccl.tgz (and
+# scale.tgz, reserved.tgz): 10 archives with SCALE=1 and RESERVED=1, 8 without.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OMP_NUM_THREADS=2
 OUT=${OUT:-/tmp/gpu_out}
@@ -29,8 +34,6 @@ DEVICE=${DEVICE:-cuda}   # DEVICE=cpu: a dry run of this script's plumbing on a 
 rm -rf "$W"; mkdir -p "$OUT" "$W"
 export DEADLINE=$(( $(date +%s) + ${SECONDS_FOR_WORK:-470} ))
 left() { local l=$(( DEADLINE - $(date +%s) )); if [ "$l" -gt 1 ]; then echo "$l"; else echo 1; fi; }
-# STREAMS=a,b,...: only those streams (names below: shadow compile tests zoo rnn zoogpt2 vit vittiny ddp draws
-# reduce gpt2c probe); unset: all but vittiny
 want() { if [ -z "${STREAMS:-}" ]; then [ "$1" != vittiny ]; else [[ ",$STREAMS," == *",$1,"* ]]; fi; }
 python3 setup.py -q build_ext --inplace > "$W/build.log" 2>&1 || echo "compiled core not built (pure Python path)" >> "$W/build.log"
 { python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
@@ -121,7 +124,8 @@ if [ "$DEVICE" = cuda ]; then
         for run in $GPT2C; do
             [ "$(left)" -gt 60 ] || break
             timeout "$(left)" python3 train.py --audit --compile=True --preset=gpt2 --batch_size=12 --attention=sdpa \
-                --audit_dir="$W/gpt2c" --run_name="${run%%:*}" $(echo "${run#*:}" | tr , ' ') < /dev/null 2>&1 \
+                --audit_dir="$W/gpt2c" --run_name="${run%%:*}" $([[ $run == *:* ]] && echo "${run#*:}" | tr , ' ') \
+                < /dev/null 2>&1 \
                 | grep -v USDT | tail -14
         done
     ) > "$W/gpt2c.log" 2>&1 &

@@ -41,7 +41,7 @@ def strided(shape, dtype, layout):
         return torch.randn(tuple(shape[:-1]) + (2 * shape[-1] + 1,), **kw)[..., 1::2]
     if layout == "permuted" and len(shape) == 3:
         return torch.randn(shape[1], shape[0], shape[2], **kw).transpose(0, 1)
-    return torch.randn(shape, **kw)
+    return torch.randn(shape, **kw)  # "permuted" of a 2-d shape too: the row says its strides
 
 
 def case(op, shape, dtype, layout="contiguous"):
@@ -54,6 +54,8 @@ def case(op, shape, dtype, layout="contiguous"):
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     start = max(i for i, e in enumerate(trace) if e["action"] == "alloc" and e["addr"] == addr)
     events = [[e["action"], e["size"]] for e in trace[start + 1:]]
+    if layout == "permuted" and len(shape) != 3:
+        layout = "contiguous"
     row = dict(op=op, shape=list(shape), dtype=dtype, layout=layout, strides=list(x.stride()),
                offset=x.storage_offset(), out_dtype=str(out.dtype).split(".")[-1],
                out_bytes=out.numel() * out.element_size(), events=events)
@@ -72,7 +74,7 @@ def grid():
 
 def draws(rng, n, layouts=("contiguous",)):
     for _ in range(n):
-        layout = rng.choice(layouts)
+        layout = rng.choice(layouts)  # (the draw's order as the committed seeds drew it)
         op = rng.choice(sorted(OPS))
         dtype = rng.choice(sorted(DTYPES))
         rows = int(2 ** rng.uniform(0, 17))
@@ -103,6 +105,7 @@ def main():
             row = case(op, shape, dtype, layout)
             row["drawn"] = i >= len(fixed)
             f.write(json.dumps(row) + "\n")
+            f.flush()  # a run stopped at its deadline keeps every row written
             extra = [e for e in row["events"] if e[0] == "alloc"]
             print(op, shape, dtype, layout, extra, flush=True)
 

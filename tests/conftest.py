@@ -1,5 +1,6 @@
 """Shared fixtures: tiny CPU audits made once per session, paths to committed examples."""
 
+import functools
 import json
 import os
 import shutil
@@ -62,11 +63,18 @@ def same_bf16_kernels(cpu):
     (an AMD EPYC's avx512_bf16 kernels and a Xeon's AMX ones make other scratch buffers: 11 of the
     70 bf16 rows of shadow-check-493858 differ, every fp32 row agrees). Records without
     "amx_bf16" were made on AMD EPYCs (Zen 4: no AMX)."""
-    from memory_audit.recording.recorder import cpu_info
-    here = cpu_info()
+    here = _this_cpu()
     cpu = cpu or {"model": "AMD EPYC", "onednn_bf16": True}
     amx = cpu.get("amx_bf16", False if cpu["model"].startswith("AMD") else None)
-    return cpu["onednn_bf16"] == here["onednn_bf16"] and (not here["onednn_bf16"] or amx == here["amx_bf16"])
+    same_vendor = cpu["model"].split()[:1] == here["model"].split()[:1]  # "AMD", "Intel(R)", ...
+    return cpu["onednn_bf16"] == here["onednn_bf16"] and (
+        not here["onednn_bf16"] or (same_vendor and amx == here["amx_bf16"]))
+
+
+@functools.lru_cache(maxsize=1)
+def _this_cpu():
+    from memory_audit.recording.recorder import cpu_info
+    return cpu_info()
 
 
 def native_bf16_matmul():

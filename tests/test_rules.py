@@ -121,3 +121,26 @@ def test_a_reduction_on_another_gpu_is_sized_by_its_sms_and_said_unmeasured():
         assert shadow_cuda.outside_sample(torch.ops.aten.sum.dim_IntList, (x, [0])).startswith(
             "a CUDA reduction's global buffer at sum of (16384, 3072) on 108 SMs x 2048 threads (measured: ")
     assert reduce.global_buffers([512, 768], [768, 1], 0, {0}, 4) == []  # within one block per output
+    with reduce.on_cores(None):  # a GPU the table does not know: sized as the H200, said unmeasured
+        assert shadow_cuda.kernel_events(torch.ops.aten.sum.dim_IntList, (x, [0]))[1][0] == ("alloc", 138412032)
+        assert "on a GPU of unknown SMs" in shadow_cuda.outside_sample(torch.ops.aten.sum.dim_IntList, (x, [0]))
+
+
+def test_a_reduction_the_probe_did_not_measure_is_said_so():
+    """Integer and fp64 inputs (an 8 B accumulator), kept dims out of the output's order, 0-d
+    inputs (nothing to split) and a dim given as an int."""
+    sum_dims, mean_all = torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.default
+    mask = torch.empty(16384, 3072, dtype=torch.bool, device="meta")
+    assert shadow_cuda.kernel_events(sum_dims, (mask, [0]))[1][0] == ("alloc", 8 * 3072 * 88 * 128)
+    assert shadow_cuda.outside_sample(sum_dims, (mask, [0])).startswith(
+        "a CUDA reduction's global buffer at sum of (16384, 3072), bool strides (3072, 1) on 132 SMs")
+    x = torch.empty(16384, 3072, device="meta")
+    assert shadow_cuda.kernel_events(sum_dims, (x, 0)) == shadow_cuda.kernel_events(sum_dims, (x, [0]))
+    assert shadow_cuda.outside_sample(sum_dims, (x, [0])) is None
+    scalar = torch.empty((), device="meta")
+    assert shadow_cuda.kernel_events(mean_all, (scalar,)) is None and shadow_cuda.outside_sample(mean_all, (scalar,)) is None
+    # kept dims 0 and 2 out of the output's order: TensorIterator (as read) splits nothing here,
+    # the input's order would; neither is measured, so it is said
+    swapped = torch.empty(16, 65536, 64, device="meta").permute(2, 1, 0)
+    assert shadow_cuda.kernel_events(sum_dims, (swapped, [1])) is None
+    assert "strides (1, 64, 4194304)" in shadow_cuda.outside_sample(sum_dims, (swapped, [1]))

@@ -140,7 +140,7 @@ def on_gpu(device, note=None):
     call takes that no GPU trace has measured."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_module(device["gpu"], device["total_memory"], device["capability"], device.get("cores")))
-        stack.enter_context(on_cores(device.get("cores")))
+        stack.enter_context(on_cores(device.get("cores", MEASURED_CORES)))
         stack.enter_context(patches.meta())
         stack.enter_context(optimizer_defaults())
         kernels = stack.enter_context(cuda.device_kernels(device["sdpa_backend"], note))

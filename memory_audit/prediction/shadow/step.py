@@ -29,7 +29,7 @@ from .names import held_names, lines, name_grads, naming, snapshot  # noqa: F401
 from .patches import cpu_rules, fsdp_on_gpu, meta, no_init, propagation_unseen, storage_resizes
 from .blocks import block_tags, module_labels
 from .tracker import Tracker, dispatch_mode
-from .rules.reduce import on_cores
+from .rules.reduce import MEASURED_CORES, on_cores
 from .error import ShadowError  # noqa: F401 (read as shadow.ShadowError)
 
 def _held(state, scaler):
@@ -95,7 +95,7 @@ def collector_paused():
 
 
 def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes=0, cache=True, blocks=False,
-        names=False, cores=None):
+        names=False, cores=MEASURED_CORES):
     """Shadow-run two steps of train.py's loop at `cfg` (train.py's keys, resolved) on fake
     tensors and return the second (see step_result). fake=False runs the same on real tensors (a
     check of the tracker itself). cache=False runs every meta kernel of a CUDA step and every
@@ -104,8 +104,8 @@ def run(cfg, device_type="cpu", fake=True, sdpa_backend="cudnn", workspace_bytes
     tags each allocation and event with its block and micro-step (result["blocks"],
     result["micro"], for shadow/repeat). names=True also names what the audited forward made as
     an audit does (result["saved"], read by lines(); it costs a graph walk, which fit and plan do
-    without). cores: the GPU's (SMs, threads per SM) its reductions are sized for (None: the
-    H100's and H200's; shadow/rules/reduce.py). Raises ShadowError (one line) if the step cannot run."""
+    without). cores: the GPU's (SMs, threads per SM) its reductions are sized for (None: not
+    known; shadow/rules/reduce.py). Raises ShadowError (one line) if the step cannot run."""
     tracker = Tracker()
     tracker.naming = names
     tracker.workspace_bytes = workspace_bytes if device_type == "cuda" else 0
@@ -321,7 +321,8 @@ def replayed(cfg, device, repeat=True, names=False):
         return {"steady_state": result["start_bytes"], "before_backward": at.get("step2_before_backward"),
                 "peak": result["peak"], "peak_event": levels.index(result["peak"]) - 1, "end": at["step2_end"],
                 "reserved": None, "result": result}
-    kw = dict(sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"], cores=device.get("cores"))
+    kw = dict(sdpa_backend=device["sdpa_backend"], workspace_bytes=device["workspace_bytes"],
+              cores=device.get("cores", MEASURED_CORES))
     key = repr((sorted(cfg.items()), sorted(kw.items()), repeat, names))
     result = _LAST.get(key)
     if result is None:
@@ -346,7 +347,7 @@ def step_levels(result):
     return levels
 
 
-def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0, cores=None):
+def repeated(cfg, sdpa_backend="cudnn", workspace_bytes=0, cores=MEASURED_CORES):
     """run(cfg, "cuda") built by shadow/repeat from shadow runs of 3 and 4 blocks (and, with
     many micro-steps, of 3 and 4 micro-steps at each depth), or None where the repeat rule does
     not hold for this config (then run it whole)."""

@@ -77,22 +77,22 @@ def efficient_attention_backward(args):
     """fp32 SDPA's backward (the random H200 audits, head size 16 and 32, T 16-256): after
     its outputs a buffer of q's size and an fp32 row buffer (B x heads x T), a second row buffer
     made and freed at once with several heads, then a workspace of
-    B x heads x ceil(T/64) x (64 x 64 fp32 + 16 B). Before all of them, where grad_out read as
-    (B, T, heads, head size) is not contiguous (nn.MultiheadAttention's, batch > 1), a contiguous
-    copy of it, freed as the kernel returns (zoo H200 traces: the GPT-2-sized encoder ViTs, head
-    size 64, T 196)."""
+    B x heads x ceil(T/64) x (64 x 64 fp32 + 16 B). Where grad_out read as (B, T, heads, head
+    size) is not contiguous (nn.MultiheadAttention's, batch > 1), a contiguous copy of it first,
+    before the outputs as ATen's source makes it (the trace cannot tell: it is the outputs' size),
+    freed as the kernel returns (zoo H200 traces: the GPT-2-sized encoder ViTs, head size 64, T 196)."""
     grad_out = args[0]  # grad_out, query, key, value, bias, out, logsumexp, ...
     B, nh, T, _ = args[1].shape
     row = 4 * B * nh * T
     copy = 0 if grad_out.transpose(1, 2).is_contiguous() else 1
-    after = [("alloc", grad_out.numel() * grad_out.element_size())] if copy else []
-    after += [("alloc", 4 * args[1].numel()), ("alloc", row)]  # allocs copy and copy + 1
+    before = [("alloc", grad_out.numel() * grad_out.element_size())] if copy else []
+    after = [("alloc", 4 * args[1].numel()), ("alloc", row)]  # allocs copy and copy + 1
     if nh > 1:
         after += [("alloc", row), ("free", copy + 2)]
     workspace = B * nh * -(-T // 64) * (64 * 64 * 4 + 16)
     last = copy + (3 if nh > 1 else 2)  # the workspace's place among the allocs
     after += [("free", copy), ("alloc", workspace), ("free", copy + 1), ("free", last)]
-    return [], after + ([("free", 0)] if copy else [])
+    return before, after + ([("free", 0)] if copy else [])
 
 
 @rule("cuda", EFFICIENT_ATTENTION_BACKWARD, "outside")
