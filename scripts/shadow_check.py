@@ -67,6 +67,9 @@ def shadow_compare(run, cfg=None):
            "predictor_from": report.get("predicted_from"),  # what train.py --audit's report read
            "cpu": load_meta(run)["device"].get("cpu"),  # which CPU measured it (None on CUDA)
            "steady_state_exact": sh["steady_state"] == report["totals"]["steady_state"]["actual"],
+           # memory_reserved() (CUDA: the allocator model's; None on CPU and in reports without it)
+           "reserved_exact": None if sh.get("reserved") is None or "reserved" not in report["totals"]
+           else sh["reserved"] == report["totals"]["reserved"]["actual"],
            # the ledger's lines (what predict names) against the audit's, every phase
            "lines": len(report["rows"]),
            "lines_off": [f"{r['phase']}:{r['key']} {r['predicted']} vs {r['actual']}" for r in mismatched(report["rows"], skip=())],
@@ -111,12 +114,15 @@ def kept_runs(dirs):
         d = "-" if row["shadow"] is None else f"{row['shadow'] - row['measured']:+,}"
         print(f"{os.path.basename(run.rstrip('/'))[:60]}  {label}  shadow {d}"
               + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
+              + ("  RESERVED OFF" if row.get("reserved_exact") is False else "")
               + (f"  {row['shadow_error']}" if "shadow_error" in row else "")
               + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
     ok = [r for r in rows if r["shadow"] is not None]
+    reserved = [r["reserved_exact"] for r in ok if r.get("reserved_exact") is not None]
     print(f"kept runs: shadow peak exact {sum(r['shadow'] == r['measured'] for r in ok)}/{len(rows)}, steady state "
           f"{sum(r['steady_state_exact'] for r in ok)}/{len(rows)}, step 2 event by event "
-          f"{sum(r['events_agree'] for r in ok)}/{len(rows)}")
+          f"{sum(r['events_agree'] for r in ok)}/{len(rows)}"
+          + (f", reserved {sum(reserved)}/{len(reserved)}" if reserved else ""))
     return rows
 
 
@@ -185,6 +191,7 @@ def main():
         d = lambda v: "-" if v is None else f"{v - row['measured']:+,}"  # noqa: E731
         print(f"{i}: measured {row['measured']:,}  shadow {d(row['shadow'])}  report {d(row['predictor'])}"
               + ("" if row.get("steady_state_exact", True) else "  STEADY STATE OFF")
+              + ("  RESERVED OFF" if row.get("reserved_exact") is False else "")
               + (f"  lines off {row['lines_off'][:4]}" if row.get("lines_off") else "")
               + (f"  shadow's lines off {row['shadow_lines_off'][:4]}" if row.get("shadow_lines_off") else "")
               + (f"  first divergence {row['first_divergence']}" if "first_divergence" in row else ""), flush=True)
