@@ -298,7 +298,7 @@ def test_rules_outside_their_measured_shapes_are_named():
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout)["totals"]["unmeasured_on_gpu"] == [
         "efficient attention's backward temporaries at head size 64, T 1024 (measured: head size 16 or 32, T up to "
-        "256 (fp32 SDPA, H200))",
+        "256 (fp32 SDPA, H200), or 64 at T 196 (the encoder ViTs))",
         "the embedding backward's sort storage at N 6144 over 50304 rows (measured: N = B x T of 4,096, 8,192, "
         "10,240 or 12,288 over 50,304 rows (H200))"]
 

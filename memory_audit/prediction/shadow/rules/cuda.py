@@ -41,7 +41,7 @@ EMBEDDING_SORT = "the embedding backward's sort storage"
 CUDNN_BUFFERS = "cuDNN attention's buffers"
 CUMULATIVE_CAST = "a cumulative op's cast of its input"
 SAMPLES = {
-    EFFICIENT_BACKWARD: "head size 16 or 32, T up to 256 (fp32 SDPA, H200)",
+    EFFICIENT_BACKWARD: "head size 16 or 32, T up to 256 (fp32 SDPA, H200), or 64 at T 196 (the encoder ViTs)",
     EMBEDDING_SORT: "N = B x T of 4,096, 8,192, 10,240 or 12,288 over 50,304 rows (H200)",
     CUDNN_BUFFERS: "head size 16 or 32 with T up to 256, or 64 at T 1,024 (H100, H200)",
     CUMULATIVE_CAST: "cumsum of a bool mask to int64 (H100, zoo seed 408334)",
@@ -74,7 +74,8 @@ def embedding_index_copy(args):
 
 @rule("cuda", EFFICIENT_ATTENTION_BACKWARD, "events")
 def efficient_attention_backward(args):
-    """fp32 SDPA's backward (the random H200 audits, head size 16 and 32, T 16-256): after
+    """fp32 SDPA's backward (the random H200 audits, head size 16 and 32, T 16-256; the zoo H200
+    traces' GPT-2-sized encoder ViTs, head size 64 at T 196, batch 6 to 8): after
     its outputs a buffer of q's size and an fp32 row buffer (B x heads x T), a second row buffer
     made and freed at once with several heads, then a workspace of
     B x heads x ceil(T/64) x (64 x 64 fp32 + 16 B). Where grad_out read as (B, T, heads, head
@@ -98,7 +99,8 @@ def efficient_attention_backward(args):
 @rule("cuda", EFFICIENT_ATTENTION_BACKWARD, "outside")
 def efficient_attention_backward_sample(args):
     _, _, T, head = args[1].shape
-    return (EFFICIENT_BACKWARD, f"head size {head}, T {T}") if head not in (16, 32) or T > 256 else None
+    measured = (head in (16, 32) and T <= 256) or (head, T) == (64, 196)
+    return None if measured else (EFFICIENT_BACKWARD, f"head size {head}, T {T}")
 
 
 @rule("cuda", EMBEDDING_BACKWARD, "events")
