@@ -1,5 +1,6 @@
 """Shared fixtures: tiny CPU audits made once per session, paths to committed examples."""
 
+import functools
 import json
 import os
 import shutil
@@ -57,10 +58,23 @@ def pytest_sessionstart(session):
 
 def same_bf16_kernels(cpu):
     """Whether a bf16 row measured on `cpu` (its recorder.cpu_info record; None for the files
-    measured before rows carried one, on an AMD EPYC) is asked of the same bf16 kernels here
-    (shadow/probe.same_bf16_kernels, which `predict` and `report` ask too)."""
-    from memory_audit.prediction.shadow.probe import same_bf16_kernels as same
-    return same(cpu or {"model": "AMD EPYC", "onednn_bf16": True})
+    measured before rows carried one, on an AMD EPYC) is asked of the same bf16 kernels here: both
+    CPUs run bf16 matmuls through oneDNN or neither does, and both have AMX's bf16 tiles or neither
+    (an AMD EPYC's avx512_bf16 kernels and a Xeon's AMX ones make other scratch buffers: 11 of the
+    70 bf16 rows of shadow-check-493858 differ, every fp32 row agrees). Records without
+    "amx_bf16" were made on AMD EPYCs (Zen 4: no AMX)."""
+    here = _this_cpu()
+    cpu = cpu or {"model": "AMD EPYC", "onednn_bf16": True}
+    amx = cpu.get("amx_bf16", False if cpu["model"].startswith("AMD") else None)
+    same_vendor = cpu["model"].split()[:1] == here["model"].split()[:1]  # "AMD", "Intel(R)", ...
+    return cpu["onednn_bf16"] == here["onednn_bf16"] and (
+        not here["onednn_bf16"] or (same_vendor and amx == here["amx_bf16"]))
+
+
+@functools.lru_cache(maxsize=1)
+def _this_cpu():
+    from memory_audit.recording.recorder import cpu_info
+    return cpu_info()
 
 
 def native_bf16_matmul():

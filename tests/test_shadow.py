@@ -197,20 +197,3 @@ def test_report_trace_names_the_first_event_where_the_step_and_the_shadow_part(t
     assert measured[:3] == ("alloc", "aten::resize_", 2 * threads * 64 * 4)
     assert predicted[0] == "alloc" and predicted[1].endswith("native_layer_norm_backward/buffer")
     assert predicted[2] == 2 * (threads + 1) * 64 * 4
-
-
-def test_a_bf16_audit_from_a_cpu_with_other_bf16_kernels_is_refused_in_one_line():
-    """A bf16 step is predicted by asking this CPU's kernels (shadow/probe): an audit whose CPU
-    ran other bf16 matmul kernels (another vendor's oneDNN, AMX on one side only) is refused with
-    one line instead of answered with this CPU's buffers; this CPU's own record is asked."""
-    from memory_audit.prediction.shadow.probe import on_cpu, same_bf16_kernels
-    from memory_audit.recording.recorder import cpu_info
-    here = cpu_info()
-    assert same_bf16_kernels(here)
-    other = dict(here, model="Another Vendor CPU", onednn_bf16=True)
-    assert not same_bf16_kernels(other)
-    with pytest.raises(ValueError, match="cannot be asked of them"):
-        with on_cpu(other, "bfloat16"):
-            pass
-    with on_cpu(other, "float32"), on_cpu(here, "bfloat16"):  # fp32 asks no bf16 kernel
-        pass

@@ -21,7 +21,6 @@ Plain Python until called: torch is imported inside the functions.
 """
 
 import contextlib
-import functools
 
 PROBED = frozenset((
     "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward",  # LSTM layers: the workspace, weight reorders, scratch
@@ -103,10 +102,9 @@ def on_cpu(facts, dtype):
         return
     import torch
     plain = dtype == "bfloat16" and not facts.get("onednn_bf16", False)
-    if dtype == "bfloat16" and not plain and not same_bf16_kernels(facts):
-        raise ValueError(f"this bf16 step ran its matmuls through oneDNN's kernels on a {facts.get('model', 'CPU')}; "
-                         "this CPU's bf16 kernels are other ones (no oneDNN bf16, or AMX's tiles on one side only), "
-                         "so their buffers cannot be asked of them: predict it on a CPU of the audit's kind")
+    if dtype == "bfloat16" and not plain and not native(torch.bfloat16):
+        raise ValueError("this bf16 step ran its matmuls through oneDNN (the audit's CPU); this CPU's do not, so "
+                         "their buffers cannot be asked of its kernels: predict it on a CPU with oneDNN bf16")
     threads = torch.get_num_threads()
     torch.set_num_threads(facts.get("threads") or threads)
     try:
@@ -114,27 +112,6 @@ def on_cpu(facts, dtype):
             yield
     finally:
         torch.set_num_threads(threads)
-
-
-def same_bf16_kernels(facts):
-    """Whether a bf16 step measured on the CPU of `facts` (recorder.cpu_info's record) ran the bf16
-    matmul kernels this CPU runs: through oneDNN on both or on neither, and, through oneDNN, on
-    the same vendor's CPU with AMX's bf16 tiles on both or on neither (an AMD EPYC's avx512_bf16
-    kernels and a Xeon's AMX ones make other scratch buffers: 11 of shadow-check-493858's 70 bf16
-    rows differ on a Xeon with AMX). Records made before cpu_info read the AMX flag are AMD
-    EPYCs' (Zen 4: no AMX)."""
-    here = _this_cpu()
-    if bool(facts.get("onednn_bf16")) != here["onednn_bf16"]:
-        return False
-    model = facts.get("model") or ""
-    amx = facts.get("amx_bf16", False if model.startswith("AMD") else None)
-    return not here["onednn_bf16"] or (model.split()[:1] == here["model"].split()[:1] and amx == here["amx_bf16"])
-
-
-@functools.lru_cache(maxsize=1)
-def _this_cpu():
-    from ...recording.recorder import cpu_info  # this CPU's record, as an audit here writes it
-    return cpu_info()
 
 
 def wanted(name, args, ruled=False):
